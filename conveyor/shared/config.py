@@ -1,0 +1,124 @@
+"""Configuration: one frozen dataclass per role.
+
+`EngineConfig` holds what the user chose (vLLM's argument names); `ModelConfig` holds what the
+model files say. Neither does I/O when built; bad values raise ValueError naming the argument.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None                 # HF folder or .gguf file; None: the default model
+    tokenizer: str | None = None             # defaults to the model's own
+    device: str = "cpu"                      # "cpu" | "cuda"
+    dtype: str = "auto"                      # "auto" (float32 on CPU, bfloat16 on GPU) | float32 | float16 | bfloat16
+    seed: int = 0
+    max_model_len: int | None = None         # defaults to the model's context length
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int = 1 << 30     # KV pool budget on CPU
+    num_kv_blocks: int | None = None         # overrides the sizing (tests use tiny pools)
+    tensor_parallel_size: int = 1
+    quantization: str | None = None
+    enforce_eager: bool = False
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, name: str, rule: str) -> None:
+            if not ok:
+                raise ValueError(f"{name} {rule}, got {getattr(self, name)!r}")
+        check(self.device in ("cpu", "cuda"), "device", "must be 'cpu' or 'cuda'")
+        check(self.dtype in ("auto", "float32", "float16", "bfloat16"), "dtype",
+              "must be auto, float32, float16 or bfloat16")
+        check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256), "block_size",
+              "must be a power of two up to 256")
+        check(self.max_num_seqs >= 1, "max_num_seqs", "must be at least 1")
+        check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be at least 1")
+        check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len",
+              "must be at least 1")
+        check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "must be in (0, 1]")
+        check(self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes", "must be positive")
+        check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks",
+              "must be at least 1")
+        check(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be at least 1")
+        check(self.quantization is None, "quantization", "is not supported yet (only None)")
+
+    @property
+    def torch_dtype_name(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "float32" if self.device == "cpu" else "bfloat16"
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown engine argument(s): {', '.join(unknown)}")
+        return cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture, in Hugging Face config.json terms (GGUF metadata is mapped onto it)."""
+    architecture: str                        # e.g. "LlamaForCausalLM"
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False             # bias on q/k/v projections (Qwen2)
+    qk_norm: bool = False                    # RMSNorm on q and k per head (Qwen3)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
+        archs = cfg.get("architectures") or ["LlamaForCausalLM"]
+        arch = archs[0]
+        heads = cfg["num_attention_heads"]
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        rope_scaling = cfg.get("rope_scaling") or None
+        rope_theta = cfg.get("rope_theta")
+        rope_params = cfg.get("rope_parameters")   # transformers >= 5 folds theta and scaling here
+        if isinstance(rope_params, dict):
+            rope_theta = rope_theta or rope_params.get("rope_theta")
+            if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
+                rope_scaling = dict(rope_params)
+        return cls(
+            architecture=arch,
+            hidden_size=cfg["hidden_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            intermediate_size=cfg["intermediate_size"],
+            vocab_size=cfg["vocab_size"],
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta or 10000.0),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", arch.startswith("Qwen2"))),
+            qk_norm=arch.startswith("Qwen3"),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )

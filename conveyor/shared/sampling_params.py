@@ -1,0 +1,69 @@
+"""Sampling parameters of one request, shared by every process.
+
+A msgspec Struct so it travels on the wire as it is. Bad values raise ValueError naming the field,
+both when a user builds one and when one is decoded from a socket.
+"""
+from __future__ import annotations
+
+import msgspec
+
+
+class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
+    n: int = 1
+    temperature: float = 1.0                 # 0 means greedy
+    top_p: float = 1.0                       # in (0, 1]
+    top_k: int = 0                           # 0 or -1: disabled
+    min_p: float = 0.0                       # in [0, 1]
+    presence_penalty: float = 0.0            # in [-2, 2]
+    frequency_penalty: float = 0.0           # in [-2, 2]
+    repetition_penalty: float = 1.0          # > 0; 1 is off
+    seed: int | None = None
+    max_tokens: int | None = 16              # None: up to the model's context length
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None              # top-k logprobs per generated token (0: sampled only)
+    prompt_logprobs: int | None = None       # top-k logprobs per prompt token
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.top_k == -1:
+            self.top_k = 0
+        _check(self.n >= 1, "n", "must be at least 1", self.n)
+        _check(self.temperature >= 0, "temperature", "must be non-negative", self.temperature)
+        _check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
+        _check(self.top_k >= 0, "top_k", "must be 0 or -1 (disabled) or a positive integer", self.top_k)
+        _check(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]", self.min_p)
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check(-2 <= getattr(self, name) <= 2, name, "must be in [-2, 2]", getattr(self, name))
+        _check(self.repetition_penalty > 0, "repetition_penalty", "must be positive",
+               self.repetition_penalty)
+        _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be at least 1",
+               self.max_tokens)
+        _check(self.min_tokens >= 0, "min_tokens", "must be non-negative", self.min_tokens)
+        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+               "must not exceed max_tokens", self.min_tokens)
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop",
+               "must be non-empty strings", self.stop)
+        _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+               "must be non-negative token ids", self.stop_token_ids)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or 0 <= value <= MAX_LOGPROBS, name,
+                   f"must be between 0 and {MAX_LOGPROBS}", value)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+MAX_LOGPROBS = 20
+
+
+def _check(ok: bool, field: str, rule: str, value) -> None:
+    if not ok:
+        raise ValueError(f"{field} {rule}, got {value!r}")
