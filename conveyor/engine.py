@@ -1,0 +1,49 @@
+"""The engine core in one process: the scheduler and a model runner joined by a channel.
+
+The channel carries the same encoded messages as the ZeroMQ transport between processes, so the
+in-process engine (the offline API, tests) speaks exactly the multi-process protocol.
+"""
+from __future__ import annotations
+
+from conveyor.scheduler.scheduler import Scheduler
+from conveyor.shared.config import EngineConfig, ModelConfig
+from conveyor.shared.messages import (AddRequest, StepPlan, StepResult, TokenOutput, decode,
+                                      encode)
+from conveyor.shared.model_files import ModelFiles, read_model_config, resolve_model
+
+
+def max_model_len(config: EngineConfig, model: ModelConfig) -> int:
+    limit = model.max_position_embeddings
+    if config.max_model_len is not None and config.max_model_len > limit:
+        raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context "
+                         f"length {limit}")
+    return config.max_model_len or limit
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, files: ModelFiles | None = None):
+        from conveyor.worker.model_runner import ModelRunner
+
+        self.config = config
+        self.files = files or resolve_model(config.model)
+        self.model_config = read_model_config(self.files)
+        self.max_model_len = max_model_len(config, self.model_config)
+        self.runner = ModelRunner(config, self.model_config, self.files)
+        self.scheduler = Scheduler(config, self.runner.num_blocks, self.model_config.eos_token_ids,
+                                   self.max_model_len)
+
+    def add(self, msg: AddRequest) -> list[TokenOutput]:
+        return self.scheduler.add(decode(encode(msg), (AddRequest,)))
+
+    def abort(self, ids: list[str], reason: str = "abort") -> list[TokenOutput]:
+        return self.scheduler.abort(ids, reason)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[TokenOutput]:
+        plan = self.scheduler.schedule()
+        if plan is None:
+            return []
+        result = self.runner.execute(decode(encode(plan), (StepPlan,)))
+        return self.scheduler.update(decode(encode(result), (StepResult,)))

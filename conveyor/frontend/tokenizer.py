@@ -1,0 +1,43 @@
+"""Load a model's tokenizer and chat template (Hugging Face tokenizers underneath).
+
+For a GGUF model the tokenizer is built from the file's own vocabulary by transformers once
+(seconds), then kept as tokenizer.json under ~/.cache/conveyor/tokenizers (a third of a second).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from conveyor.shared.model_files import ModelFiles, cache_dir
+
+
+def load_tokenizer(files: ModelFiles, tokenizer: str | None = None):
+    from transformers import AutoTokenizer
+
+    if tokenizer is not None:
+        return AutoTokenizer.from_pretrained(tokenizer)
+    if not files.is_gguf:
+        return AutoTokenizer.from_pretrained(files.path)
+    cached = cache_dir() / "tokenizers" / f"{files.path.stem}-{files.path.stat().st_size}"
+    if not (cached / "tokenizer_config.json").is_file():
+        tok = AutoTokenizer.from_pretrained(files.path.parent, gguf_file=files.path.name)
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=cached.parent))
+        tok.save_pretrained(tmp)
+        try:
+            os.rename(tmp, cached)            # atomic: a concurrent loader sees all or nothing
+        except OSError:                       # another process won the race
+            shutil.rmtree(tmp, ignore_errors=True)
+    return AutoTokenizer.from_pretrained(cached)
+
+
+def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                        **kwargs) -> list[int]:
+    if not tokenizer.chat_template:
+        raise ValueError("this model's tokenizer has no chat template; use generate() with a "
+                         "plain prompt instead")
+    text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt, **kwargs)
+    return tokenizer.encode(text, add_special_tokens=False)

@@ -1,0 +1,148 @@
+"""The offline API: `LLM(...).generate(prompts, params)` and `.chat(messages, params)`.
+
+Runs the engine in this process (scheduler and model runner over an in-process channel) and
+returns one RequestOutput per prompt, in order, as vLLM's LLM does.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from conveyor.engine import EngineCore
+from conveyor.frontend.tokenizer import apply_chat_template, load_tokenizer
+from conveyor.frontend.tracker import RequestTracker
+from conveyor.outputs import RequestOutput
+from conveyor.shared.config import EngineConfig
+from conveyor.shared.sampling_params import SamplingParams
+
+Prompt = str | list[int] | dict[str, Any]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, tokenizer: str | None = None, **engine_args):
+        self.config = EngineConfig.from_kwargs(model=model, tokenizer=tokenizer, **engine_args)
+        self.engine = EngineCore(self.config)
+        self.tokenizer = load_tokenizer(self.engine.files, tokenizer)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        prompts = _as_list(prompts)
+        params = _params_per_prompt(sampling_params, len(prompts))
+        tracker = RequestTracker(self.tokenizer)
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                text, token_ids = self._tokenize(prompt)
+                ids.append(self._add(tracker, text, token_ids, p))
+            self._run(tracker, len(ids) if use_tqdm else 0)
+        except BaseException:
+            self.engine.abort([s for r in tracker.requests.values() for s in _seq_ids(r)])
+            raise
+        return [tracker.pop(i) for i in ids]
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [apply_chat_template(self.tokenizer, conv, add_generation_prompt,
+                                       **(chat_template_kwargs or {})) for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None
+               ) -> Iterator[str]:
+        """Yield the text of one completion as it is generated (used by `conveyor chat`)."""
+        tracker = RequestTracker(self.tokenizer)
+        text, token_ids = self._tokenize(prompt)
+        rid = self._add(tracker, text, token_ids, sampling_params or SamplingParams())
+        try:
+            while not tracker.requests[rid].output.finished:
+                self._step(tracker)
+                delta = tracker.stream_delta(rid, 0)
+                if delta:
+                    yield delta
+            tail = tracker.stream_delta(rid, 0)
+            if tail:
+                yield tail
+        finally:
+            if not tracker.requests[rid].output.finished:
+                self.engine.abort(_seq_ids(tracker.requests[rid]))
+            tracker.pop(rid)
+
+    # --- internals ----------------------------------------------------------------------------
+
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            return self._tokenize(prompt["prompt"])
+        return None, list(prompt)
+
+    def _add(self, tracker: RequestTracker, text, token_ids, params: SamplingParams) -> str:
+        vocab = self.engine.model_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
+        rid = str(next(self._ids))
+        for msg in tracker.add(rid, text, token_ids, params, arrival=time.time()):
+            tracker.process(self.engine.add(msg))
+        return rid
+
+    def _step(self, tracker: RequestTracker) -> list[str]:
+        updated, stopped = tracker.process(self.engine.step())
+        if stopped:
+            tracker.process(self.engine.abort(stopped, "stop"))
+        return updated
+
+    def _run(self, tracker: RequestTracker, total: int) -> None:
+        bar = None
+        if total > 1:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)
+        done = 0
+        try:
+            while not all(r.output.finished for r in tracker.requests.values()):
+                if not self.engine.has_work():
+                    raise RuntimeError("the engine went idle with requests unfinished")
+                self._step(tracker)
+                if bar is not None:
+                    now_done = sum(r.output.finished for r in tracker.requests.values())
+                    bar.update(now_done - done)
+                    done = now_done
+        finally:
+            if bar is not None:
+                bar.close()
+
+
+def _seq_ids(req) -> list[str]:
+    rid = req.output.request_id
+    return [f"{rid}/{i}" for i in range(len(req.seqs))]
+
+
+def _as_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and isinstance(prompts[0], int):     # one prompt given as token ids
+        return [prompts]
+    return prompts
+
+
+def _params_per_prompt(params, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+    return params

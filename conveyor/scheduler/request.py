@@ -1,0 +1,71 @@
+"""Scheduler-side state of one request: its tokens, progress, blocks and worker slot.
+
+Built from an `AddRequest`; mutated only by the scheduler and its block manager. Token ids are
+append-only: the prompt, then every sampled token.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from conveyor.shared.messages import AddRequest, RequestStats
+from conveyor.shared.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"                      # queued, or preempted; holds no blocks and no slot
+    RUNNING = "running"                      # holds blocks and a worker slot
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    id: str
+    token_ids: list[int]                     # prompt + output so far
+    prompt_len: int
+    sampling: SamplingParams
+    priority: int = 0
+    deadline: float | None = None
+    arrival: float = 0.0
+    arrival_index: int = 0                   # order of `add` calls, breaks ties between arrivals
+    status: RequestStatus = RequestStatus.WAITING
+    # NOTE: the first num_computed_tokens tokens have their KV in the blocks of block_table.
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)   # of its full blocks, by content
+    num_cached_blocks: int = 0               # leading blocks already offered to the prefix cache
+    slot: int | None = None
+    stats: RequestStats = field(default_factory=RequestStats)
+    num_prompt_logprobs_sent: int = 0        # prompt positions 1.. delivered to the frontend
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @classmethod
+    def from_message(cls, msg: AddRequest, arrival_index: int = 0) -> Request:
+        return cls(
+            id=msg.id, token_ids=list(msg.token_ids), prompt_len=len(msg.token_ids),
+            sampling=msg.sampling, priority=msg.priority, deadline=msg.deadline,
+            arrival=msg.arrival, arrival_index=arrival_index,
+            stats=RequestStats(arrival=msg.arrival),
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.prompt_len]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def num_remaining_tokens(self) -> int:
+        """Known tokens whose KV is not computed yet (1 for a request in decode)."""
+        return len(self.token_ids) - self.num_computed_tokens

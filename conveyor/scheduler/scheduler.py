@@ -1,0 +1,293 @@
+"""Step planning: continuous batching of prefill chunks and decodes under a token budget.
+
+The scheduler owns every live request. `schedule()` plans the next step (running requests first,
+then waiting ones in policy order, preempting by recompute when blocks run out); `update()` applies
+the worker's result and says what the frontends should see. A worker applies a `StepPlan` in this
+order: release the `freed` slots, install the `new` sequences, run `seqs`.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+
+from conveyor.scheduler import prompt_logprobs
+from conveyor.scheduler.block_manager import BlockManager, IntegrityError
+from conveyor.scheduler.policy import FCFSPolicy, Policy
+from conveyor.scheduler.request import Request, RequestStatus
+from conveyor.scheduler.slots import SlotPool
+from conveyor.scheduler.stop import check_stop
+from conveyor.shared.config import EngineConfig
+from conveyor.shared.messages import (
+    AddRequest,
+    NewSeq,
+    SeqStep,
+    Stats,
+    StepPlan,
+    StepResult,
+    TokenOutput,
+)
+
+# NOTE: a waiting request is admitted only if this share of the pool stays free afterwards (unless
+# nothing is running), so admitting it does not at once preempt the running decodes.
+WATERMARK = 0.01
+
+WAITING, RUNNING, FINISHED = RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.FINISHED
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, num_blocks: int, eos_token_ids: tuple[int, ...],
+                 max_model_len: int, policy: Policy | None = None) -> None:
+        if max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {max_model_len}")
+        self.config = config
+        self.policy = policy or FCFSPolicy()
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
+        # NOTE: no request outgrows the pool: it ends with "length" where the pool would overflow.
+        self.max_len = min(max_model_len, num_blocks * config.block_size)
+        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self._watermark = int(WATERMARK * num_blocks)
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.slots = SlotPool(config.max_num_seqs)
+        self._in_flight: list[tuple[Request, SeqStep]] | None = None
+        self._step = 0
+        self._arrivals = itertools.count()
+        self.num_preemptions = 0
+        self._integrity_ok = True
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, msg: AddRequest) -> list[TokenOutput]:
+        """Queue a request; one that can never run ends at once with finish_reason "error"."""
+        error = self._reject_reason(msg)
+        if error is not None:
+            return [TokenOutput(msg.id, [], finish_reason="error", error=error)]
+        req = Request.from_message(msg, next(self._arrivals))
+        self.requests[req.id] = req
+        self.waiting.append(req)
+        return []
+
+    def abort(self, ids: list[str], reason: str = "abort") -> list[TokenOutput]:
+        """End requests early ("stop" for a stop string the frontend matched); unknown ids are
+        ignored, so a request ends exactly once."""
+        outputs = []
+        for rid in ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            req.finish_reason = "stop" if reason == "stop" else "abort"
+            (self.running if req.status is RUNNING else self.waiting).remove(req)
+            self._release(req)
+            outputs.append(TokenOutput(req.id, [], finish_reason=req.finish_reason,
+                                       stats=req.stats))
+        return outputs
+
+    def schedule(self) -> StepPlan | None:
+        """Plan the next step, or None when nothing can run."""
+        if self._in_flight is not None:
+            raise RuntimeError("schedule() called again before update() of the last plan")
+        budget = self.config.max_num_batched_tokens
+        batch: list[tuple[Request, int, list[int]]] = []   # (request, end, new block ids)
+        budget, preempted = self._schedule_running(batch, budget)
+        new: list[NewSeq] = []
+        # NOTE: after a preemption nothing new is admitted this step, lest it is preempted next.
+        if not preempted or not batch:
+            self._admit_waiting(batch, new, budget)
+        if not batch:
+            return None
+        # NOTE: single-token steps (decodes) come first: workers rely on this order.
+        planned = [(req, self._seq_step(req, end, blocks)) for req, end, blocks in batch]
+        planned.sort(key=lambda p: p[1].num_tokens > 1)
+        self._step += 1
+        self._in_flight = planned
+        return StepPlan(self._step, new, [s for _, s in planned], self.slots.take_released())
+
+    def update(self, result: StepResult) -> list[TokenOutput]:
+        """Apply the worker's result of the last plan; returns one output per request that got
+        tokens, prompt logprobs or finished."""
+        planned, self._in_flight = self._in_flight, None
+        if planned is None or result.step != self._step:
+            raise ValueError(f"result for step {result.step} does not match the plan in flight")
+        if len(result.sampled) != sum(s.sample for _, s in planned):
+            raise ValueError(f"step {result.step}: {len(result.sampled)} sampled tokens for "
+                             f"{sum(s.sample for _, s in planned)} sampling sequences")
+        samples = iter(zip(result.sampled, result.logprobs))
+        prompt_entries = dict(result.prompt_logprobs)
+        outputs = []
+        for req, step in planned:
+            sample = next(samples) if step.sample else None
+            if req.status is not RUNNING:            # aborted while the step ran
+                continue
+            req.num_computed_tokens += step.num_tokens
+            self.blocks.cache_full_blocks(req)
+            out = TokenOutput(req.id, [])
+            if step.prompt_logprobs_from >= 0:
+                out.prompt_logprobs = prompt_logprobs.take_new(
+                    req, step.prompt_logprobs_from, prompt_entries.get(step.slot, [])) or None
+            if sample is not None:
+                self._add_token(req, *sample, out)
+            if out.new_token_ids or out.prompt_logprobs or out.finish_reason:
+                outputs.append(out)
+        if any(req.status is FINISHED for req, _ in planned):
+            self.running = [r for r in self.running if r.status is RUNNING]
+        return outputs
+
+    def stats(self) -> Stats:
+        """Counters for metrics; integrity_ok is the outcome of the last check_integrity()."""
+        return Stats(
+            num_running=len(self.running), num_waiting=len(self.waiting),
+            num_free_blocks=self.blocks.num_free_blocks, num_total_blocks=self.blocks.num_blocks,
+            num_cached_blocks=self.blocks.num_cached_blocks,
+            prefix_cache_queries=self.blocks.prefix_cache_queries,
+            prefix_cache_hits=self.blocks.prefix_cache_hits,
+            num_preemptions=self.num_preemptions, integrity_ok=self._integrity_ok,
+        )
+
+    def check_integrity(self) -> None:
+        """Raise IntegrityError if any block or request bookkeeping is inconsistent."""
+        try:
+            self.blocks.check_integrity(r.block_table for r in self.running)
+            self._check_requests()
+        except IntegrityError:
+            self._integrity_ok = False
+            raise
+        self._integrity_ok = True
+
+    # --- planning ---------------------------------------------------------------------------
+
+    def _schedule_running(self, batch: list, budget: int) -> tuple[int, bool]:
+        preempted = False
+        scheduled: set[str] = set()
+        # NOTE: decodes get the budget first without sorting: a request is admitted only with
+        # budget left after every running one got its whole remainder, so only the last running
+        # request can be part-way through its prefill.
+        for req in list(self.running):
+            if budget == 0:
+                break
+            if req.status is not RUNNING:            # preempted for an earlier one
+                continue
+            num = min(req.num_remaining_tokens, budget)
+            while not self.blocks.can_allocate(req, num):
+                victim = self.policy.pick_victim(
+                    [r for r in self.running if r.id not in scheduled])
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            if req.status is RUNNING:
+                batch.append((req, req.num_computed_tokens + num, self.blocks.allocate(req, num)))
+                scheduled.add(req.id)
+                budget -= num
+        return budget, preempted
+
+    def _admit_waiting(self, batch: list, new: list[NewSeq], budget: int) -> None:
+        admitted = False
+        for req in self.policy.order_waiting(self.waiting):
+            if budget == 0 or not self.slots.num_free:
+                break
+            use_cache = req.sampling.prompt_logprobs is None   # every position must be computed
+            prefix = self.blocks.lookup(req) if use_cache else []
+            num = min(req.num_tokens - len(prefix) * self.blocks.block_size, budget)
+            reserve = self._watermark if self.running else 0
+            if not self.blocks.can_allocate(req, num, prefix, reserve):
+                break
+            num_cached = self.blocks.allocate_prefix(req, prefix)
+            self.blocks.allocate(req, num)
+            req.status, req.slot = RUNNING, self.slots.allocate()
+            if not req.stats.first_scheduled:
+                req.stats.first_scheduled = time.time()
+                req.stats.num_cached_tokens = num_cached
+            self.running.append(req)
+            new.append(NewSeq(req.slot, list(req.token_ids), req.prompt_len, req.sampling,
+                              list(req.block_table), num_cached))
+            batch.append((req, num_cached + num, []))
+            budget -= num
+            admitted = True
+        if admitted:
+            self.waiting = [r for r in self.waiting if r.status is WAITING]
+
+    def _seq_step(self, req: Request, end: int, new_block_ids: list[int]) -> SeqStep:
+        """The step computing tokens [num_computed_tokens, end) of `req`."""
+        start = req.num_computed_tokens
+        return SeqStep(req.slot, end - start, new_block_ids, end == req.num_tokens,
+                       prompt_logprobs.first_position(req, start, end))
+
+    def _preempt(self, req: Request) -> None:
+        """Free the blocks and slot of a running request; it is recomputed once readmitted."""
+        self.running.remove(req)
+        self.blocks.free(req)
+        self._release_slot(req)
+        req.status = WAITING
+        req.stats.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.append(req)
+
+    # --- results ----------------------------------------------------------------------------
+
+    def _add_token(self, req: Request, token: int, logprobs, out: TokenOutput) -> None:
+        req.token_ids.append(token)
+        out.new_token_ids.append(token)
+        if req.sampling.logprobs is not None and logprobs is not None:
+            out.logprobs = [logprobs]
+        if req.num_output_tokens == 1:
+            req.stats.first_token = time.time()
+            out.stats = req.stats
+        if check_stop(req, self.eos_token_ids, self.max_len):
+            self._release(req)
+            out.finish_reason, out.stop_reason, out.stats = (
+                req.finish_reason, req.stop_reason, req.stats)
+
+    def _release(self, req: Request) -> None:
+        """Free what a finished request holds; the caller takes it out of its queue."""
+        self.blocks.free(req)
+        self._release_slot(req)
+        req.status = FINISHED
+        del self.requests[req.id]
+
+    def _release_slot(self, req: Request) -> None:
+        if req.slot is not None:
+            self.slots.release(req.slot)
+            req.slot = None
+
+    # --- checks -----------------------------------------------------------------------------
+
+    def _reject_reason(self, msg: AddRequest) -> str | None:
+        n = len(msg.token_ids)
+        if msg.id in self.requests:
+            return f"request id {msg.id!r} is already in use"
+        if n == 0:
+            return "the prompt is empty"
+        if any(t < 0 for t in msg.token_ids):
+            return "the prompt has negative token ids"
+        if n >= self.max_model_len:
+            return (f"the prompt has {n} tokens, but the model's context length is "
+                    f"{self.max_model_len} (prompt plus at least one generated token)")
+        if n >= self.max_len:
+            return (f"the prompt has {n} tokens, but the KV cache holds only {self.max_len} "
+                    f"tokens ({self.blocks.num_blocks} blocks of {self.blocks.block_size})")
+        return None
+
+    def _check_requests(self) -> None:
+        running, waiting = {r.id for r in self.running}, {r.id for r in self.waiting}
+        if (len(running) != len(self.running) or len(waiting) != len(self.waiting)
+                or running & waiting or running | waiting != self.requests.keys()):
+            raise IntegrityError("waiting and running queues do not partition the request table")
+        self.slots.check_integrity([r.slot for r in self.running])
+        for r in self.running:
+            if (r.status is not RUNNING or r.num_computed_tokens >= r.num_tokens
+                    or len(r.block_table) * self.blocks.block_size < r.num_computed_tokens):
+                raise IntegrityError(f"running request {r.id} is in a bad state")
+        for r in self.waiting:
+            if r.status is not WAITING or r.slot is not None or r.block_table:
+                raise IntegrityError(f"waiting request {r.id} holds a slot, blocks or progress")

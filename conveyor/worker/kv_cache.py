@@ -1,0 +1,34 @@
+"""The paged KV pool: one tensor per layer, [num_blocks, 2, block_size, kv_heads, head_dim].
+
+Block ids are the scheduler's; every rank holds its own KV heads of every block. On CPU the pool
+is sized from a byte budget; on GPU from the memory left after profiling a forward pass.
+"""
+from __future__ import annotations
+
+import torch
+
+from conveyor.shared.config import EngineConfig, ModelConfig
+
+
+def kv_heads_per_rank(model: ModelConfig, tp_size: int) -> int:
+    # NOTE: with more ranks than KV heads, each KV head is replicated on several ranks.
+    return max(1, model.num_key_value_heads // tp_size)
+
+
+def bytes_per_block(model: ModelConfig, config: EngineConfig, dtype: torch.dtype) -> int:
+    per_layer = 2 * config.block_size * kv_heads_per_rank(model, config.tensor_parallel_size)
+    per_layer *= model.head_dim * torch.empty((), dtype=dtype).element_size()
+    return per_layer * model.num_hidden_layers
+
+
+def num_blocks_for_budget(model: ModelConfig, config: EngineConfig, dtype: torch.dtype,
+                          budget_bytes: int) -> int:
+    return budget_bytes // bytes_per_block(model, config, dtype)
+
+
+def allocate_kv_cache(model: ModelConfig, config: EngineConfig, num_blocks: int,
+                      dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    shape = (num_blocks, 2, config.block_size,
+             kv_heads_per_rank(model, config.tensor_parallel_size), model.head_dim)
+    return [torch.zeros(shape, dtype=dtype, device=device)
+            for _ in range(model.num_hidden_layers)]

@@ -1,0 +1,227 @@
+"""Turns one row of logits per running sequence into its next token, plus logprobs when asked.
+
+Order per row: penalties and min_tokens masking, then greedy argmax, or temperature, top-k, top-p,
+min-p and an exponential-race draw. Returned logprobs come from the raw logits (vLLM's default).
+Each filter runs batched over only the rows that use it; no step syncs the device before the end.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from conveyor.shared.messages import TokenLogprobs
+from conveyor.shared.sampling_params import SamplingParams
+
+
+@dataclass
+class SeqSamplingState:
+    """What the sampler needs of one running sequence; the worker keeps it in its slot."""
+    params: SamplingParams
+    prompt_len: int
+    token_ids: list[int]                     # prompt + output so far; the worker appends each token
+    generator: torch.Generator | None        # seeded from params.seed; None: the shared generator
+
+    @classmethod
+    def new(cls, params: SamplingParams, token_ids: list[int], prompt_len: int,
+            device: torch.device | str) -> SeqSamplingState:
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(params.seed)
+        return cls(params, prompt_len, token_ids, generator)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+
+@dataclass
+class SampleOutput:
+    token_ids: list[int]                     # one per row
+    logprobs: list[TokenLogprobs | None]     # per row; None where params.logprobs is None
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, eos_token_ids: tuple[int, ...], seed: int,
+                 device: torch.device | str):
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def sample(self, logits: torch.Tensor, states: list[SeqSamplingState]) -> SampleOutput:
+        """logits: [N, >= vocab_size], row i for states[i]; columns past vocab_size are ignored."""
+        logits = logits[:, : self.vocab_size].float()  # [N, V]
+        params = [s.params for s in states]
+        penalised = [i for i, p in enumerate(params) if _uses_penalty(p)]
+        banned_rows, banned_ids = self._min_tokens_bans(states)
+        wants_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if all(p.greedy for p in params) and not (penalised or banned_rows or wants_logprobs):
+            return SampleOutput(logits.argmax(-1).tolist(), [None] * len(states))
+
+        x = logits.clone() if penalised or banned_rows else logits  # [N, V]
+        if penalised:
+            x = _on_rows(x, penalised, lambda sub: self._apply_penalties(
+                sub, [states[i] for i in penalised]))
+        if banned_rows:
+            x[torch.tensor(banned_rows, device=x.device),
+              torch.tensor(banned_ids, device=x.device)] = float("-inf")
+
+        random = [i for i, p in enumerate(params) if not p.greedy]
+        if not random:
+            token_ids = x.argmax(-1)  # [N]
+        elif len(random) == len(states):
+            token_ids = self._sample_random(x, states)
+        else:
+            token_ids = x.argmax(-1)  # greedy rows keep these
+            idx = torch.tensor(random, device=x.device)
+            token_ids[idx] = self._sample_random(x[idx], [states[i] for i in random])
+
+        logprobs: list[TokenLogprobs | None] = [None] * len(states)
+        if wants_logprobs:
+            idx = torch.tensor(wants_logprobs, device=x.device)
+            raw = logits if len(wants_logprobs) == len(states) else logits[idx]
+            gathered = _gather_logprobs(raw.log_softmax(-1), token_ids[idx],
+                                        [params[i].logprobs for i in wants_logprobs])
+            for i, lp in zip(wants_logprobs, gathered):
+                logprobs[i] = lp
+        return SampleOutput(token_ids.tolist(), logprobs)
+
+    def prompt_logprobs(self, logits: torch.Tensor, target_ids: list[int],
+                        k: int) -> list[TokenLogprobs]:
+        """logits: [P, >= vocab_size], row j predicting target_ids[j]; top-k from the raw logits."""
+        if not target_ids:
+            return []
+        logprobs = logits[:, : self.vocab_size].float().log_softmax(-1)  # [P, V]
+        targets = torch.tensor(target_ids, dtype=torch.long, device=logits.device)  # [P]
+        return _gather_logprobs(logprobs, targets, [k] * len(target_ids))
+
+    def _min_tokens_bans(self, states: list[SeqSamplingState]) -> tuple[list[int], list[int]]:
+        """(rows, token ids) to ban: EOS and stop ids of sequences still below min_tokens.
+
+        NOTE: EOS is banned even with ignore_eos, as vLLM does (its min-tokens set always has EOS).
+        """
+        rows: list[int] = []
+        cols: list[int] = []
+        for i, s in enumerate(states):
+            if s.num_output_tokens < s.params.min_tokens:
+                banned = {*self.eos_token_ids, *s.params.stop_token_ids}
+                banned = [t for t in banned if t < self.vocab_size]
+                rows += [i] * len(banned)
+                cols += banned
+        return rows, cols
+
+    def _apply_penalties(self, x: torch.Tensor, states: list[SeqSamplingState]) -> torch.Tensor:
+        """x: [R, V] logits of rows with some penalty. Returns penalised logits [R, V]."""
+        V = self.vocab_size
+        outputs = _padded([s.token_ids[s.prompt_len:] for s in states], V, x.device)  # [R, Lo]
+        counts = torch.zeros(x.shape[0], V + 1, device=x.device)  # [R, V + 1]; column V: padding
+        counts.scatter_add_(1, outputs, torch.ones_like(outputs, dtype=counts.dtype))
+        counts = counts[:, :V]  # [R, V]
+        in_output = counts > 0
+
+        def per_row(name: str) -> torch.Tensor:  # [R, 1]
+            return torch.tensor([getattr(s.params, name) for s in states], device=x.device)[:, None]
+
+        if any(s.params.repetition_penalty != 1 for s in states):
+            prompts = _padded([s.token_ids[:s.prompt_len] for s in states], V, x.device)  # [R, Lp]
+            seen = torch.zeros(x.shape[0], V + 1, dtype=torch.bool, device=x.device)
+            seen.scatter_(1, prompts, torch.ones_like(prompts, dtype=torch.bool))
+            seen = seen[:, :V] | in_output  # [R, V]
+            rep = per_row("repetition_penalty")
+            x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+        return (x - per_row("frequency_penalty") * counts
+                - per_row("presence_penalty") * in_output)
+
+    def _sample_random(self, x: torch.Tensor, states: list[SeqSamplingState]) -> torch.Tensor:
+        """x: [R, V] logits of non-greedy rows. Returns the drawn token ids [R]."""
+        params = [s.params for s in states]
+        temperature = torch.tensor([p.temperature for p in params], device=x.device)
+        x = x / temperature[:, None]  # [R, V], a fresh tensor the filters may edit
+        top_k = [i for i, p in enumerate(params) if 0 < p.top_k < self.vocab_size]
+        if top_k:
+            x = _on_rows(x, top_k, lambda sub: _top_k(sub, [params[i].top_k for i in top_k]))
+        top_p = [i for i, p in enumerate(params) if p.top_p < 1]
+        if top_p:
+            x = _on_rows(x, top_p, lambda sub: _top_p(sub, [params[i].top_p for i in top_p]))
+        min_p = [i for i, p in enumerate(params) if p.min_p > 0]
+        if min_p:
+            x = _on_rows(x, min_p, lambda sub: _min_p(sub, [params[i].min_p for i in min_p]))
+        probs = x.softmax(-1)  # [R, V]
+
+        # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks token i with probability p_i.
+        # NOTE: a seeded row draws from its own generator only, so its tokens do not depend on the
+        # rest of the batch; the other rows share one batched draw.
+        noise = torch.empty_like(probs)  # [R, V]
+        shared = [i for i, s in enumerate(states) if s.generator is None]
+        if len(shared) == len(states):
+            noise.exponential_(generator=self.generator)
+        elif shared:
+            noise[torch.tensor(shared, device=x.device)] = torch.empty(
+                len(shared), probs.shape[1], device=x.device).exponential_(generator=self.generator)
+        for i, s in enumerate(states):
+            if s.generator is not None:
+                noise[i].exponential_(generator=s.generator)
+        return (probs / noise).argmax(-1)
+
+
+def _uses_penalty(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0
+
+
+def _on_rows(x: torch.Tensor, rows: list[int],
+             fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Replaces x[rows] by fn(x[rows]) (in place unless rows is every row, then fn(x))."""
+    if len(rows) == x.shape[0]:
+        return fn(x)
+    idx = torch.tensor(rows, device=x.device)
+    x[idx] = fn(x[idx])
+    return x
+
+
+def _top_k(x: torch.Tensor, ks: list[int]) -> torch.Tensor:
+    """x: [R, V]; keeps each row's ks[r] largest logits (ties with the k-th are kept too)."""
+    k = torch.tensor(ks, device=x.device)[:, None]  # [R, 1]
+    kth = x.topk(max(ks), dim=-1).values.gather(1, k - 1)  # [R, 1]
+    return x.masked_fill_(x < kth, float("-inf"))
+
+
+def _top_p(x: torch.Tensor, ps: list[float]) -> torch.Tensor:
+    """x: [R, V]; keeps the smallest set of most likely tokens whose mass reaches ps[r]."""
+    p = torch.tensor(ps, device=x.device)[:, None]  # [R, 1]
+    sorted_probs, order = x.softmax(-1).sort(-1, descending=True)  # [R, V]
+    mass_before = sorted_probs.cumsum(-1) - sorted_probs  # mass of the more likely tokens
+    drop_sorted = mass_before >= p  # the top token has mass_before 0 < p: always kept
+    drop = torch.empty_like(drop_sorted).scatter_(1, order, drop_sorted)
+    return x.masked_fill_(drop, float("-inf"))
+
+
+def _min_p(x: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
+    """x: [R, V]; drops tokens less likely than min_ps[r] times the row's most likely one."""
+    min_p = torch.tensor(min_ps, device=x.device)[:, None]  # [R, 1]
+    probs = x.softmax(-1)  # [R, V]
+    return x.masked_fill_(probs < min_p * probs.amax(-1, keepdim=True), float("-inf"))
+
+
+def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+    """Token lists as one [R, max_len] int64 tensor, right-padded with `pad`."""
+    padded = np.full((len(rows), max(map(len, rows))), pad, dtype=np.int64)
+    for i, r in enumerate(rows):  # numpy converts a row of ints several times faster than torch
+        padded[i, : len(r)] = r
+    return torch.from_numpy(padded).to(device)
+
+
+def _gather_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor,
+                     ks: list[int]) -> list[TokenLogprobs]:
+    """logprobs: [M, V], chosen: [M]. Per row: the chosen token, the top ks[r], its rank."""
+    chosen_lp = logprobs.gather(1, chosen[:, None])  # [M, 1]
+    rank = (logprobs >= chosen_lp).sum(-1)  # [M]; ties count against the chosen token, as vLLM
+    top_lp, top_ids = logprobs.topk(max(ks), dim=-1)  # [M, K]
+    ids = torch.cat([chosen[:, None], top_ids], 1).tolist()
+    values = torch.cat([chosen_lp, top_lp], 1).tolist()
+    ranks = rank.tolist()
+    return [TokenLogprobs(ids[r][: k + 1], values[r][: k + 1], ranks[r])
+            for r, k in enumerate(ks)]

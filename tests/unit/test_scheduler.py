@@ -1,0 +1,445 @@
+"""Scheduler: batching, chunked prefill, preemption, aborts, stops and prompt logprobs.
+
+A fake worker runs every plan: it keeps per-slot state from NewSeq/SeqStep/freed like a real one,
+writes each computed token into a fake KV pool, and samples from the context it reads back from the
+pool, so a wrong block table, a bad cache hit or a mis-planned range changes the output or fails.
+"""
+from __future__ import annotations
+
+import itertools
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+import pytest
+
+from conveyor.scheduler import FCFSPolicy, IntegrityError, Request, Scheduler
+from conveyor.shared.config import EngineConfig
+from conveyor.shared.messages import (
+    AddRequest,
+    StepPlan,
+    StepResult,
+    TokenLogprobs,
+    TokenOutput,
+)
+from conveyor.shared.sampling_params import SamplingParams
+
+VOCAB = 1000
+
+
+def context_token(ctx: list[int]) -> int:
+    """The fake model: the next token depends on every token of the context and its position."""
+    return sum((i + 1) * t for i, t in enumerate(ctx)) * 7919 % VOCAB
+
+
+def plus_one(ctx: list[int]) -> int:
+    return (ctx[-1] + 1) % 10
+
+
+@dataclass
+class SlotState:
+    token_ids: list[int]
+    prompt_len: int
+    sampling: SamplingParams
+    block_ids: list[int]
+    num_computed: int
+
+
+class FakeWorker:
+    def __init__(self, sched: Scheduler, next_token=context_token) -> None:
+        self.sched = sched
+        self.next_token = next_token
+        self.bs = sched.config.block_size
+        self.pool: dict[tuple[int, int], int] = {}        # (block, offset) -> token id
+        self.slots: dict[int, SlotState] = {}
+        self.plans: list[StepPlan] = []
+        self.prompt_positions: dict[str, list[int]] = {}   # request id -> positions returned
+
+    def _kv(self, st: SlotState, p: int) -> int | None:
+        return self.pool.get((st.block_ids[p // self.bs], p % self.bs))
+
+    def step(self, plan: StepPlan) -> StepResult:
+        cfg = self.sched.config
+        assert not self.plans or plan.step == self.plans[-1].step + 1
+        self.plans.append(plan)
+        for slot in plan.freed:
+            del self.slots[slot]                          # KeyError: freed an unknown slot
+        for ns in plan.new:
+            assert 0 <= ns.slot < cfg.max_num_seqs and ns.slot not in self.slots
+            assert ns.num_computed % self.bs == 0 and ns.num_computed < len(ns.token_ids)
+            st = SlotState(list(ns.token_ids), ns.prompt_len, ns.sampling, list(ns.block_ids),
+                           ns.num_computed)
+            assert all(self._kv(st, p) == st.token_ids[p] for p in range(ns.num_computed))
+            self.slots[ns.slot] = st
+        assert sum(s.num_tokens for s in plan.seqs) <= cfg.max_num_batched_tokens
+        assert len(plan.seqs) <= cfg.max_num_seqs
+        assert len({s.slot for s in plan.seqs}) == len(plan.seqs)
+        single = [s.num_tokens == 1 for s in plan.seqs]
+        assert single == sorted(single, reverse=True), "single-token steps must come first"
+        by_slot = {r.slot: r for r in self.sched.running}
+        sampled, logprobs, prompt_logprobs = [], [], []
+        for s in plan.seqs:
+            st = self.slots[s.slot]
+            if any(ns.slot == s.slot for ns in plan.new):
+                assert s.new_block_ids == []
+            st.block_ids += s.new_block_ids
+            assert st.block_ids == by_slot[s.slot].block_table
+            start, end = st.num_computed, st.num_computed + s.num_tokens
+            assert s.num_tokens >= 1 and end <= len(st.token_ids)
+            assert s.sample == (end == len(st.token_ids))
+            assert len(st.block_ids) * self.bs >= end
+            for p in range(start, end):
+                block = st.block_ids[p // self.bs]
+                assert self.sched.blocks.blocks[block].ref_count == 1, "wrote a shared block"
+                self.pool[(block, p % self.bs)] = st.token_ids[p]
+            st.num_computed = end
+            if s.prompt_logprobs_from >= 0:
+                lo, hi = s.prompt_logprobs_from, min(end + 1, st.prompt_len)
+                assert start + 1 <= lo < hi
+                self.prompt_positions.setdefault(by_slot[s.slot].id, []).extend(range(lo, hi))
+                prompt_logprobs.append((s.slot, [TokenLogprobs([st.token_ids[p]], [-float(p)], 1)
+                                                 for p in range(lo, hi)]))
+            if s.sample:
+                ctx = [self._kv(st, p) for p in range(end)]
+                assert ctx == st.token_ids[:end]
+                token = self.next_token(ctx)
+                st.token_ids.append(token)
+                sampled.append(token)
+                want = st.sampling.logprobs is not None
+                logprobs.append(TokenLogprobs([token], [-0.5], 1) if want else None)
+        return StepResult(plan.step, sampled, logprobs, prompt_logprobs)
+
+
+@dataclass
+class Collected:
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    stats: list = field(default_factory=list)
+    num_finishes: int = 0
+
+
+class Harness:
+    def __init__(self, num_blocks=64, block_size=4, max_num_seqs=8, budget=32, caching=True,
+                 eos=(), max_model_len=256, next_token=context_token, policy=None) -> None:
+        cfg = EngineConfig(block_size=block_size, max_num_seqs=max_num_seqs,
+                           max_num_batched_tokens=budget, enable_prefix_caching=caching)
+        self.sched = Scheduler(cfg, num_blocks, eos, max_model_len, policy)
+        self.worker = FakeWorker(self.sched, next_token)
+        self.out: dict[str, Collected] = {}
+        self._arrivals = itertools.count()
+
+    def add(self, rid: str, prompt, arrival: float | None = None, **sampling) -> None:
+        sampling.setdefault("max_tokens", 8)
+        msg = AddRequest(id=rid, token_ids=list(prompt), sampling=SamplingParams(**sampling),
+                         arrival=next(self._arrivals) if arrival is None else arrival)
+        self.collect(self.sched.add(msg))
+
+    def collect(self, outputs: list[TokenOutput]) -> None:
+        for o in outputs:
+            c = self.out.setdefault(o.id, Collected())
+            assert c.num_finishes == 0, f"output for {o.id} after it finished"
+            c.tokens += o.new_token_ids
+            c.logprobs += o.logprobs or []
+            c.prompt_logprobs += o.prompt_logprobs or []
+            if o.stats is not None:
+                c.stats.append(o.stats)
+            if o.finish_reason is not None:
+                c.num_finishes += 1
+                c.finish_reason, c.stop_reason, c.error = o.finish_reason, o.stop_reason, o.error
+
+    def step(self) -> StepPlan | None:
+        plan = self.sched.schedule()
+        self.sched.check_integrity()
+        if plan is not None:
+            self.collect(self.sched.update(self.worker.step(plan)))
+            self.sched.check_integrity()
+        return plan
+
+    def run(self, max_steps: int = 10_000) -> dict[str, Collected]:
+        for _ in range(max_steps):
+            if self.step() is None:
+                break
+        assert not self.sched.has_work(), "nothing scheduled, yet requests remain"
+        assert all(c.num_finishes == 1 for c in self.out.values())
+        assert self.sched.blocks.num_free_blocks == self.sched.blocks.num_blocks
+        return self.out
+
+
+def prompts(n: int, length: int = 10, shared: int = 0) -> list[list[int]]:
+    return [list(range(500, 500 + shared)) + [(7 * i + j) % VOCAB for j in range(length - shared)]
+            for i in range(1, n + 1)]
+
+
+def test_scheduler_imports_no_torch():
+    code = ("import sys, conveyor.scheduler.scheduler; "
+            "sys.exit(1 if 'torch' in sys.modules else 0)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_token_budget_is_respected_and_filled():
+    h = Harness(budget=16)
+    for i, p in enumerate(prompts(6, 13)):
+        h.add(f"r{i}", p)
+    h.run()
+    totals = [sum(s.num_tokens for s in p.seqs) for p in h.worker.plans]
+    assert max(totals) == 16                      # the worker asserts <= 16 on every plan
+    assert any(1 in [s.num_tokens for s in p.seqs] and any(s.num_tokens > 1 for s in p.seqs)
+               for p in h.worker.plans), "prefill and decode never shared a batch"
+    assert all(len(c.tokens) == 8 and c.finish_reason == "length" for c in h.out.values())
+
+
+def test_chunked_prefill_splits_a_long_prompt():
+    h = Harness(budget=16, block_size=4)
+    prompt = list(range(1, 41))
+    h.add("a", prompt, max_tokens=3)
+    out = h.run()
+    plans = h.worker.plans
+    assert [[(s.num_tokens, s.sample) for s in p.seqs] for p in plans] == [
+        [(16, False)], [(16, False)], [(8, True)], [(1, True)], [(1, True)]]
+    assert [len(p.new) for p in plans] == [1, 0, 0, 0, 0]
+    assert len(plans[0].new[0].block_ids) == 4 and plans[0].new[0].num_computed == 0
+    assert [len(p.seqs[0].new_block_ids) for p in plans[1:]] == [4, 2, 1, 0]
+    assert out["a"].tokens == reference(prompt, 3)
+
+
+def reference(prompt: list[int], n: int, next_token=context_token) -> list[int]:
+    ctx = list(prompt)
+    for _ in range(n):
+        ctx.append(next_token(ctx))
+    return ctx[len(prompt):]
+
+
+def test_decodes_are_scheduled_before_prefill_chunks():
+    h = Harness(budget=10)
+    h.add("a", [1, 2, 3], max_tokens=5)
+    h.step()
+    h.add("b", list(range(10, 40)), max_tokens=2)
+    plan = h.step()
+    assert [(s.num_tokens, s.sample) for s in plan.seqs] == [(1, True), (9, False)]
+    assert [n.slot for n in plan.new] == [1] and plan.seqs[1].slot == 1
+    out = h.run()
+    assert out["a"].tokens == reference([1, 2, 3], 5)
+    assert out["b"].tokens == reference(list(range(10, 40)), 2)
+
+
+def test_single_token_admissions_go_before_prefill_chunks():
+    h = Harness(budget=10)
+    h.add("long", list(range(10, 25)), max_tokens=2)
+    h.step()                                      # 10 of 15 prompt tokens
+    h.add("one", [7], max_tokens=2)
+    plan = h.step()
+    assert [(s.slot, s.num_tokens) for s in plan.seqs] == [(1, 1), (0, 5)]
+    h.run()
+
+
+class FirstCandidate(FCFSPolicy):
+    """Preempts the first candidate: the scheduler must offer only requests not yet planned."""
+
+    def pick_victim(self, candidates):
+        return candidates[0]
+
+
+def test_max_num_seqs_caps_the_batch():
+    h = Harness(max_num_seqs=2, budget=64)
+    for i, p in enumerate(prompts(5)):
+        h.add(f"r{i}", p, max_tokens=4)
+    running = []
+    while h.step() is not None:
+        running.append(h.sched.num_running)
+    assert max(running) == 2
+    assert all(s.slot in (0, 1) for p in h.worker.plans for s in p.seqs)
+    h.run()
+    assert all(c.finish_reason == "length" for c in h.out.values())
+
+
+def test_fcfs_admits_by_arrival_time():
+    h = Harness(max_num_seqs=1)
+    h.add("late", [1, 2], arrival=3.0, max_tokens=2)
+    h.add("early", [3, 4], arrival=1.0, max_tokens=2)
+    h.add("middle", [5, 6], arrival=2.0, max_tokens=2)
+    finished = []
+    while h.step() is not None:
+        finished += [rid for rid, c in h.out.items() if c.num_finishes and rid not in finished]
+    assert finished == ["early", "middle", "late"]
+
+
+def test_fcfs_victim_is_the_latest_arrival():
+    reqs = [Request(id=str(i), token_ids=[1], prompt_len=1, sampling=SamplingParams(),
+                    arrival=a, arrival_index=i) for i, a in enumerate([2.0, 5.0, 5.0, 1.0])]
+    assert FCFSPolicy().pick_victim(reqs).id == "2"
+    assert [r.id for r in FCFSPolicy().order_waiting(reqs)] == ["3", "0", "1", "2"]
+
+
+@pytest.mark.parametrize("caching, policy", [(True, FCFSPolicy), (False, FCFSPolicy),
+                                             (True, FirstCandidate)])
+def test_preemption_gives_the_same_outputs(caching, policy):
+    ps = prompts(6, 11, shared=4)
+    outs = []
+    for num_blocks in (200, 10):
+        h = Harness(num_blocks=num_blocks, block_size=4, budget=24, caching=caching,
+                    policy=policy())
+        for i, p in enumerate(ps):
+            h.add(f"r{i}", p, max_tokens=20)
+        outs.append(h.run())
+        if num_blocks == 10:
+            assert h.sched.num_preemptions > 0
+            assert h.sched.stats().num_preemptions == h.sched.num_preemptions
+            assert any(c.stats[-1].num_preemptions for c in h.out.values())
+            resumed = [n for p in h.worker.plans for n in p.new if len(n.token_ids) > n.prompt_len]
+            assert resumed and all(n.prompt_len == 11 for n in resumed)
+    assert {k: c.tokens for k, c in outs[0].items()} == {k: c.tokens for k, c in outs[1].items()}
+    assert all(len(c.tokens) == 20 for c in outs[1].values())
+
+
+def test_prefix_cache_hit_skips_cached_blocks():
+    h = Harness(block_size=4)
+    prompt = list(range(1, 21))                   # 5 full blocks
+    h.add("a", prompt)
+    h.run()
+    h.add("b", prompt)
+    plan = h.step()
+    assert plan.new[0].num_computed == 16         # the last block is recomputed
+    assert plan.seqs[0].num_tokens == 4
+    h.run()
+    assert h.out["b"].tokens == h.out["a"].tokens
+    assert h.out["b"].stats[-1].num_cached_tokens == 16
+    stats = h.sched.stats()
+    assert stats.prefix_cache_hits == 16 and stats.prefix_cache_queries == 40
+
+
+def test_abort_frees_everything_and_ends_once():
+    h = Harness(max_num_seqs=2, budget=8)
+    for i, p in enumerate(prompts(4, 12)):
+        h.add(f"r{i}", p, max_tokens=50)
+    h.step()
+    h.step()
+    slot = next(r.slot for r in h.sched.running if r.id == "r0")
+    h.collect(h.sched.abort(["r0", "r3", "nope"]))
+    h.collect(h.sched.abort(["r0"]))              # already ended: ignored
+    assert h.out["r0"].finish_reason == "abort" and h.out["r3"].finish_reason == "abort"
+    h.sched.check_integrity()
+    plan = h.step()
+    assert slot in plan.freed
+    h.collect(h.sched.abort(["r1"], reason="stop"))
+    assert h.out["r1"].finish_reason == "stop"
+    h.run()
+    assert all(c.num_finishes == 1 for c in h.out.values()) and len(h.out) == 4
+
+
+def test_abort_while_a_step_is_in_flight():
+    h = Harness()
+    h.add("a", [1, 2, 3], max_tokens=5)
+    h.add("b", [4, 5, 6], max_tokens=5)
+    result = h.worker.step(h.sched.schedule())
+    h.collect(h.sched.abort(["a"]))
+    outs = h.sched.update(result)
+    assert [o.id for o in outs] == ["b"]
+    h.collect(outs)
+    assert h.step().freed == [0]
+    h.run()
+    assert h.out["a"].tokens == [] and h.out["a"].finish_reason == "abort"
+
+
+def test_stop_on_eos():
+    h = Harness(eos=(8,), next_token=plus_one)
+    h.add("a", [5], max_tokens=10)
+    h.add("ignore", [5], max_tokens=5, ignore_eos=True)
+    out = h.run()
+    assert out["a"].tokens == [6, 7, 8]
+    assert (out["a"].finish_reason, out["a"].stop_reason) == ("stop", None)
+    assert out["ignore"].tokens == [6, 7, 8, 9, 0] and out["ignore"].finish_reason == "length"
+
+
+def test_stop_token_ids_and_min_tokens():
+    h = Harness(eos=(8,), next_token=plus_one)
+    h.add("stop_id", [5], max_tokens=10, stop_token_ids=[7])
+    h.add("min_ok", [5], max_tokens=10, min_tokens=3)
+    h.add("min_skips", [5], max_tokens=20, min_tokens=5, stop_token_ids=[9])
+    out = h.run()
+    assert out["stop_id"].tokens == [6, 7] and out["stop_id"].stop_reason == 7
+    assert out["min_ok"].tokens == [6, 7, 8] and out["min_ok"].finish_reason == "stop"
+    # 8 (eos) and 9 (stop id) are the 3rd and 4th tokens, before min_tokens; the next 8 ends it.
+    assert out["min_skips"].tokens == [6, 7, 8, 9, 0, 1, 2, 3, 4, 5, 6, 7, 8]
+    assert out["min_skips"].finish_reason == "stop"
+
+
+def test_length_limits():
+    h = Harness(next_token=plus_one, max_model_len=8)
+    h.add("max_tokens", [1], max_tokens=3)
+    h.add("context", [1, 2, 3, 4, 5], max_tokens=None)
+    out = h.run()
+    assert out["max_tokens"].tokens == [2, 3, 4] and out["max_tokens"].finish_reason == "length"
+    assert out["context"].tokens == [6, 7, 8] and out["context"].finish_reason == "length"
+    small_pool = Harness(next_token=plus_one, num_blocks=2, block_size=4)
+    small_pool.add("a", [1, 2, 3], max_tokens=None)
+    assert len(small_pool.run()["a"].tokens) == 5                # the pool holds 8 tokens
+
+
+def test_requests_that_can_never_run_are_rejected():
+    h = Harness(num_blocks=4, block_size=4, max_model_len=20)
+    h.add("ok", [1, 2, 3])
+    h.add("ok", [1, 2])                                           # id in use
+    h.add("empty", [])
+    h.add("too_long", list(range(20)))
+    h.add("pool", list(range(16)))                                # < 20, but 4 blocks hold 16
+    assert [h.out[r].finish_reason for r in ("ok", "empty", "too_long", "pool")] == ["error"] * 4
+    assert all(h.out[r].error for r in ("ok", "empty", "too_long", "pool"))
+    assert h.sched.num_waiting == 1
+    del h.out["ok"]
+    out = h.run()
+    assert out["ok"].finish_reason == "length"
+
+
+@pytest.mark.parametrize("num_blocks, budget", [(200, 8), (12, 8), (200, 3)])
+def test_prompt_logprobs_are_delivered_once(num_blocks, budget):
+    h = Harness(num_blocks=num_blocks, budget=budget, block_size=4)
+    ps = prompts(4, 19, shared=8)
+    h.add("plain", ps[0], max_tokens=12)                          # fills the prefix cache
+    for i, p in enumerate(ps[1:]):
+        h.add(f"lp{i}", p, max_tokens=12, prompt_logprobs=1, logprobs=0)
+    out = h.run()
+    if num_blocks == 12:
+        assert h.sched.num_preemptions > 0
+    for i, p in enumerate(ps[1:]):
+        c = out[f"lp{i}"]
+        assert [-e.logprobs[0] for e in c.prompt_logprobs] == list(range(1, 19))
+        assert [e.token_ids[0] for e in c.prompt_logprobs] == p[1:]
+        assert h.worker.prompt_positions[f"lp{i}"] == list(range(1, 19))   # none asked twice
+        assert c.stats[0].num_cached_tokens == 0                  # skips the prefix cache
+        assert len(c.logprobs) == len(c.tokens) == 12
+    assert out["plain"].prompt_logprobs == [] and out["plain"].logprobs == []
+
+
+def test_stats_are_sent_with_the_first_token_and_at_the_end():
+    h = Harness()
+    h.add("a", [1, 2, 3], max_tokens=4)
+    outputs = []
+    while (plan := h.sched.schedule()) is not None:
+        outputs += h.sched.update(h.worker.step(plan))
+    assert [o.stats is not None for o in outputs] == [True, False, False, True]
+    assert outputs[0].stats.first_token >= outputs[0].stats.first_scheduled > 0
+
+
+def test_protocol_misuse_is_rejected():
+    h = Harness()
+    h.add("a", [1, 2, 3])
+    plan = h.sched.schedule()
+    with pytest.raises(RuntimeError):
+        h.sched.schedule()
+    result = h.worker.step(plan)
+    with pytest.raises(ValueError):
+        h.sched.update(StepResult(plan.step + 1, result.sampled, result.logprobs, []))
+
+
+def test_integrity_check_catches_a_leak():
+    h = Harness()
+    h.add("a", [1, 2, 3])
+    h.step()
+    h.sched.running[0].slot = None
+    with pytest.raises(IntegrityError):
+        h.sched.check_integrity()
+    assert not h.sched.stats().integrity_ok
