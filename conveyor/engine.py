@@ -7,8 +7,7 @@ from __future__ import annotations
 
 from conveyor.scheduler.scheduler import Scheduler
 from conveyor.shared.config import EngineConfig, ModelConfig
-from conveyor.shared.messages import (AddRequest, StepPlan, StepResult, TokenOutput, decode,
-                                      encode)
+from conveyor.shared.messages import AddRequest, StepPlan, StepResult, TokenOutput, decode, encode
 from conveyor.shared.model_files import ModelFiles, read_model_config, resolve_model
 
 
@@ -28,7 +27,7 @@ class EngineCore:
         self.files = files or resolve_model(config.model)
         self.model_config = read_model_config(self.files)
         self.max_model_len = max_model_len(config, self.model_config)
-        self.runner = ModelRunner(config, self.model_config, self.files)
+        self.runner = ModelRunner(config, self.model_config, self.files, self.max_model_len)
         self.scheduler = Scheduler(config, self.runner.num_blocks, self.model_config.eos_token_ids,
                                    self.max_model_len)
 

@@ -21,10 +21,13 @@ Prompt = str | list[int] | dict[str, Any]
 
 
 class LLM:
-    def __init__(self, model: str | None = None, tokenizer: str | None = None, **engine_args):
+    def __init__(self, model: str | None = None, tokenizer: str | None = None,
+                 skip_tokenizer_init: bool = False, **engine_args):
         self.config = EngineConfig.from_kwargs(model=model, tokenizer=tokenizer, **engine_args)
         self.engine = EngineCore(self.config)
-        self.tokenizer = load_tokenizer(self.engine.files, tokenizer)
+        # without a tokenizer, prompts are token ids and outputs carry token ids only
+        self.tokenizer = None if skip_tokenizer_init else load_tokenizer(self.engine.files,
+                                                                          tokenizer)
         self._ids = itertools.count()
 
     def get_tokenizer(self):
@@ -52,6 +55,8 @@ class LLM:
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer (skip_tokenizer_init is set)")
         prompts = [apply_chat_template(self.tokenizer, conv, add_generation_prompt,
                                        **(chat_template_kwargs or {})) for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
@@ -80,6 +85,8 @@ class LLM:
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer (skip_tokenizer_init is set)")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
@@ -88,6 +95,8 @@ class LLM:
         return None, list(prompt)
 
     def _add(self, tracker: RequestTracker, text, token_ids, params: SamplingParams) -> str:
+        if self.tokenizer is None and params.stop:
+            raise ValueError("stop strings need a tokenizer (skip_tokenizer_init is set)")
         vocab = self.engine.model_config.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:

@@ -26,7 +26,7 @@ class IncrementalDetokenizer:
 
     def push(self, new_ids: list[int]) -> None:
         """Add generated tokens; sets `stopped_by` when a stop string appears."""
-        if self.stopped_by is not None:
+        if self.stopped_by is not None or self.tokenizer is None:   # no tokenizer: ids only
             return
         for token in new_ids:
             self.ids.append(token)
@@ -36,7 +36,7 @@ class IncrementalDetokenizer:
 
     def flush(self) -> None:
         """At the end: whatever bytes are still pending are decoded, replacement marks and all."""
-        if self.stopped_by is None and self.read_offset < len(self.ids):
+        if self.stopped_by is None and self.tokenizer and self.read_offset < len(self.ids):
             prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
             self._append(self._decode(self.ids[self.prefix_offset:])[len(prefix):])
             self.read_offset = len(self.ids)

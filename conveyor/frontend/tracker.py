@@ -119,7 +119,8 @@ class RequestTracker:
         for i, (tok, value) in enumerate(zip(lp.token_ids, lp.logprobs)):
             if tok not in d:
                 rank = lp.rank if i == 0 else i
-                d[tok] = Logprob(value, rank, self.tokenizer.decode([tok]))
+                text = None if self.tokenizer is None else self.tokenizer.decode([tok])
+                d[tok] = Logprob(value, rank, text)
         return d
 
 

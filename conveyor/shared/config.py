@@ -15,7 +15,7 @@ class EngineConfig:
     model: str | None = None                 # HF folder or .gguf file; None: the default model
     tokenizer: str | None = None             # defaults to the model's own
     device: str = "cpu"                      # "cpu" | "cuda"
-    dtype: str = "auto"                      # "auto" (float32 on CPU, bfloat16 on GPU) | float32 | float16 | bfloat16
+    dtype: str = "auto"                      # auto: float32 on CPU, bfloat16 on GPU
     seed: int = 0
     max_model_len: int | None = None         # defaults to the model's context length
     block_size: int = 16
@@ -117,7 +117,8 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch.startswith("Qwen2"))),
+            attention_bias=(arch.startswith("Qwen2") if cfg.get("attention_bias") is None
+                            else bool(cfg["attention_bias"])),
             qk_norm=arch.startswith("Qwen3"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,

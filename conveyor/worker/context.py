@@ -14,7 +14,7 @@ import torch
 
 @dataclass
 class StepContext:
-    slot_mapping: torch.Tensor       # [T] int64: block_id * block_size + offset per new token; -1 skips
+    slot_mapping: torch.Tensor       # [T] int64: block_id * block_size + offset; -1 skips
     query_start_loc: torch.Tensor    # [B + 1] int32
     seq_lens: torch.Tensor           # [B] int32: context length including this step's tokens
     block_tables: torch.Tensor       # [B, max_blocks] int32, padded with 0

@@ -19,7 +19,6 @@ from conveyor.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_blo
 from conveyor.worker.loader import load_model
 from conveyor.worker.sampler import Sampler, SeqSamplingState
 
-
 _PROFILE_PARAMS = SamplingParams(temperature=0)
 
 
@@ -32,7 +31,7 @@ class Slot:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, files: ModelFiles,
-                 device: torch.device | None = None):
+                 max_model_len: int, device: torch.device | None = None):
         self.config = config
         self.model_config = model_config
         self.device = device or torch.device(config.device)
@@ -42,6 +41,7 @@ class ModelRunner:
         self.sampler = Sampler(model_config.vocab_size, model_config.eos_token_ids, config.seed,
                                self.device)
         self.block_size = config.block_size
+        self.max_model_len = max_model_len
         self.num_blocks = self._num_blocks()
         self.kv_caches = allocate_kv_cache(model_config, config, self.num_blocks, self.dtype,
                                            self.device)
@@ -53,15 +53,18 @@ class ModelRunner:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         if self.device.type == "cpu":
-            return num_blocks_for_budget(self.model_config, self.config, self.dtype,
-                                         self.config.kv_cache_memory_bytes)
+            # NOTE: more blocks than every sequence at full length could use only feed the prefix
+            # cache; on CPU the budget is capped there so small models don't zero gigabytes.
+            enough = self.config.max_num_seqs * -(-self.max_model_len // self.block_size)
+            return min(enough, num_blocks_for_budget(self.model_config, self.config, self.dtype,
+                                                     self.config.kv_cache_memory_bytes))
         return self._profile_gpu_blocks()
 
     def _profile_gpu_blocks(self) -> int:
         """Run the largest step once and give the KV pool what is left of the memory budget."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        num_tokens = min(self.config.max_num_batched_tokens, self.model_config.max_position_embeddings)
+        num_tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
         blocks = -(-num_tokens // self.block_size)
         saved, self.kv_caches = getattr(self, "kv_caches", None), allocate_kv_cache(
             self.model_config, self.config, blocks, self.dtype, self.device)

@@ -1,0 +1,87 @@
+"""Paged attention in plain torch: the CPU backend and the reference for every GPU kernel.
+
+K/V live in a per-layer pool [num_blocks, 2, block_size, kv_heads, head_dim] (0 = K, 1 = V);
+a sequence's context is the blocks of its block-table row, in order. Decodes (the first
+ctx.num_decodes sequences, one query each) are attended in one batched computation; prefill
+chunks, whose queries are the last q_len positions of their context, one sequence at a time.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from conveyor.worker.context import StepContext
+
+
+class TorchAttentionBackend:
+    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """Store k, v [T, kv_heads, head_dim] at their slots; slot -1 (padding) is skipped.
+
+        NOTE: the boolean mask makes a device sync on CUDA; GPU backends use a kernel instead.
+        """
+        block_size = kv_cache.shape[2]
+        keep = slot_mapping >= 0
+        slots = slot_mapping[keep]
+        blocks, offsets = slots // block_size, slots % block_size
+        kv_cache[blocks, 0, offsets] = k[keep].to(kv_cache.dtype)
+        kv_cache[blocks, 1, offsets] = v[keep].to(kv_cache.dtype)
+
+    def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, ctx: StepContext,
+                scale: float) -> torch.Tensor:
+        """Attend q [T, heads, head_dim] to the pool; returns [T, heads, head_dim].
+
+        Rows past the last sequence (padding) come back as zeros.
+        """
+        out = torch.zeros_like(q)
+        nd = ctx.num_decodes
+        if nd:
+            out[:nd] = self._decode(q[:nd], kv_cache, ctx.block_tables[:nd], ctx.seq_lens[:nd],
+                                    max(ctx.seq_lens_cpu[:nd]), scale)
+        start = nd
+        for i in range(nd, len(ctx.query_lens_cpu)):
+            q_len, seq_len = ctx.query_lens_cpu[i], ctx.seq_lens_cpu[i]
+            k, v = self._gather(kv_cache, ctx.block_tables[i:i + 1], seq_len)
+            out[start:start + q_len] = self._prefill(q[start:start + q_len], k[0, :seq_len],
+                                                     v[0, :seq_len], scale)
+            start += q_len
+        return out
+
+    @staticmethod
+    def _gather(kv_cache: torch.Tensor, block_tables: torch.Tensor, max_len: int):
+        """K and V of the first max_len positions, each [B, padded_len, kv_heads, head_dim]."""
+        num_blocks = -(-max_len // kv_cache.shape[2])
+        blocks = block_tables[:, :num_blocks].long()          # [B, n]
+        b, n = blocks.shape
+        _, _, bs, kvh, d = kv_cache.shape
+        return (kv_cache[blocks, 0].view(b, n * bs, kvh, d),
+                kv_cache[blocks, 1].view(b, n * bs, kvh, d))
+
+    def _decode(self, q, kv_cache, block_tables, seq_lens, max_len, scale):
+        k, v = self._gather(kv_cache, block_tables, max_len)  # [B, S, kvh, d]
+        b, s, kvh, d = k.shape
+        qg = q.float().reshape(b, kvh, -1, d)                  # [B, kvh, group, d]
+        pad = torch.arange(s, device=q.device) >= seq_lens.unsqueeze(1)   # [B, S]
+        out = torch.empty_like(qg)                             # [B, kvh, group, d]
+        # One kv head at a time: k[:, :, h] is a strided view that bmm reads without a copy.
+        for h in range(kvh):
+            scores = torch.bmm(qg[:, h], k[:, :, h].float().transpose(1, 2)) * scale
+            scores.masked_fill_(pad.unsqueeze(1), float("-inf"))   # [B, group, S]
+            out[:, h] = torch.bmm(scores.softmax(dim=-1), v[:, :, h].float())
+        return out.view(b, -1, d).to(q.dtype)                  # [B, heads, d]
+
+    @staticmethod
+    def _prefill(q, k, v, scale):
+        """q [L, heads, d] are the last L positions of a context k, v [S, kv_heads, d]."""
+        q_len, seq_len = q.shape[0], k.shape[0]
+        group = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, S, d]
+        v = v.repeat_interleave(group, dim=1).transpose(0, 1)
+        if q_len == seq_len:    # no cached prefix: plain causal
+            mask = None
+        else:
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+            mask = torch.arange(seq_len, device=q.device) <= q_pos.unsqueeze(1)   # [L, S]
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.to(q.dtype), v.to(q.dtype),
+                                             attn_mask=mask, is_causal=mask is None, scale=scale)
+        return out.transpose(0, 1)                             # [L, heads, d]

@@ -1,0 +1,34 @@
+"""The attention layer of a model: store this step's K/V in the paged pool, then attend.
+
+q, k, v arrive flat ([T, heads * head_dim], this rank's heads only); the pool of layer
+`layer_idx` is ctx.kv_caches[layer_idx]. The math is the backend's.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from conveyor.worker.attention_backend import TorchAttentionBackend
+from conveyor.worker.context import StepContext
+
+
+class Attention(nn.Module):
+    def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 scale: float, backend=None):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.backend = backend or TorchAttentionBackend()
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                ctx: StepContext) -> torch.Tensor:
+        t = q.shape[0]
+        kv_cache = ctx.kv_caches[self.layer_idx]
+        self.backend.write_kv(kv_cache, k.view(t, self.num_kv_heads, self.head_dim),
+                              v.view(t, self.num_kv_heads, self.head_dim), ctx.slot_mapping)
+        out = self.backend.forward(q.view(t, self.num_heads, self.head_dim), kv_cache, ctx,
+                                   self.scale)               # [T, heads, head_dim]
+        return out.reshape(t, self.num_heads * self.head_dim)

@@ -1,0 +1,137 @@
+"""Linear layers, sharded for tensor parallelism (Megatron style).
+
+Column-parallel layers split the output features across ranks (no communication); row-parallel
+layers split the input features and all-reduce the partial sums. Every parameter carries a
+`weight_loader(param, loaded_weight, shard_id=None)` that copies this rank's slice of a full
+checkpoint tensor into it.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conveyor.worker.layers.parallel import all_reduce, divide, tp_rank, tp_size
+
+
+def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+    if param.shape != loaded_weight.shape:
+        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)}, "
+                         f"checkpoint {tuple(loaded_weight.shape)}")
+    param.data.copy_(loaded_weight)
+
+
+def _parameter(shape: tuple[int, ...], dtype: torch.dtype, loader) -> nn.Parameter:
+    param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+    param.weight_loader = loader
+    return param
+
+
+class LinearBase(nn.Module):
+    """y = x W^T + b with W of shape [out_local, in_local]; subclasses say how to slice."""
+
+    def __init__(self, in_local: int, out_local: int, bias: bool, dtype: torch.dtype):
+        super().__init__()
+        self.weight = _parameter((out_local, in_local), dtype, self.weight_loader)
+        self.bias = _parameter((out_local,), dtype, self.weight_loader) if bias else None
+
+    def weight_loader(self, param, loaded_weight, shard_id=None) -> None:
+        default_weight_loader(param, loaded_weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    """The whole layer on every rank."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 dtype: torch.dtype = torch.float32):
+        super().__init__(input_size, output_size, bias, dtype)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks; the output stays sharded."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 dtype: torch.dtype = torch.float32):
+        super().__init__(input_size, divide(output_size, tp_size()), bias, dtype)
+
+    def weight_loader(self, param, loaded_weight, shard_id=None) -> None:
+        size = param.shape[0]
+        default_weight_loader(param, loaded_weight.narrow(0, tp_rank() * size, size))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel layers on one input fused into one matmul (e.g. gate and up).
+
+    Each rank holds [its slice of output 0, its slice of output 1, ...]; shard_id is the index of
+    the sub-layer a checkpoint tensor belongs to.
+    """
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
+                 dtype: torch.dtype = torch.float32):
+        self.output_sizes = [divide(s, tp_size()) for s in output_sizes]
+        super().__init__(input_size, sum(output_sizes), bias, dtype)
+
+    def weight_loader(self, param, loaded_weight, shard_id=None) -> None:
+        size = self.output_sizes[shard_id]
+        offset = sum(self.output_sizes[:shard_id])
+        shard = loaded_weight.narrow(0, tp_rank() * size, size)
+        default_weight_loader(param.narrow(0, offset, size), shard)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """The q, k and v projections fused; heads split across ranks.
+
+    Each rank holds [q of its heads, k of its kv heads, v of its kv heads]. With fewer kv heads
+    than ranks, each kv head is replicated on tp_size // num_kv_heads consecutive ranks.
+    """
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool = False, dtype: torch.dtype = torch.float32):
+        tp = tp_size()
+        self.head_dim = head_dim
+        self.num_heads = divide(num_heads, tp)
+        if num_kv_heads >= tp:
+            self.num_kv_heads = divide(num_kv_heads, tp)
+            self.kv_head_start = tp_rank() * self.num_kv_heads
+        else:
+            self.num_kv_heads = 1
+            self.kv_head_start = tp_rank() // divide(tp, num_kv_heads)
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        out_total = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp
+        super().__init__(hidden_size, out_total, bias, dtype)
+
+    def weight_loader(self, param, loaded_weight, shard_id=None) -> None:
+        if shard_id == "q":
+            offset, size, start = 0, self.q_size, tp_rank() * self.q_size
+        elif shard_id in ("k", "v"):
+            offset = self.q_size + (self.kv_size if shard_id == "v" else 0)
+            size, start = self.kv_size, self.kv_head_start * self.head_dim
+        else:
+            raise ValueError(f"QKV shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
+        default_weight_loader(param.narrow(0, offset, size), loaded_weight.narrow(0, start, size))
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks (the input arrives sharded); partial sums all-reduced.
+
+    The bias lives on every rank but is added once, on rank 0, before the reduction.
+    """
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 dtype: torch.dtype = torch.float32):
+        super().__init__(divide(input_size, tp_size()), output_size, bias, dtype)
+
+    def weight_loader(self, param, loaded_weight, shard_id=None) -> None:
+        if param.dim() == 1:
+            default_weight_loader(param, loaded_weight)
+            return
+        size = param.shape[1]
+        default_weight_loader(param, loaded_weight.narrow(1, tp_rank() * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias if tp_rank() == 0 else None
+        return all_reduce(F.linear(x, self.weight, bias))

@@ -1,0 +1,154 @@
+"""Build a model and fill its weights from a Hugging Face folder (*.safetensors) or a GGUF file.
+
+Checkpoint tensors arrive under Hugging Face names (GGUF names are mapped onto them); q/k/v
+and gate/up go into our fused layers through the model's `packed_modules`, and every
+parameter's `weight_loader` takes this rank's slice. Any missing or unexpected weight is an
+error.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from conveyor.shared.config import ModelConfig
+from conveyor.shared.model_files import ModelFiles
+from conveyor.worker.layers.linear import default_weight_loader
+from conveyor.worker.models import get_model_class
+
+Weights = Iterator[tuple[str, torch.Tensor]]
+
+
+def load_model(config: ModelConfig, files: ModelFiles, dtype: torch.dtype,
+               device: torch.device | str) -> nn.Module:
+    model_class = get_model_class(config.architecture)
+    with torch.device(device):
+        model = model_class(config, dtype)
+    weights = gguf_weights(files.path) if files.is_gguf else safetensors_weights(files.path)
+    load_weights(model, weights)
+    return model.eval()
+
+
+def load_weights(model: nn.Module, weights: Weights) -> None:
+    packed = model.packed_modules
+    params = dict(model.named_parameters())
+    tied = model.config.tie_word_embeddings
+    loaded: dict[str, set] = {}
+    unexpected = []
+    for name, tensor in weights:
+        if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
+            continue
+        shard_id = None
+        for part, (fused, shard) in packed.items():
+            if f".{part}." in name:
+                name, shard_id = name.replace(f".{part}.", f".{fused}."), shard
+                break
+        param = params.get(name)
+        if param is None:
+            unexpected.append(name)
+            continue
+        loader = getattr(param, "weight_loader", None)
+        try:
+            if loader is None:
+                default_weight_loader(param, tensor)
+            else:
+                loader(param, tensor, shard_id)
+        except ValueError as e:
+            raise ValueError(f"cannot load {name} (shard {shard_id}): {e}") from None
+        loaded.setdefault(name, set()).add(shard_id)
+    missing = []
+    for name in params:
+        fused = name.split(".")[-2]
+        want = {s for f, s in packed.values() if f == fused} or {None}
+        missing += [f"{name} (shard {s})" if s is not None else name
+                    for s in sorted(want - loaded.get(name, set()), key=str)]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not match {type(model).__name__}: "
+                         f"missing {_brief(missing)}; unexpected {_brief(unexpected)}")
+
+
+def _brief(names: list[str], limit: int = 8) -> str:
+    if not names:
+        return "none"
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def safetensors_weights(folder: Path) -> Weights:
+    from safetensors import safe_open
+
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {folder}")
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+_GGUF_GLOBAL = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_LAYER = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GGUF_LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor, or None if it has none."""
+    if name in _GGUF_GLOBAL:
+        return _GGUF_GLOBAL[name]
+    m = _GGUF_LAYER_NAME.fullmatch(name)
+    if m is None or m.group(2) not in _GGUF_LAYER:
+        return None
+    return f"model.layers.{m.group(1)}.{_GGUF_LAYER[m.group(2)]}.{m.group(3)}"
+
+
+def _unpermute_rotary(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's reordering of q/k rows (per head: interleaved pairs -> two halves)."""
+    half = w.shape[0] // num_heads // 2
+    return w.reshape(num_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def gguf_weights(path: Path) -> Weights:
+    """Dequantized GGUF tensors (float32, torch layout [out, in]) under Hugging Face names."""
+    import gguf
+
+    from conveyor.shared.gguf_reader import open_gguf
+
+    reader = open_gguf(path)
+    fields = reader.fields
+    arch = fields["general.architecture"].contents()
+    heads = fields[f"{arch}.attention.head_count"].contents()
+    kv_field = fields.get(f"{arch}.attention.head_count_kv")
+    kv_heads = heads if kv_field is None else kv_field.contents()
+    # NOTE: llama.cpp's converter permutes the q/k rows of "llama" models only.
+    permuted = {"self_attn.q_proj": heads, "self_attn.k_proj": kv_heads} if arch == "llama" else {}
+    for tensor in reader.tensors:
+        name = gguf_to_hf_name(tensor.name)
+        if name is None:
+            if tensor.name == "rope_freqs.weight":   # llama3 scaling, recomputed from the config
+                continue
+            name = f"<gguf>{tensor.name}"            # reported as unexpected
+        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        w = torch.from_numpy(array if array.flags.writeable else array.copy())
+        for module, n in permuted.items():
+            if f".{module}." in name:
+                w = _unpermute_rotary(w, n)
+        yield name, w

@@ -1,0 +1,25 @@
+"""The model registry: Hugging Face architecture name -> model class.
+
+Adding a model is one file in this package plus one line here.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from conveyor.worker.models.llama import LlamaForCausalLM
+from conveyor.worker.models.qwen2 import Qwen2ForCausalLM
+from conveyor.worker.models.qwen3 import Qwen3ForCausalLM
+
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    if architecture not in MODEL_REGISTRY:
+        raise ValueError(f"model architecture {architecture!r} is not supported "
+                         f"(supported: {', '.join(sorted(MODEL_REGISTRY))})")
+    return MODEL_REGISTRY[architecture]

@@ -1,0 +1,138 @@
+"""Llama (also Mistral-shaped models, without sliding windows): the decoder the other models
+reuse. Qwen2 and Qwen3 subclass LlamaForCausalLM and change only `attention_options`.
+
+Module names follow Hugging Face's, except the fused qkv_proj and gate_up_proj, which the
+loader fills through `packed_modules`.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from conveyor.shared.config import ModelConfig
+from conveyor.worker.context import StepContext
+from conveyor.worker.layers.activation import SiluAndMul
+from conveyor.worker.layers.attention import Attention
+from conveyor.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from conveyor.worker.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from conveyor.worker.layers.norm import RMSNorm
+from conveyor.worker.layers.rotary import RotaryEmbedding, apply_rotary
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype,
+                 qkv_bias: bool, o_bias: bool, qk_norm: bool = False):
+        super().__init__()
+        d = config.head_dim
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, d, config.num_attention_heads,
+                                          config.num_key_value_heads, qkv_bias, dtype)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * d, config.hidden_size,
+                                        o_bias, dtype)
+        heads, kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = heads * d, kv_heads * d
+        self.head_dim = d
+        # Qwen3: RMSNorm over each head of q and k, before the rotary embedding.
+        self.q_norm = RMSNorm(d, config.rms_norm_eps, dtype) if qk_norm else None
+        self.k_norm = RMSNorm(d, config.rms_norm_eps, dtype) if qk_norm else None
+        self.attn = Attention(layer_idx, heads, kv_heads, d, scale=d ** -0.5)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                ctx: StepContext) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(t, -1, self.head_dim)                  # [T, heads, head_dim]
+        k = k.reshape(t, -1, self.head_dim)                  # [T, kv_heads, head_dim]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = self.attn(q.view(t, -1), k.view(t, -1), v, ctx)   # [T, heads * head_dim]
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter],
+                                                       dtype=dtype)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, dtype=dtype)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype,
+                 attention_options: dict):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx, dtype, **attention_options)
+        self.mlp = LlamaMLP(config, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(self, x, residual, cos, sin, ctx):
+        """Returns this layer's output and the residual stream, still to be added."""
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos, sin, ctx)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, attention_options: dict):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
+                                          config.rope_theta, config.rope_scaling)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, dtype, attention_options)
+            for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(self, input_ids, positions, ctx):
+        x = self.embed_tokens(input_ids)                     # [T, hidden]
+        cos, sin = self.rotary_emb(positions)                # [T, head_dim / 2] each
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, cos, sin, ctx)
+        return self.norm(x, residual)[0]
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint module name -> (our fused module, shard id in it)
+    packed_modules = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    @staticmethod
+    def attention_options(config: ModelConfig) -> dict:
+        """Keyword arguments of LlamaAttention that vary by model family."""
+        return {"qkv_bias": config.attention_bias, "o_bias": config.attention_bias}
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, dtype, self.attention_options(config))
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                ctx: StepContext) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, hidden]."""
+        return self.model(input_ids, positions, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()                  # [N, vocab]

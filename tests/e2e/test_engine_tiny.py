@@ -1,0 +1,109 @@
+"""The engine against transformers on tiny random Llama, Qwen2 and Qwen3 models.
+
+Greedy tokens must be identical, logprobs close; outputs must not change with the prefix cache,
+chunked prefill, or a KV pool so small that requests are preempted and recomputed.
+"""
+import pytest
+import torch
+from models_util import make_tiny_model
+
+from conveyor import LLM, SamplingParams
+
+PROMPT_LENS = [1, 7, 19, 40, 3]
+NEW = 12
+
+
+def prompts(vocab: int = 256, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
+
+
+@pytest.fixture(scope="module", params=["llama", "llama-tied", "qwen2", "qwen3"])
+def tiny(request, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    path = make_tiny_model(request.param, tmp_path_factory.mktemp(request.param))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return path, hf
+
+
+def hf_greedy(hf, ids: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+                          attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                          output_logits=True, return_dict_in_generate=True,
+                          eos_token_id=None, pad_token_id=0)
+    return out.sequences[0, len(ids):].tolist(), [x[0].log_softmax(-1) for x in out.logits]
+
+
+def make_llm(path, **kw) -> LLM:
+    return LLM(str(path), skip_tokenizer_init=True, block_size=kw.pop("block_size", 4), **kw)
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, logprobs=3)
+
+
+def test_greedy_and_logprobs_match_transformers(tiny):
+    path, hf = tiny
+    outs = make_llm(path).generate(prompts(), GREEDY, use_tqdm=False)
+    for ids, out in zip(prompts(), outs):
+        expected, logprobs = hf_greedy(hf, ids, NEW)
+        comp = out.outputs[0]
+        assert comp.token_ids == expected
+        assert comp.finish_reason == "length"
+        for tok, pos, ref in zip(comp.token_ids, comp.logprobs, logprobs):
+            assert pos[tok].rank == 1
+            assert abs(pos[tok].logprob - ref[tok].item()) < 1e-4
+            top = ref.topk(3).indices.tolist()
+            assert set(top) <= set(pos)
+
+
+@pytest.mark.parametrize("engine_args", [
+    dict(enable_prefix_caching=False),
+    dict(max_num_batched_tokens=8),                   # chunked prefill, mixed batches
+    dict(num_kv_blocks=14, max_num_batched_tokens=16),  # preemption and recompute
+    dict(max_num_seqs=2),
+])
+def test_outputs_do_not_depend_on_scheduling(tiny, engine_args):
+    path, _ = tiny
+    reference = [o.outputs[0].token_ids for o in
+                 make_llm(path).generate(prompts(), GREEDY, use_tqdm=False)]
+    llm = make_llm(path, **engine_args)
+    outs = llm.generate(prompts(), GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    if "num_kv_blocks" in engine_args:
+        assert llm.engine.scheduler.num_preemptions > 0
+        assert sum(o.metrics.num_preemptions for o in outs) > 0
+    stats = llm.engine.scheduler.stats()
+    assert stats.num_free_blocks == stats.num_total_blocks and stats.num_running == 0
+    llm.engine.scheduler.check_integrity()
+
+
+def test_prefix_cache_hits_and_same_outputs(tiny):
+    path, _ = tiny
+    shared = prompts()[3]                                   # 40 tokens: 10 full blocks
+    batch = [shared + [5, 6, 7], shared + [9]]
+    llm = make_llm(path)
+    first = llm.generate(batch[:1], GREEDY, use_tqdm=False)[0]
+    second = llm.generate(batch, GREEDY, use_tqdm=False)
+    assert second[0].outputs[0].token_ids == first.outputs[0].token_ids
+    assert second[0].metrics.num_cached_tokens >= 40
+    cold = make_llm(path, enable_prefix_caching=False).generate(batch, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in second] == [o.outputs[0].token_ids for o in cold]
+    stats = llm.engine.scheduler.stats()
+    assert stats.prefix_cache_hits > 0
+
+
+def test_prompt_logprobs_match_transformers(tiny):
+    path, hf = tiny
+    ids = prompts()[3]
+    llm = make_llm(path, max_num_batched_tokens=16)       # several chunks
+    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2),
+                       use_tqdm=False)[0]
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].log_softmax(-1)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+    for p in range(1, len(ids)):
+        entry = out.prompt_logprobs[p]
+        assert abs(entry[ids[p]].logprob - ref[p - 1, ids[p]].item()) < 1e-4
+        assert set(ref[p - 1].topk(2).indices.tolist()) <= set(entry)

@@ -1,0 +1,227 @@
+"""Our models and paged attention against Hugging Face transformers and a naive reference."""
+from __future__ import annotations
+
+import math
+import random
+import time
+
+import pytest
+import torch
+from models_util import make_tiny_model
+
+from conveyor.shared.model_files import default_model_path, read_model_config, resolve_model
+from conveyor.worker.attention_backend import TorchAttentionBackend
+from conveyor.worker.context import StepContext
+from conveyor.worker.loader import load_model
+
+
+class PagedPool:
+    """A toy block manager: hands out shuffled blocks and builds each step's StepContext."""
+
+    def __init__(self, num_layers, num_blocks, block_size, kv_heads, head_dim, seed=0):
+        gen = torch.Generator().manual_seed(seed)
+        # Garbage, not zeros, in unused slots: reading one shows up as a wrong result.
+        self.kv_caches = [torch.randn(num_blocks, 2, block_size, kv_heads, head_dim,
+                                      generator=gen) for _ in range(num_layers)]
+        self.block_size = block_size
+        self.free = list(range(num_blocks))
+        random.Random(seed).shuffle(self.free)
+        self.tables: dict[int, list[int]] = {}
+        self.lens: dict[int, int] = {}
+
+    def fork(self, src: int, dst: int, num_tokens: int) -> None:
+        """dst starts with the first num_tokens of src, sharing its full blocks (a prefix hit)."""
+        assert num_tokens % self.block_size == 0
+        self.tables[dst] = self.tables[src][:num_tokens // self.block_size]
+        self.lens[dst] = num_tokens
+
+    def step(self, work: list[tuple[int, int]], num_decodes: int):
+        """work: (seq id, number of new tokens) -> positions [T], StepContext."""
+        slots, positions, q_lens, seq_lens = [], [], [], []
+        for sid, n in work:
+            start = self.lens.get(sid, 0)
+            table = self.tables.setdefault(sid, [])
+            while len(table) * self.block_size < start + n:
+                table.append(self.free.pop())
+            for p in range(start, start + n):
+                slots.append(table[p // self.block_size] * self.block_size + p % self.block_size)
+            positions += range(start, start + n)
+            q_lens.append(n)
+            seq_lens.append(start + n)
+            self.lens[sid] = start + n
+        width = max(len(self.tables[sid]) for sid, _ in work)
+        tables = [self.tables[sid] + [0] * (width - len(self.tables[sid])) for sid, _ in work]
+        ctx = StepContext(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            query_start_loc=torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()],
+                                         dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_tables=torch.tensor(tables, dtype=torch.int32),
+            kv_caches=self.kv_caches, query_lens_cpu=q_lens, seq_lens_cpu=seq_lens,
+            num_decodes=num_decodes)
+        return torch.tensor(positions, dtype=torch.int64), ctx
+
+
+def pool_for(model, num_blocks=64, block_size=4):
+    c = model.config
+    return PagedPool(c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads,
+                     c.head_dim)
+
+
+def run_step(model, pool, tokens, work, num_decodes):
+    """Feed each (sid, n) the last n tokens of tokens[sid]; returns logits rows per sid."""
+    positions, ctx = pool.step(work, num_decodes)
+    ids = torch.tensor([t for sid, n in work for t in tokens[sid][len(tokens[sid]) - n:]])
+    with torch.no_grad():
+        logits = model.compute_logits(model(ids, positions, ctx))
+    rows = torch.tensor(ctx.query_lens_cpu).cumsum(0).tolist()
+    return {sid: logits[end - n:end] for (sid, n), end in zip(work, rows)}
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    built = {}
+    for arch in ("llama", "llama-tied", "qwen2", "qwen3"):
+        path = make_tiny_model(arch, tmp_path_factory.mktemp(arch))
+        files = resolve_model(str(path))
+        ours = load_model(read_model_config(files), files, torch.float32, "cpu")
+        ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        built[arch] = ours, ref
+    return built
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama-tied", "qwen2", "qwen3"])
+def test_model_matches_transformers(tiny_models, arch):
+    ours, ref = tiny_models[arch]
+    gen = torch.Generator().manual_seed(1)
+    vocab = ours.config.vocab_size
+    tokens = {sid: torch.randint(3, vocab, (n,), generator=gen).tolist()
+              for sid, n in enumerate([1, 5, 13])}
+    pool = pool_for(ours)
+    worst = 0.0
+
+    def check(out):
+        nonlocal worst
+        for sid, rows in out.items():
+            with torch.no_grad():
+                full = ref(torch.tensor([tokens[sid]])).logits[0]
+            expected = full[len(tokens[sid]) - rows.shape[0]:]
+            worst = max(worst, (rows - expected).abs().max().item())
+            torch.testing.assert_close(rows, expected, atol=1e-4, rtol=1e-4)
+
+    out = run_step(ours, pool, tokens, [(0, 1), (1, 5), (2, 13)], num_decodes=0)
+    check(out)
+    # seq 3 shares seq 2's first 8 tokens (two full blocks) and prefills the rest in two chunks.
+    tokens[3] = tokens[2][:8] + torch.randint(3, vocab, (7,), generator=gen).tolist()
+    pool.fork(2, 3, 8)
+    chunks = [3, 4]      # then seq 3 joins the decodes
+    full3, tokens[3] = tokens[3], tokens[3][:8]
+    for step in range(4):
+        for sid in (0, 1, 2):
+            tokens[sid].append(int(out[sid][-1].argmax()))
+        work = [(0, 1), (1, 1), (2, 1)]
+        if step < 2:
+            tokens[3] = full3[:len(tokens[3]) + chunks[step]]
+            work.append((3, chunks[step]))
+        else:
+            tokens[3].append(int(out[3][-1].argmax()))
+            work.insert(0, (3, 1))
+        out = run_step(ours, pool, tokens, work, num_decodes=len(work) - (step < 2))
+        check(out)
+    print(f"{arch}: max |logit diff| {worst:.2e}")
+
+
+def naive_attention(q, kv_cache, tables, q_lens, seq_lens, scale):
+    """Per sequence, per query: gather its keys position by position; float64 softmax."""
+    bs = kv_cache.shape[2]
+    heads, kv_heads = q.shape[1], kv_cache.shape[3]
+    out, start = torch.zeros_like(q), 0
+    for table, q_len, seq_len in zip(tables, q_lens, seq_lens):
+        kv = torch.stack([kv_cache[table[p // bs], :, p % bs] for p in range(seq_len)])
+        k = kv[:, 0].double().repeat_interleave(heads // kv_heads, dim=1)   # [S, heads, d]
+        v = kv[:, 1].double().repeat_interleave(heads // kv_heads, dim=1)
+        for j in range(q_len):
+            pos = seq_len - q_len + j
+            scores = torch.einsum("hd,shd->hs", q[start + j].double(), k[:pos + 1]) * scale
+            out[start + j] = torch.einsum("hs,shd->hd", scores.softmax(-1), v[:pos + 1]).float()
+        start += q_len
+    return out
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 8), (3, 1, 12), (5, 5, 16)])
+@pytest.mark.parametrize("num_decodes,num_prefills", [(3, 2), (0, 3), (5, 0), (1, 1)])
+def test_attention_backend_matches_naive(block_size, heads, kv_heads, head_dim, num_decodes,
+                                         num_prefills):
+    rng = random.Random(block_size * 1000 + heads * 10 + num_decodes * 3 + num_prefills)
+    decodes = [(1, rng.randint(1, 37)) for _ in range(num_decodes)]
+    # prefill chunks: (query length, cached prefix), prefix not necessarily block-aligned
+    prefills = [(rng.randint(1, 19), rng.choice([0, rng.randint(1, 23)]))
+                for _ in range(num_prefills)]
+    q_lens = [q for q, _ in decodes] + [q for q, _ in prefills]
+    seq_lens = [s for _, s in decodes] + [q + p for q, p in prefills]
+    num_blocks = sum(math.ceil(s / block_size) for s in seq_lens) + 3
+    pool = PagedPool(1, num_blocks, block_size, kv_heads, head_dim, seed=rng.randint(0, 99))
+    for sid, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
+        pool.lens[sid] = seq_len - q_len
+        pool.tables[sid] = [pool.free.pop() for _ in range(math.ceil(pool.lens[sid] / block_size))]
+    _, ctx = pool.step(list(enumerate(q_lens)), num_decodes)
+    t = sum(q_lens)
+    q, k, v = (torch.randn(t + 2, h, head_dim) for h in (heads, kv_heads, kv_heads))
+    ctx.slot_mapping = torch.cat([ctx.slot_mapping, torch.tensor([-1, -1])])   # padded rows
+    backend, scale = TorchAttentionBackend(), head_dim ** -0.5
+    cache = pool.kv_caches[0]
+    before = cache.clone()
+    backend.write_kv(cache, k, v, ctx.slot_mapping)
+    slots = ctx.slot_mapping[:t]
+    assert torch.equal(cache[slots // block_size, 0, slots % block_size], k[:t])
+    assert torch.equal(cache[slots // block_size, 1, slots % block_size], v[:t])
+    touched = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+    touched[slots] = True
+    untouched = (~touched).view(num_blocks, block_size)
+    assert torch.equal(cache.transpose(1, 2)[untouched], before.transpose(1, 2)[untouched])
+
+    out = backend.forward(q, cache, ctx, scale)
+    tables = [pool.tables[sid] for sid in range(len(q_lens))]
+    expected = naive_attention(q[:t], cache, tables, q_lens, seq_lens, scale)
+    torch.testing.assert_close(out[:t], expected, atol=1e-5, rtol=1e-5)
+    assert not out[t:].any()
+
+
+@pytest.mark.slow
+def test_default_gguf_matches_transformers(monkeypatch):
+    path = default_model_path()
+    if not path.is_file():
+        pytest.skip(f"the default model is not at {path} (fetch it with `make model`)")
+    import gguf
+    from transformers import AutoModelForCausalLM
+
+    from conveyor.shared.gguf_reader import FastGGUFReader
+
+    monkeypatch.setattr(gguf, "GGUFReader", FastGGUFReader)   # same arrays, faster metadata
+
+    files = resolve_model(str(path))
+    started = time.perf_counter()
+    ours = load_model(read_model_config(files), files, torch.float32, "cpu")
+    print(f"GGUF load: {time.perf_counter() - started:.2f} s")
+    ref = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                               dtype=torch.float32).eval()
+    prompt = [1, 504, 3575, 282, 4649, 314, 2114, 30, 378, 1789, 282]
+    pool = pool_for(ours, num_blocks=16, block_size=4)
+    tokens = {0: list(prompt)}
+    logits = run_step(ours, pool, tokens, [(0, len(prompt))], num_decodes=0)[0]
+    with torch.no_grad():
+        expected = ref(torch.tensor([prompt])).logits[0]
+    diff = (logits - expected).abs().max().item()
+    print(f"GGUF prompt logits: max |diff| {diff:.2e}, max |logit| {expected.abs().max():.1f}")
+    assert diff < 1e-3 * expected.abs().max().item()
+
+    for _ in range(20):
+        tokens[0].append(int(logits[-1].argmax()))
+        logits = run_step(ours, pool, tokens, [(0, 1)], num_decodes=1)[0]
+    with torch.no_grad():
+        greedy = ref.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
+                              attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    assert tokens[0] == greedy[0].tolist()
