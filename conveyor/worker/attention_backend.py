@@ -13,6 +13,11 @@ import torch.nn.functional as F
 from conveyor.worker.context import StepContext
 
 
+# Up to this many decodes, SDPA on the gathered K/V beats per-head bmm on CPU (measured: 0.16 vs
+# 0.30 ms at batch 1; 2.55 vs 2.20 ms at batch 32).
+_SDPA_MAX_DECODES = 8
+
+
 class TorchAttentionBackend:
     def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
@@ -49,19 +54,29 @@ class TorchAttentionBackend:
 
     @staticmethod
     def _gather(kv_cache: torch.Tensor, block_tables: torch.Tensor, max_len: int):
-        """K and V of the first max_len positions, each [B, padded_len, kv_heads, head_dim]."""
-        num_blocks = -(-max_len // kv_cache.shape[2])
-        blocks = block_tables[:, :num_blocks].long()          # [B, n]
-        b, n = blocks.shape
-        _, _, bs, kvh, d = kv_cache.shape
-        return (kv_cache[blocks, 0].view(b, n * bs, kvh, d),
-                kv_cache[blocks, 1].view(b, n * bs, kvh, d))
+        """K and V of the first max_len positions, each [B, padded_len, kv_heads, head_dim].
+
+        index_select of whole block rows: a memcpy per block, about twice as fast on CPU as
+        advanced indexing, and its output is already in the [B, S, ...] layout.
+        """
+        nb, _, bs, kvh, d = kv_cache.shape
+        num_blocks = -(-max_len // bs)
+        blocks = block_tables[:, :num_blocks].reshape(-1).long()   # [B * n]
+        b = block_tables.shape[0]
+        k = kv_cache[:, 0].flatten(1).index_select(0, blocks)     # [B * n, bs * kvh * d]
+        v = kv_cache[:, 1].flatten(1).index_select(0, blocks)
+        return k.view(b, -1, kvh, d), v.view(b, -1, kvh, d)
 
     def _decode(self, q, kv_cache, block_tables, seq_lens, max_len, scale):
         k, v = self._gather(kv_cache, block_tables, max_len)  # [B, S, kvh, d]
         b, s, kvh, d = k.shape
-        qg = q.float().reshape(b, kvh, -1, d)                  # [B, kvh, group, d]
         pad = torch.arange(s, device=q.device) >= seq_lens.unsqueeze(1)   # [B, S]
+        if b <= _SDPA_MAX_DECODES:   # few sequences: one fused call is cheapest
+            out = F.scaled_dot_product_attention(
+                q.unsqueeze(2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
+                attn_mask=~pad[:, None, None, :], scale=scale, enable_gqa=True)
+            return out.squeeze(2)                              # [B, heads, d]
+        qg = q.float().reshape(b, kvh, -1, d)                  # [B, kvh, group, d]
         out = torch.empty_like(qg)                             # [B, kvh, group, d]
         # One kv head at a time: k[:, :, h] is a strided view that bmm reads without a copy.
         for h in range(kvh):

@@ -152,7 +152,7 @@ def naive_attention(q, kv_cache, tables, q_lens, seq_lens, scale):
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 8), (3, 1, 12), (5, 5, 16)])
-@pytest.mark.parametrize("num_decodes,num_prefills", [(3, 2), (0, 3), (5, 0), (1, 1)])
+@pytest.mark.parametrize("num_decodes,num_prefills", [(3, 2), (0, 3), (5, 0), (1, 1), (11, 1)])
 def test_attention_backend_matches_naive(block_size, heads, kv_heads, head_dim, num_decodes,
                                          num_prefills):
     rng = random.Random(block_size * 1000 + heads * 10 + num_decodes * 3 + num_prefills)
