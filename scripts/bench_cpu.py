@@ -2,14 +2,15 @@
 
 Workload (issue 2): 32 prompts of 32-256 random tokens, 64 new tokens each (ignore EOS, greedy),
 then one prompt alone for single-stream decode speed. Both engines run the same model in the same
-process, one after the other. Prints a table; record it in docs/BENCHMARKS.md.
+process, alternating, --repeat times. Prints a table; record it in docs/BENCHMARKS.md.
 
-    .venv/bin/python scripts/bench_cpu.py [--model PATH] [--num-prompts 32] [--new-tokens 64]
+    .venv/bin/python scripts/bench_cpu.py [--model PATH] [--num-prompts 32] [--repeat 3]
 """
 from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import time
 
 import torch
@@ -55,45 +56,54 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--single-new-tokens", type=int, default=128)
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="alternate the engines this many times and report medians "
+                         "(a shared 2-core machine is noisy)")
     ap.add_argument("--skip-hf", action="store_true")
     args = ap.parse_args()
 
     from conveyor import LLM
     from conveyor.shared.model_files import resolve_model
 
-    llm = LLM(model=args.model)
+    # NOTE: no prefix caching, so repeated runs of the same prompts recompute them in full.
+    llm = LLM(model=args.model, enable_prefix_caching=False)
     vocab = llm.engine.model_config.vocab_size
     prompts = workload(args.num_prompts, args.min_len, args.max_len, vocab)
-    rows = []
-    t, n = run_conveyor(llm, prompts, args.new_tokens)
-    rows.append(("conveyor", f"batch of {len(prompts)}", n, t))
-    t, n = run_conveyor(llm, prompts[:1], args.single_new_tokens)
-    rows.append(("conveyor", "single prompt", n, t))
-    del llm
-
+    hf = None
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
 
         files = resolve_model(args.model)
         if files.is_gguf:
-            model = AutoModelForCausalLM.from_pretrained(files.folder, gguf_file=files.path.name,
-                                                         dtype=torch.float32)
+            hf = AutoModelForCausalLM.from_pretrained(files.folder, gguf_file=files.path.name,
+                                                      dtype=torch.float32)
         else:
-            model = AutoModelForCausalLM.from_pretrained(files.path, dtype=torch.float32)
-        model.eval()
-        pad = model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else 0
-        t, n = run_hf(model, prompts, args.new_tokens, pad)
-        rows.append(("transformers", f"batch of {len(prompts)}", n, t))
-        t, n = run_hf(model, prompts[:1], args.single_new_tokens, pad)
-        rows.append(("transformers", "single prompt", n, t))
+            hf = AutoModelForCausalLM.from_pretrained(files.path, dtype=torch.float32)
+        hf.eval()
+        pad = hf.config.eos_token_id if isinstance(hf.config.eos_token_id, int) else 0
 
-    print(f"\ntorch threads: {torch.get_num_threads()}")
-    print(f"{'engine':<14}{'workload':<18}{'tokens':>8}{'seconds':>10}{'tok/s':>10}")
-    for engine, what, n, t in rows:
-        print(f"{engine:<14}{what:<18}{n:>8}{t:>10.2f}{n / t:>10.1f}")
-    if not args.skip_hf:
-        print(f"ratio batch: {rows[0][2] / rows[0][3] / (rows[2][2] / rows[2][3]):.2f}x, "
-              f"single: {rows[1][2] / rows[1][3] / (rows[3][2] / rows[3][3]):.2f}x")
+    runs: dict[tuple[str, str], list[tuple[int, float]]] = {}
+    for _ in range(args.repeat):
+        for what, batch, new in (("batch", prompts, args.new_tokens),
+                                 ("single", prompts[:1], args.single_new_tokens)):
+            t, n = run_conveyor(llm, batch, new)
+            runs.setdefault(("conveyor", what), []).append((n, t))
+            if hf is not None:
+                t, n = run_hf(hf, batch, new, pad)
+                runs.setdefault(("transformers", what), []).append((n, t))
+
+    def rate(key) -> float:
+        return statistics.median(n / t for n, t in runs[key])
+
+    print(f"\ntorch threads: {torch.get_num_threads()}, runs each: {args.repeat} (median)")
+    print(f"{'engine':<14}{'workload':<10}{'tokens':>8}{'tok/s':>10}  all runs")
+    for (engine, what), rs in runs.items():
+        print(f"{engine:<14}{what:<10}{rs[0][0]:>8}{rate((engine, what)):>10.1f}  "
+              + " ".join(f"{n / t:.1f}" for n, t in rs))
+    if hf is not None:
+        for what in ("batch", "single"):
+            ratio = rate(("conveyor", what)) / rate(("transformers", what))
+            print(f"ratio {what}: {ratio:.2f}x")
 
 
 if __name__ == "__main__":

@@ -26,11 +26,12 @@ class TorchAttentionBackend:
         NOTE: the boolean mask makes a device sync on CUDA; GPU backends use a kernel instead.
         """
         block_size = kv_cache.shape[2]
-        keep = slot_mapping >= 0
-        slots = slot_mapping[keep]
-        blocks, offsets = slots // block_size, slots % block_size
-        kv_cache[blocks, 0, offsets] = k[keep].to(kv_cache.dtype)
-        kv_cache[blocks, 1, offsets] = v[keep].to(kv_cache.dtype)
+        if slot_mapping.device.type != "cpu" or bool((slot_mapping < 0).any()):
+            keep = slot_mapping >= 0
+            slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
+        blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+        kv_cache[blocks, 0, offsets] = k.to(kv_cache.dtype)
+        kv_cache[blocks, 1, offsets] = v.to(kv_cache.dtype)
 
     def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, ctx: StepContext,
                 scale: float) -> torch.Tensor:

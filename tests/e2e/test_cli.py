@@ -1,0 +1,49 @@
+"""The command line: generate, chat (streamed, over stdin) and clear errors for a missing model."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conveyor.cli import main
+from conveyor.shared.model_files import default_model_path
+
+needs_model = pytest.mark.skipif(not default_model_path().is_file(),
+                                 reason="default model not fetched (make model)")
+
+
+@needs_model
+def test_generate_prints_completions(capsys):
+    assert main(["generate", "--max-tokens", "8", "--temperature", "0", "--max-num-seqs", "4",
+                 "The capital of France is", "1, 2, 3,"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n\n") >= 2 and out.strip()
+
+
+@needs_model
+def test_chat_streams_replies():
+    proc = subprocess.run(
+        [sys.executable, "-m", "conveyor.cli", "chat", "--max-tokens", "40", "--max-num-seqs", "2"],
+        input="What is the capital of France?\n", capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout
+
+
+def test_missing_model_is_one_clear_line(capsys, tmp_path):
+    assert main(["generate", "--model", str(tmp_path / "nope"), "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "no model at" in err and "Traceback" not in err
+
+
+def test_missing_default_model_says_how_to_get_it(tmp_path):
+    env = {**os.environ, "CONVEYOR_CACHE": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", "conveyor.cli", "generate", "hi"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2
+    assert "make model" in proc.stderr and str(tmp_path) in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_bad_engine_argument_is_a_clear_error(capsys):
+    assert main(["generate", "--block-size", "3", "hi"]) == 2
+    assert "block_size" in capsys.readouterr().err
