@@ -19,7 +19,7 @@ model: install
 	$(VENV)/bin/conveyor fetch-default-model
 
 demo: model
-	$(VENV)/bin/conveyor generate --echo --max-tokens 48 "The three primary colors are"
+	$(VENV)/bin/conveyor generate --chat --echo --max-tokens 64 "Name the three primary colors."
 
 test: model
 	$(VENV)/bin/pytest -q

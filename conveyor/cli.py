@@ -1,4 +1,4 @@
-"""The command line: `conveyor generate | chat | fetch-default-model`.
+"""The command line: `conveyor generate | chat | serve | fetch-default-model`.
 
 Engine arguments are EngineConfig's fields as kebab-case flags (`--max-num-seqs 64`), the same
 names as vLLM's where one exists.
@@ -13,6 +13,7 @@ import typing
 from conveyor.shared.config import EngineConfig
 
 _SKIP = {"model", "tokenizer"}
+_ALIASES = {"tensor_parallel_size": ["--tp"]}
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -23,13 +24,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(EngineConfig):
         if f.name in _SKIP:
             continue
-        flag = "--" + f.name.replace("_", "-")
+        flags = ["--" + f.name.replace("_", "-"), *_ALIASES.get(f.name, [])]
         kind = hints[f.name]
         if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+            parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default)
             continue
         base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
-        parser.add_argument(flag, type=base, default=f.default, metavar=f.name.upper())
+        parser.add_argument(*flags, type=base, default=f.default, metavar=f.name.upper())
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -55,10 +56,14 @@ def cmd_generate(args) -> int:
     from conveyor import LLM
 
     llm = LLM(**engine_kwargs(args))
-    outputs = llm.generate(args.prompts, _sampling(args), use_tqdm=False)
-    for out in outputs:
+    if args.chat:
+        conversations = [[{"role": "user", "content": p}] for p in args.prompts]
+        outputs = llm.chat(conversations, _sampling(args), use_tqdm=False)
+    else:
+        outputs = llm.generate(args.prompts, _sampling(args), use_tqdm=False)
+    for prompt, out in zip(args.prompts, outputs):
         for c in out.outputs:
-            print(f"{out.prompt}{c.text}" if args.echo else c.text)
+            print(f"{prompt}\n{c.text}" if args.echo else c.text)
             print()
     return 0
 
@@ -91,6 +96,17 @@ def cmd_chat(args) -> int:
         history.append({"role": "assistant", "content": reply})
 
 
+def cmd_serve(args) -> int:
+    from conveyor.launcher import LaunchError, serve
+
+    try:
+        return serve(EngineConfig.from_kwargs(**engine_kwargs(args)), args.host, args.zmq_port,
+                     args.frontends, args.zmq_curve_keys, args.startup_timeout)
+    except LaunchError as e:
+        print(f"conveyor: error: {e}", file=sys.stderr)
+        return 2
+
+
 def cmd_fetch(args) -> int:
     from conveyor.shared.model_files import fetch_default_model
 
@@ -105,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="complete prompts and print the results")
     gen.add_argument("prompts", nargs="+", metavar="PROMPT")
     gen.add_argument("--echo", action="store_true", help="print the prompt before its completion")
+    gen.add_argument("--chat", action="store_true",
+                     help="send each prompt as a user message through the chat template")
     _add_sampling_args(gen, max_tokens=64)
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
@@ -114,6 +132,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(chat, max_tokens=512)
     add_engine_args(chat)
     chat.set_defaults(func=cmd_chat)
+
+    srv = sub.add_parser("serve", help="run the engine as a server (ZMQ client port)")
+    srv.add_argument("--host", default="127.0.0.1", help="address the client port binds")
+    srv.add_argument("--zmq-port", type=int, default=5555,
+                     help="frontend i listens on ZMQ_PORT + i (0: any free port)")
+    srv.add_argument("--frontends", type=int, default=1, help="number of frontend processes")
+    srv.add_argument("--zmq-curve-keys", default=None, metavar="DIR",
+                     help="require CurveZMQ: server keypair in DIR (created if missing)")
+    srv.add_argument("--startup-timeout", type=float, default=600.0, metavar="SECONDS")
+    add_engine_args(srv)
+    srv.set_defaults(func=cmd_serve)
 
     fetch = sub.add_parser("fetch-default-model", help="download the default model into the cache")
     fetch.set_defaults(func=cmd_fetch)

@@ -21,6 +21,14 @@ def test_generate_prints_completions(capsys):
 
 
 @needs_model
+def test_generate_chat_mode(capsys):
+    assert main(["generate", "--chat", "--echo", "--max-tokens", "24", "--max-num-seqs", "2",
+                 "What is the capital of France?"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("What is the capital of France?\n") and "Paris" in out
+
+
+@needs_model
 def test_chat_streams_replies():
     proc = subprocess.run(
         [sys.executable, "-m", "conveyor.cli", "chat", "--max-tokens", "40", "--max-num-seqs", "2"],
