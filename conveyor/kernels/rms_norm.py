@@ -1,0 +1,68 @@
+"""RMSNorm with an optional fused residual add, rounding like the torch layer (and HF):
+the sum x + residual is rounded to the model dtype, normalised in float32, rounded, then scaled
+by the weight. One program per row.
+"""
+import torch
+
+from conveyor.kernels._triton import jit, require_triton, tl
+from conveyor.kernels._util import check, next_pow2
+
+
+@jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps,
+                     stride_x, stride_r, stride_o, stride_ro,
+                     N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        x = (x.to(tl.float32) + tl.load(res_ptr + row * stride_r + cols, mask=mask,
+                                        other=0.0).to(tl.float32)).to(x.dtype)
+        tl.store(res_out_ptr + row * stride_ro + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, 0) / N + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    y = (xf * rstd).to(x.dtype).to(tl.float32) * w.to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None):
+    """x [T, N] (rows may be strided) -> normed [T, N]; with a residual, also x + residual.
+
+    Returns `normed` or `(normed, x + residual)`, both new contiguous tensors.
+    """
+    require_triton()
+    check(x.dim() == 2 and x.stride(1) == 1, f"x must be [T, N] with unit column stride, got "
+          f"{tuple(x.shape)} strides {x.stride()}")
+    t, n = x.shape
+    check(weight.shape == (n,) and weight.is_contiguous(), f"weight {tuple(weight.shape)} for "
+          f"rows of {n}")
+    check(x.dtype in (torch.float16, torch.bfloat16, torch.float32), f"x dtype {x.dtype}")
+    out = torch.empty((t, n), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    res_out = None
+    if residual is not None:
+        check(residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(1) == 1,
+              f"residual {tuple(residual.shape)} {residual.dtype} for x {tuple(x.shape)} "
+              f"{x.dtype}")
+        res_out = torch.empty((t, n), dtype=x.dtype, device=x.device)
+    if t:
+        r = residual if residual is not None else x
+        ro = res_out if res_out is not None else out
+        block = next_pow2(n)
+        _rms_norm_kernel[(t,)](x, r, weight, out, ro, eps, x.stride(0), r.stride(0),
+                               out.stride(0), ro.stride(0), N=n, BLOCK=block,
+                               HAS_RESIDUAL=residual is not None,
+                               num_warps=min(16, max(1, block // 256)))
+    return out if residual is None else (out, res_out)
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None):
+    """The torch layer's math (conveyor.worker.layers.norm.RMSNorm)."""
+    if residual is not None:
+        x = x + residual
+    xf = x.float()
+    y = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return y if residual is None else (y, x)

@@ -1,0 +1,38 @@
+"""SiLU-and-multiply of a fused gate/up projection: x [T, 2I] -> silu(x[:, :I]) * x[:, I:]."""
+import torch
+import torch.nn.functional as F
+
+from conveyor.kernels._triton import jit, require_triton, tl
+from conveyor.kernels._util import check
+
+_BLOCK = 1024
+
+
+@jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, INTER: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < INTER
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + INTER + cols, mask=mask, other=0.0).to(tl.float32)
+    y = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    require_triton()
+    check(x.dim() == 2 and x.shape[1] % 2 == 0 and x.stride(1) == 1,
+          f"x must be [T, 2 * I] with unit column stride, got {tuple(x.shape)}")
+    t, i = x.shape[0], x.shape[1] // 2
+    out = torch.empty((t, i), dtype=x.dtype, device=x.device)
+    if t:
+        _silu_and_mul_kernel[(t, -(-i // _BLOCK))](x, out, x.stride(0), out.stride(0),
+                                                          INTER=i, BLOCK=_BLOCK, num_warps=4)
+    return out
+
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -1,0 +1,62 @@
+"""Write this step's K and V into the paged pool at their slots; slot -1 (padding) is skipped.
+
+The pool of one layer is [num_blocks, 2, block_size, kv_heads, head_dim] (0 = K, 1 = V); slot
+s lands in block s // block_size at offset s % block_size. One program per token, no host sync.
+"""
+import torch
+
+from conveyor.kernels._triton import jit, require_triton, tl
+from conveyor.kernels._util import check, next_pow2
+
+
+@jit
+def _store_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr,
+                     stride_kt, stride_kh, stride_vt, stride_vh,
+                     stride_cb, stride_ckv, stride_cs, stride_ch,
+                     KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+                     BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:
+        h = tl.arange(0, BLOCK_H)
+        d = tl.arange(0, BLOCK_D)
+        mask = (h < KV_HEADS)[:, None] & (d < HEAD_DIM)[None, :]
+        k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
+        v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+        dst = (cache_ptr + (slot // PAGE_SIZE) * stride_cb + (slot % PAGE_SIZE) * stride_cs
+               + h[:, None] * stride_ch + d[None, :])
+        tl.store(dst, k, mask=mask)
+        tl.store(dst + stride_ckv, v, mask=mask)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k, v [T, kv_heads, head_dim] (any token/head strides, unit dim stride) -> kv_cache."""
+    require_triton()
+    t, kvh, d = k.shape
+    check(v.shape == k.shape, f"k {tuple(k.shape)} and v {tuple(v.shape)} differ")
+    check(kv_cache.dim() == 5 and kv_cache.shape[1] == 2 and kv_cache.shape[3:] == (kvh, d),
+          f"kv_cache {tuple(kv_cache.shape)} is not [blocks, 2, block_size, {kvh}, {d}]")
+    check(k.dtype == v.dtype == kv_cache.dtype, f"dtypes differ: k {k.dtype}, v {v.dtype}, "
+          f"cache {kv_cache.dtype}")
+    check(k.stride(2) == 1 and v.stride(2) == 1 and kv_cache.stride(4) == 1,
+          "the head_dim axis must be contiguous")
+    check(slot_mapping.shape[0] >= t and slot_mapping.dtype in (torch.int32, torch.int64),
+          f"slot_mapping {tuple(slot_mapping.shape)} {slot_mapping.dtype} for {t} tokens")
+    check(k.device == v.device == kv_cache.device == slot_mapping.device, "devices differ")
+    if t == 0:
+        return
+    _store_kv_kernel[(t,)](
+        k, v, kv_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        KV_HEADS=kvh, HEAD_DIM=d, BLOCK_H=next_pow2(kvh), BLOCK_D=next_pow2(d),
+        PAGE_SIZE=kv_cache.shape[2], num_warps=4)
+
+
+def store_kv_ref(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+    """The torch reference (the CPU backend's write_kv)."""
+    from conveyor.worker.attention_backend import TorchAttentionBackend
+
+    TorchAttentionBackend().write_kv(kv_cache, k, v, slot_mapping[:k.shape[0]])

@@ -1,0 +1,42 @@
+"""Paged attention on the GPU through the Triton kernels: the same interface as
+TorchAttentionBackend (write_kv, forward), with no host sync and no per-sequence loop, so it can
+run inside a CUDA graph.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from conveyor.worker.context import StepContext
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+class TritonAttentionBackend:
+    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        from conveyor.kernels.store_kv import store_kv
+
+        store_kv(k, v, kv_cache, slot_mapping)
+
+    def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, ctx: StepContext,
+                scale: float) -> torch.Tensor:
+        """Attend q [T, heads, head_dim] to the pool; rows past the last sequence are zeros."""
+        from conveyor.kernels.paged_attention import default_num_splits, paged_attention
+
+        num_seqs = len(ctx.query_lens_cpu)
+        decode_only = ctx.num_decodes == num_seqs
+        splits = 1
+        if decode_only:   # few sequences: split each context so the grid fills the GPU
+            splits = default_num_splits(num_seqs, kv_cache.shape[3], _num_sms(q.device.index or 0))
+        out = paged_attention(q, kv_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
+                              scale, 1 if decode_only else max(ctx.query_lens_cpu),
+                              num_splits=splits)
+        used = num_seqs if decode_only else sum(ctx.query_lens_cpu)
+        if used < q.shape[0]:
+            out[used:].zero_()
+        return out

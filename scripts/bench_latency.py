@@ -1,0 +1,70 @@
+"""Single-stream latency: decode ms per output token at batch 1, and time to first token for a
+1024-token prompt (fresh random prompts, so the prefix cache never helps).
+
+    python scripts/bench_latency.py --shape qwen3-0.6b --random-weights
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model")
+    ap.add_argument("--shape", choices=["qwen3-0.6b", "llama3.1-8b"])
+    ap.add_argument("--random-weights", action="store_true")
+    ap.add_argument("--num-layers", type=int, default=None)
+    ap.add_argument("--prompt-len", type=int, default=1024)
+    ap.add_argument("--decode-tokens", type=int, default=256)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    path = args.model
+    if path is None:
+        if not (args.shape and args.random_weights):
+            ap.error("give --model, or --shape with --random-weights")
+        sys.path.insert(0, str(Path(__file__).parent))
+        from bench_models import build_random_model
+
+        extra = {"num_hidden_layers": args.num_layers} if args.num_layers else {}
+        path = str(build_random_model(args.shape, **extra))
+
+    from conveyor import LLM, SamplingParams
+
+    llm = LLM(model=path, device="cuda", skip_tokenizer_init=True, max_num_seqs=8,
+              max_model_len=4096, max_num_batched_tokens=4096, enforce_eager=args.enforce_eager)
+    rng = random.Random(0)
+
+    def prompt(n):
+        return [rng.randint(0, 10000) for _ in range(n)]
+
+    def timed(n_prompt, n_out):
+        p = SamplingParams(temperature=0, ignore_eos=True, max_tokens=n_out)
+        t0 = time.perf_counter()
+        llm.generate([prompt(n_prompt)], p, use_tqdm=False)
+        return time.perf_counter() - t0
+
+    timed(32, 16)          # warm-up
+    ttft = [timed(args.prompt_len, 1) for _ in range(args.repeat)]
+    short = [timed(16, 1) for _ in range(args.repeat)]
+    long = [timed(16, args.decode_tokens + 1) for _ in range(args.repeat)]
+    per_token = (statistics.median(long) - statistics.median(short)) / args.decode_tokens
+    result = {"shape": args.shape or path, "decode_ms_per_token": round(per_token * 1e3, 3),
+              "ttft_ms": round(statistics.median(ttft) * 1e3, 2),
+              "prompt_len": args.prompt_len, "eager": args.enforce_eager}
+    print(f"decode: {per_token * 1e3:.3f} ms/token (batch 1); TTFT for {args.prompt_len} "
+          f"tokens: {statistics.median(ttft) * 1e3:.1f} ms")
+    if args.json:
+        with open(args.json, "a") as f:
+            f.write(json.dumps(result) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""Random-weight models of published shapes (../shared GPU.md), saved as Hugging Face folders so
+the engine loads them like any checkpoint. Used by the GPU benchmarks and tests.
+"""
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import torch
+
+SHAPES = {
+    "qwen3-0.6b": ("Qwen3Config", dict(
+        num_hidden_layers=28, hidden_size=1024, num_attention_heads=16, num_key_value_heads=8,
+        head_dim=128, intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True,
+        rope_theta=1e6, max_position_embeddings=40960, rms_norm_eps=1e-6)),
+    "llama3.1-8b": ("LlamaConfig", dict(
+        num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False,
+        max_position_embeddings=131072, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192})),
+}
+
+
+def build_random_model(shape: str, folder: str | Path | None = None, seed: int = 0,
+                       **overrides) -> Path:
+    """Save a random bfloat16 model of `shape` (see SHAPES) into `folder` (a temp dir if None);
+    `overrides` change config fields, e.g. num_hidden_layers=4."""
+    import transformers
+
+    config_class, args = SHAPES[shape]
+    config = getattr(transformers, config_class)(**{**args, "bos_token_id": 1,
+                                                    "eos_token_id": 2, **overrides})
+    torch.manual_seed(seed)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(device):   # random init on the GPU: seconds, not minutes, for 8B
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    folder = Path(folder or tempfile.mkdtemp(prefix=f"conveyor-{shape}-"))
+    model.save_pretrained(folder)
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return folder

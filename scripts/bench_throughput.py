@@ -1,0 +1,111 @@
+"""Offline throughput on the reference workload (issue 4), Nano-vLLM's benchmark:
+
+256 requests, random.seed(0); prompt = random token ids in [0, 10000], lengths uniform in
+[100, 1024]; max_tokens uniform in [100, 1024]; ignore_eos; temperature 0.6; one warm-up call.
+Reports output tokens / wall time.
+
+    python scripts/bench_throughput.py --shape qwen3-0.6b --random-weights [--compare-hf]
+    python scripts/bench_throughput.py --model /path/to/hf/folder
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+
+def workload(num_requests: int = 256, max_input: int = 1024, max_output: int = 1024):
+    random.seed(0)
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, max_input))]
+               for _ in range(num_requests)]
+    max_tokens = [random.randint(100, max_output) for _ in range(num_requests)]
+    return prompts, max_tokens
+
+
+def run_hf(path: str, prompts, max_tokens, batch: int = 64) -> tuple[float, int]:
+    """transformers generate, static left-padded batches of `batch`, sampling like ours."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    total, started = 0, time.perf_counter()
+    with torch.inference_mode():
+        for b in range(0, len(order), batch):
+            idx = order[b:b + batch]
+            width = max(len(prompts[i]) for i in idx)
+            ids = torch.tensor([[0] * (width - len(prompts[i])) + prompts[i] for i in idx]).cuda()
+            mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i])
+                                 for i in idx]).cuda()
+            new = max(max_tokens[i] for i in idx)
+            model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                           do_sample=True, temperature=0.6, top_k=0, top_p=1.0, pad_token_id=0)
+            total += sum(max_tokens[i] for i in idx)   # count only what each request asked for
+    torch.cuda.synchronize()
+    return time.perf_counter() - started, total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", help="a Hugging Face folder")
+    ap.add_argument("--shape", choices=["qwen3-0.6b", "llama3.1-8b"])
+    ap.add_argument("--random-weights", action="store_true",
+                    help="build --shape with random weights (nothing downloaded)")
+    ap.add_argument("--num-layers", type=int, default=None, help="override the layer count")
+    ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--compare-hf", action="store_true")
+    ap.add_argument("--json", help="append the result as a JSON line to this file")
+    args = ap.parse_args()
+
+    path = args.model
+    if path is None:
+        if not (args.shape and args.random_weights):
+            ap.error("give --model, or --shape with --random-weights")
+        import sys
+        from pathlib import Path
+
+        sys.path.insert(0, str(Path(__file__).parent))
+        from bench_models import build_random_model
+
+        extra = {"num_hidden_layers": args.num_layers} if args.num_layers else {}
+        path = str(build_random_model(args.shape, **extra))
+
+    from conveyor import LLM, SamplingParams
+
+    prompts, max_tokens = workload(args.num_requests)
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
+    t0 = time.perf_counter()
+    llm = LLM(model=path, device="cuda", skip_tokenizer_init=True,
+              max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+              max_num_batched_tokens=args.max_num_batched_tokens,
+              enforce_eager=args.enforce_eager)
+    startup = time.perf_counter() - t0
+    llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=8), use_tqdm=False)   # warm-up
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    result = {"shape": args.shape or path, "requests": len(prompts),
+              "prompt_tokens": sum(map(len, prompts)), "output_tokens": out_tokens,
+              "seconds": round(elapsed, 3), "tok_per_s": round(out_tokens / elapsed, 1),
+              "startup_s": round(startup, 1), "eager": args.enforce_eager}
+    print(f"conveyor: {out_tokens} output tokens in {elapsed:.2f} s = "
+          f"{out_tokens / elapsed:,.0f} tok/s (startup {startup:.1f} s)")
+    if args.compare_hf:
+        del llm
+        hf_s, hf_tokens = run_hf(path, prompts, max_tokens)
+        result["hf_tok_per_s"] = round(hf_tokens / hf_s, 1)
+        print(f"transformers: {hf_tokens} tokens in {hf_s:.1f} s = {hf_tokens / hf_s:,.0f} tok/s;"
+              f" ratio {result['tok_per_s'] / result['hf_tok_per_s']:.1f}x")
+    if args.json:
+        with open(args.json, "a") as f:
+            f.write(json.dumps(result) + "\n")
+
+
+if __name__ == "__main__":
+    main()

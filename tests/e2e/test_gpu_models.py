@@ -1,0 +1,57 @@
+"""Random Qwen3-0.6B- and Llama-3.1-8B-shaped models (4 layers) on the GPU: conveyor's greedy
+tokens against transformers' on the same GPU. Equal, or at the first divergence each side's
+token is in the other's top-5 (vLLM's check_logprobs_close)."""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+
+PROMPTS = [[5, 100, 2000, 31, 7, 999, 4242, 17, 256, 3000],
+           list(range(300, 341)), [9] * 3 + list(range(1000, 1150))]
+NEW_TOKENS = 24
+TOP = 5
+
+
+@pytest.mark.parametrize("shape", ["qwen3-0.6b", "llama3.1-8b"])
+def test_greedy_matches_transformers(shape, tmp_path):
+    from bench_models import build_random_model
+    from transformers import AutoModelForCausalLM
+
+    from conveyor import LLM, SamplingParams
+
+    # a wider init than HF's 0.02 so the next-token distributions are not flat
+    path = build_random_model(shape, tmp_path / shape, num_hidden_layers=4,
+                              initializer_range=0.05)
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    hf = []
+    with torch.inference_mode():
+        for p in PROMPTS:
+            out = ref.generate(torch.tensor([p], device="cuda"), max_new_tokens=NEW_TOKENS,
+                               min_new_tokens=NEW_TOKENS, do_sample=False, output_scores=True,
+                               return_dict_in_generate=True, pad_token_id=0,
+                               attention_mask=torch.ones(1, len(p), device="cuda",
+                                                         dtype=torch.long))
+            tokens = out.sequences[0, len(p):].tolist()
+            tops = [s[0].float().topk(TOP).indices.tolist() for s in out.scores]
+            hf.append((tokens, tops))
+    del ref
+    torch.cuda.empty_cache()
+
+    llm = LLM(model=str(path), device="cuda", skip_tokenizer_init=True, max_num_seqs=8,
+              max_model_len=512, gpu_memory_utilization=0.5)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=TOP)
+    ours = llm.generate(PROMPTS, params, use_tqdm=False)
+    for (hf_tokens, hf_tops), out in zip(hf, ours):
+        tokens = out.outputs[0].token_ids
+        for j, (a, b) in enumerate(zip(tokens, hf_tokens)):
+            if a != b:
+                our_top = set(out.outputs[0].logprobs[j])
+                assert a in hf_tops[j] and b in our_top, (
+                    f"{shape}: first divergence at token {j}: ours {a} (HF top-{TOP} "
+                    f"{hf_tops[j]}), HF {b} (our top-{TOP} {sorted(our_top)})")
+                break

@@ -1,0 +1,138 @@
+"""store_kv and paged_attention against the torch backend (the reference), on mixed batches of
+decodes and prefill chunks with cached prefixes not aligned to blocks, GQA groups 1/4/8, block
+sizes 16/32, head_dim 64/128, the split-KV path, and padded slots."""
+import math
+import random
+
+import pytest
+import torch
+
+from conveyor.worker.attention_backend import TorchAttentionBackend
+from conveyor.worker.context import StepContext
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [torch.float16, torch.bfloat16]
+TOL = {torch.float16: dict(atol=2e-3, rtol=2e-3), torch.bfloat16: dict(atol=1.5e-2, rtol=1.5e-2)}
+
+
+def make_batch(rng, decodes, prefills, block_size, kv_heads, head_dim, dtype):
+    """decodes: context lengths; prefills: (query length, cached prefix). -> ctx, tables."""
+    q_lens = [1] * len(decodes) + [q for q, _ in prefills]
+    seq_lens = list(decodes) + [q + p for q, p in prefills]
+    num_blocks = sum(math.ceil(s / block_size) for s in seq_lens) + 5
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(math.ceil(s / block_size))] for s in seq_lens]
+    width = max(len(t) for t in tables) + 2
+    gen = torch.Generator(device="cuda").manual_seed(rng.randint(0, 10**6))
+    # garbage everywhere: a read outside the context shows up as a wrong result
+    cache = torch.randn(num_blocks, 2, block_size, kv_heads, head_dim, generator=gen,
+                        device="cuda").to(dtype)
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    slots = []
+    for table, q_len, seq_len in zip(tables, q_lens, seq_lens):
+        slots += [table[p // block_size] * block_size + p % block_size
+                  for p in range(seq_len - q_len, seq_len)]
+    ctx = StepContext(
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device="cuda"),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device="cuda"),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables],
+                                  dtype=torch.int32, device="cuda"),
+        kv_caches=[cache], query_lens_cpu=q_lens, seq_lens_cpu=seq_lens,
+        num_decodes=len(decodes))
+    return ctx
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("kv_heads,head_dim", [(8, 128), (3, 64)])
+def test_store_kv(dtype, block_size, kv_heads, head_dim):
+    from conveyor.kernels.store_kv import store_kv, store_kv_ref
+
+    t, num_blocks = 123, 20
+    cache = torch.randn(num_blocks, 2, block_size, kv_heads, head_dim, device="cuda").to(dtype)
+    kv = torch.randn(t, 3, kv_heads, head_dim, device="cuda").to(dtype)
+    k, v = kv[:, 1], kv[:, 2]                                   # strided views, like qkv's
+    slots = torch.randperm(num_blocks * block_size, device="cuda")[:t]
+    slots[::7] = -1                                             # padding rows
+    want = cache.clone()
+    store_kv_ref(k, v, want, slots)
+    store_kv(k, v, cache, slots)
+    assert torch.equal(cache, want)
+
+
+CASES = [
+    # (decode context lengths, prefills as (query length, cached prefix))
+    ([5, 1, 37, 300, 17], []),
+    ([], [(123, 0), (5, 0)]),
+    ([9, 64, 1000], [(70, 33), (1, 15), (200, 0)]),
+    ([2048], [(17, 100)]),
+    ([3] * 40, [(300, 531)]),
+]
+
+
+# (dtype, block size, GQA group, head_dim): a spread, not the full product (each compiles)
+CONFIGS = [(torch.bfloat16, 16, 2, 128), (torch.bfloat16, 32, 4, 128),
+           (torch.float16, 16, 8, 64), (torch.float16, 32, 1, 128), (torch.bfloat16, 16, 3, 64)]
+
+
+@pytest.mark.parametrize("dtype,block_size,group,head_dim", CONFIGS)
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_paged_attention(dtype, block_size, group, head_dim, case):
+    from conveyor.kernels.paged_attention import paged_attention
+
+    rng = random.Random(case * 97 + group * 7 + head_dim + block_size)
+    decodes, prefills = CASES[case]
+    kv_heads = 2
+    ctx = make_batch(rng, decodes, prefills, block_size, kv_heads, head_dim, dtype)
+    t = sum(ctx.query_lens_cpu)
+    q = torch.randn(t, kv_heads * group, head_dim, device="cuda").to(dtype)
+    scale = head_dim ** -0.5
+    cache = ctx.kv_caches[0]
+    want = TorchAttentionBackend().forward(q.float(), cache.float(), ctx, scale)
+    for splits in (1, 3) if not prefills else (1,):
+        got = paged_attention(q, cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
+                              scale, max(ctx.query_lens_cpu), num_splits=splits)
+        torch.testing.assert_close(got.float(), want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("splits", [1, 2, 16])
+def test_paged_attention_split_kv_long_context(splits):
+    from conveyor.kernels.paged_attention import paged_attention
+
+    rng = random.Random(splits)
+    ctx = make_batch(rng, [4000, 1, 777], [], 16, 8, 128, torch.bfloat16)
+    q = torch.randn(3, 16, 128, device="cuda").to(torch.bfloat16)
+    want = TorchAttentionBackend().forward(q.float(), ctx.kv_caches[0].float(), ctx, 0.1)
+    got = paged_attention(q, ctx.kv_caches[0], ctx.block_tables, ctx.seq_lens,
+                          ctx.query_start_loc, 0.1, 1, num_splits=splits)
+    torch.testing.assert_close(got.float(), want, **TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_backend_matches_torch(dtype):
+    """The backend: write_kv then forward, with padded rows (slot -1) past the batch."""
+    from conveyor.worker.triton_backend import TritonAttentionBackend
+
+    rng = random.Random(5)
+    ctx = make_batch(rng, [7, 100], [(33, 17), (5, 0)], 16, 2, 128, dtype)
+    t = sum(ctx.query_lens_cpu)
+    q = torch.randn(t + 2, 8, 128, device="cuda").to(dtype)
+    k = torch.randn(t + 2, 2, 128, device="cuda").to(dtype)
+    v = torch.randn(t + 2, 2, 128, device="cuda").to(dtype)
+    ctx.slot_mapping = torch.cat([ctx.slot_mapping,
+                                  torch.tensor([-1, -1], device="cuda")])
+    cache = ctx.kv_caches[0]
+    ref_cache = cache.clone()
+    torch_backend, triton_backend = TorchAttentionBackend(), TritonAttentionBackend()
+    torch_backend.write_kv(ref_cache, k, v, ctx.slot_mapping)
+    triton_backend.write_kv(cache, k, v, ctx.slot_mapping)
+    assert torch.equal(cache, ref_cache)
+    want = torch_backend.forward(q.float(), ref_cache.float(), ctx, 0.08)
+    got = triton_backend.forward(q, cache, ctx, 0.08)
+    torch.testing.assert_close(got.float(), want, **TOL[dtype])
+    assert not got[t:].any()
