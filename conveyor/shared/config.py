@@ -123,3 +123,22 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """What `conveyor serve` hands every child process (besides its rank or index)."""
+    engine: EngineConfig
+    runtime_dir: str                         # private ipc:// socket folder of this instance
+    launcher_pid: int
+    host: str = "127.0.0.1"
+    zmq_port: int = 0                        # frontend i listens on zmq_port + i (0: any port)
+    num_frontends: int = 1
+    zmq_curve_keys: str | None = None        # folder with the CurveZMQ server keypair
+    dist_port: int = 0                       # torch.distributed rendezvous on 127.0.0.1
+
+    def __post_init__(self) -> None:
+        if self.num_frontends < 1:
+            raise ValueError(f"frontends must be at least 1, got {self.num_frontends}")
+        if not 0 <= self.zmq_port <= 65535 - self.num_frontends:
+            raise ValueError(f"zmq_port must be a TCP port, got {self.zmq_port}")

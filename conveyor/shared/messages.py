@@ -4,9 +4,11 @@ Messages are msgspec Structs encoded as msgpack. On the wire a message is two fr
 type tag, then the msgpack body. Decoding checks the tag, the size and the schema, so a malformed
 frame becomes a `MessageError`, never a crash and never arbitrary objects (no pickle anywhere).
 
-Flow (see docs/ARCHITECTURE.md):
-  frontend  -> scheduler : AddRequest, Abort
-  scheduler -> frontend  : TokenOutputs
+Flow (see docs/ARCHITECTURE.md; the client protocol is in docs/PROTOCOL.md):
+  client    -> frontend  : GenerateRequest, CancelRequest, StatsRequest
+  frontend  -> client    : GenerateOutput, ErrorReply, Stats
+  frontend  -> scheduler : AddRequest, Abort, StatsRequest
+  scheduler -> frontend  : TokenOutputs, Stats
   scheduler -> workers   : StepPlan (deltas: a sequence is sent whole once, then only what changed)
   worker 0  -> scheduler : StepResult
 """
@@ -124,10 +126,63 @@ class Stats(msgspec.Struct, omit_defaults=True):
     integrity_ok: bool = True
 
 
+# --- client <-> frontend (the public ZMQ protocol, docs/PROTOCOL.md) -------------------------
+
+class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Exactly one of prompt, prompt_token_ids and messages is set."""
+    id: str                                  # chosen by the client, unique among its open requests
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[dict[str, str]] | None = None   # chat: [{"role": ..., "content": ...}]
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    stream: bool = False                     # True: a GenerateOutput per step with the new text
+    priority: int = 0
+
+
+class CancelRequest(msgspec.Struct):
+    id: str
+
+
+class StatsRequest(msgspec.Struct):
+    pass
+
+
+class Logprob(msgspec.Struct, array_like=True):
+    token_id: int
+    logprob: float
+    rank: int
+    text: str | None = None
+
+
+class Completion(msgspec.Struct, omit_defaults=True):
+    """One of the n samples: whole when not streaming, else what is new since the last output."""
+    index: int
+    text: str = ""
+    token_ids: list[int] = []
+    logprobs: list[list[Logprob]] | None = None   # per token: the chosen one first, then top-k
+    finish_reason: str | None = None         # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None
+    error: str | None = None
+
+
+class GenerateOutput(msgspec.Struct, omit_defaults=True):
+    id: str
+    outputs: list[Completion]
+    finished: bool = False
+    prompt_token_ids: list[int] | None = None   # in the first output of a request
+
+
+class ErrorReply(msgspec.Struct):
+    id: str | None                           # None: the frame could not be read at all
+    error: str
+
+
 # --- codec ------------------------------------------------------------------------------------
 
+# NOTE: a type's tag is its position here plus one; append only, clients depend on the tags.
 MESSAGE_TYPES: tuple[type, ...] = (
     AddRequest, Abort, TokenOutputs, StepPlan, StepResult, Ready, Shutdown, EngineDead, Stats,
+    GenerateRequest, CancelRequest, StatsRequest, GenerateOutput, ErrorReply,
 )
 _TAG = {cls: bytes([i + 1]) for i, cls in enumerate(MESSAGE_TYPES)}
 _DECODERS = {bytes([i + 1]): msgspec.msgpack.Decoder(cls) for i, cls in enumerate(MESSAGE_TYPES)}

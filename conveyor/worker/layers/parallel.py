@@ -36,3 +36,20 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(tp_size())]
     dist.all_gather(parts, x.contiguous())
     return torch.cat(parts, dim=-1)
+
+
+def min_over_ranks(value: int, device: torch.device) -> int:
+    if tp_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.long, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def broadcast_from_rank0(values: list[int], device: torch.device) -> list[int]:
+    """Rank 0's `values` on every rank (each rank passes a list of the same length)."""
+    if tp_size() == 1 or not values:
+        return values
+    t = torch.tensor(values, dtype=torch.long, device=device)
+    dist.broadcast(t, src=0)
+    return t.tolist()

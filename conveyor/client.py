@@ -1,0 +1,359 @@
+"""The ZMQ client library for `conveyor serve`: `Client` (blocking) and `AsyncClient` (asyncio).
+
+    with Client("tcp://127.0.0.1:5555") as c:
+        print(c.generate("Hello", SamplingParams(max_tokens=20)).text)
+
+A prompt is text, token ids, or chat messages ([{"role": ..., "content": ...}]). Breaking out of a
+stream, closing the client or cancelling a task aborts the request on the server, which frees its
+KV blocks. A lost connection raises ServerError. The wire protocol is in docs/PROTOCOL.md.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import zmq
+import zmq.asyncio
+import zmq.auth
+from zmq.utils.monitor import parse_monitor_message
+
+from conveyor.shared.messages import (
+    MAX_MESSAGE_BYTES,
+    CancelRequest,
+    ErrorReply,
+    GenerateOutput,
+    GenerateRequest,
+    Logprob,
+    MessageError,
+    Stats,
+    StatsRequest,
+    decode,
+    encode,
+)
+from conveyor.shared.sampling_params import SamplingParams
+
+_REPLIES = (GenerateOutput, ErrorReply, Stats)
+
+
+class ServerError(RuntimeError):
+    """The server rejected a request, or the connection to it was lost."""
+
+
+@dataclass
+class StreamDelta:
+    index: int                               # which of the n samples
+    text: str
+    token_ids: list[int]
+    logprobs: list[list[Logprob]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+
+
+@dataclass
+class CompletionResult:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[list[Logprob]] | None = None
+    finish_reason: str | None = None         # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None
+    error: str | None = None
+
+
+@dataclass
+class GenerateResult:
+    id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionResult]
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def error(self) -> str | None:
+        return self.outputs[0].error
+
+
+def build_request(request_id: str, prompt, params: SamplingParams | None,
+                  stream: bool) -> GenerateRequest:
+    req = GenerateRequest(id=request_id, sampling=params or SamplingParams(), stream=stream)
+    if isinstance(prompt, str):
+        req.prompt = prompt
+    elif prompt and all(isinstance(m, dict) for m in prompt):
+        req.messages = list(prompt)
+    else:
+        req.prompt_token_ids = list(prompt)
+    return req
+
+
+def is_batch(prompts) -> bool:
+    """A list of prompts (texts, token id lists or conversations), not one prompt."""
+    return isinstance(prompts, (list, tuple)) and bool(prompts) and not isinstance(
+        prompts[0], (int, dict))
+
+
+def deltas(msg: GenerateOutput) -> list[StreamDelta]:
+    return [StreamDelta(c.index, c.text, c.token_ids, c.logprobs, c.finish_reason,
+                        c.stop_reason, c.error) for c in msg.outputs]
+
+
+def result_of(msg: GenerateOutput, prompt_ids: list[int] | None = None) -> GenerateResult:
+    outs = [CompletionResult(c.index, c.text, c.token_ids, c.logprobs, c.finish_reason,
+                             c.stop_reason, c.error) for c in msg.outputs]
+    return GenerateResult(msg.id, msg.prompt_token_ids or prompt_ids or [],
+                          sorted(outs, key=lambda c: c.index))
+
+
+def _socket(ctx: zmq.Context, address: str, server_public_key) -> zmq.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES + 64)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
+    if server_public_key is not None:
+        if isinstance(server_public_key, (str, Path)):
+            server_public_key, _ = zmq.auth.load_certificate(server_public_key)
+        sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+        sock.curve_serverkey = server_public_key
+    sock.connect(address)
+    return sock
+
+
+def _decode_reply(frames: list[bytes]):
+    try:
+        return decode(frames, _REPLIES)
+    except MessageError as e:
+        raise ServerError(f"unreadable reply from the server: {e}") from None
+
+
+class Client:
+    """A blocking client. Not thread-safe: use one per thread (or AsyncClient)."""
+
+    def __init__(self, address: str, *, server_public_key: bytes | str | Path | None = None,
+                 timeout: float | None = None):
+        self.address = address
+        self.timeout = timeout
+        self._ctx = zmq.Context()
+        self._sock = _socket(self._ctx, address, server_public_key)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
+        self._ids = itertools.count()
+        self._inbox: dict[str, deque] = {}      # request id -> replies not yet read
+        self._stats: deque = deque()
+
+    def generate(self, prompts, sampling_params: SamplingParams | None = None):
+        """One prompt -> GenerateResult; a list of prompts -> a list, run concurrently."""
+        batch = prompts if is_batch(prompts) else [prompts]
+        ids = [self._send(p, sampling_params, stream=False) for p in batch]
+        try:
+            results = [result_of(self._next(i)) for i in ids]
+        finally:
+            self._cancel([i for i in ids if i in self._inbox])
+        return results if is_batch(prompts) else results[0]
+
+    def stream(self, prompt, sampling_params: SamplingParams | None = None
+               ) -> Iterator[StreamDelta]:
+        """Yield deltas as the server produces them; leaving early cancels the request."""
+        rid = self._send(prompt, sampling_params, stream=True)
+        try:
+            while True:
+                msg = self._next(rid, remove=False)
+                yield from deltas(msg)
+                if msg.finished:
+                    del self._inbox[rid]
+                    return
+        finally:
+            self._cancel([rid] if rid in self._inbox else [])
+
+    def stats(self) -> Stats:
+        self._sock.send_multipart(encode(StatsRequest()))
+        while not self._stats:
+            self._receive()
+        return self._stats.popleft()
+
+    def close(self) -> None:
+        if self._sock.closed:
+            return
+        self._cancel(list(self._inbox))
+        self._sock.disable_monitor()
+        self._monitor.close(0)
+        self._sock.close(linger=500)
+        self._ctx.term()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _send(self, prompt, params, stream: bool) -> str:
+        rid = f"r{next(self._ids)}"
+        self._inbox[rid] = deque()
+        self._sock.send_multipart(encode(build_request(rid, prompt, params, stream)))
+        return rid
+
+    def _cancel(self, ids: list[str]) -> None:
+        for rid in ids:
+            self._inbox.pop(rid, None)
+            self._sock.send_multipart(encode(CancelRequest(rid)))
+
+    def _next(self, rid: str, remove: bool = True) -> GenerateOutput:
+        while not self._inbox[rid]:
+            self._receive()
+        msg = self._inbox[rid].popleft()
+        if isinstance(msg, ErrorReply):
+            del self._inbox[rid]
+            raise ServerError(msg.error)
+        if remove:
+            del self._inbox[rid]
+        return msg
+
+    def _receive(self) -> None:
+        timeout = None if self.timeout is None else int(self.timeout * 1000)
+        start = time.monotonic()
+        events = dict(self._poller.poll(timeout))
+        # NOTE: replies already received are read before a disconnect is believed.
+        if self._monitor in events and self._sock not in events:
+            parse_monitor_message(self._monitor.recv_multipart())
+            self._inbox.clear()
+            raise ServerError(f"lost the connection to {self.address}")
+        if self._sock not in events:
+            raise TimeoutError(f"no reply from {self.address} in "
+                               f"{time.monotonic() - start:.1f} s")
+        msg = _decode_reply(self._sock.recv_multipart())
+        if isinstance(msg, Stats):
+            self._stats.append(msg)
+        elif isinstance(msg, ErrorReply) and msg.id is None:
+            raise ServerError(msg.error)      # a frame of ours the server could not read
+        elif msg.id in self._inbox:
+            self._inbox[msg.id].append(msg)
+
+
+class AsyncClient:
+    """The same as Client, in asyncio; many requests may run concurrently on one client."""
+
+    def __init__(self, address: str, *, server_public_key: bytes | str | Path | None = None):
+        self.address = address
+        self._ctx = zmq.asyncio.Context()
+        self._sock = _socket(self._ctx, address, server_public_key)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._ids = itertools.count()
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._stats: deque[asyncio.Future] = deque()
+        self._reader: asyncio.Task | None = None
+        self._lost: str | None = None
+
+    async def generate(self, prompts, sampling_params: SamplingParams | None = None):
+        if is_batch(prompts):
+            return list(await asyncio.gather(*(self.generate(p, sampling_params)
+                                               for p in prompts)))
+        rid, queue = self._send(prompts, sampling_params, stream=False)
+        try:
+            return result_of(self._check(await queue.get()))
+        finally:
+            self._finish(rid)
+
+    async def stream(self, prompt, sampling_params: SamplingParams | None = None
+                     ) -> AsyncIterator[StreamDelta]:
+        """Leaving early cancels the request (wrap in contextlib.aclosing to do it at once)."""
+        rid, queue = self._send(prompt, sampling_params, stream=True)
+        try:
+            while True:
+                msg = self._check(await queue.get())
+                for d in deltas(msg):
+                    yield d
+                if msg.finished:
+                    self._queues.pop(rid, None)
+                    return
+        finally:
+            self._finish(rid)
+
+    async def stats(self) -> Stats:
+        self._start_reader()
+        future = asyncio.get_running_loop().create_future()
+        self._stats.append(future)
+        await self._sock.send_multipart(encode(StatsRequest()))
+        return self._check(await future)
+
+    def close(self) -> None:
+        if self._sock.closed:
+            return
+        for rid in list(self._queues):
+            self._finish(rid)
+        if self._reader is not None:
+            self._reader.cancel()
+        self._sock.disable_monitor()
+        self._monitor.close(0)
+        self._sock.close(linger=500)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.close()
+
+    def _send(self, prompt, params, stream: bool) -> tuple[str, asyncio.Queue]:
+        if self._lost:
+            raise ServerError(self._lost)
+        self._start_reader()
+        rid = f"r{next(self._ids)}"
+        queue = self._queues[rid] = asyncio.Queue()
+        self._sock.send_multipart(encode(build_request(rid, prompt, params, stream)))
+        return rid, queue
+
+    def _finish(self, rid: str) -> None:
+        """Forget rid; if the server may still be working on it, cancel it there."""
+        if self._queues.pop(rid, None) is not None and not self._sock.closed and not self._lost:
+            self._sock.send_multipart(encode(CancelRequest(rid)))
+
+    @staticmethod
+    def _check(msg):
+        if isinstance(msg, ErrorReply):
+            raise ServerError(msg.error)
+        return msg
+
+    def _start_reader(self) -> None:
+        if self._reader is None:
+            self._reader = asyncio.get_running_loop().create_task(self._read())
+
+    async def _read(self) -> None:
+        poller = zmq.asyncio.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
+        while True:
+            events = dict(await poller.poll())
+            if self._monitor in events and self._sock not in events:
+                parse_monitor_message(await self._monitor.recv_multipart())
+                self._lost = f"lost the connection to {self.address}"
+                for queue in self._queues.values():
+                    queue.put_nowait(ErrorReply(None, self._lost))
+                while self._stats:
+                    self._stats.popleft().set_result(ErrorReply(None, self._lost))
+                return
+            if self._sock in events:
+                try:
+                    msg = _decode_reply(await self._sock.recv_multipart())
+                except ServerError:
+                    continue                  # unreadable: nobody to give it to
+                if isinstance(msg, Stats) or (isinstance(msg, ErrorReply) and msg.id is None):
+                    if self._stats:
+                        self._stats.popleft().set_result(msg)
+                elif msg.id in self._queues:
+                    self._queues[msg.id].put_nowait(msg)

@@ -1,0 +1,110 @@
+"""One ZeroMQ socket helper for every process: typed messages in, typed messages out.
+
+`Socket` wraps any socket type (PUSH, PULL, ROUTER, DEALER), binds or connects it, caps incoming
+messages (ZMQ_MAXMSGSIZE) and decodes only the allowed types. A bad frame is logged and comes back
+as an `ErrorReply` to answer or drop, never as an exception. Internal sockets are ipc:// paths in a
+private per-instance runtime directory.
+"""
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+
+import msgspec
+import zmq
+
+from conveyor.shared.messages import (
+    MAX_MESSAGE_BYTES,
+    MESSAGE_TYPES,
+    ErrorReply,
+    MessageError,
+    decode,
+    encode,
+)
+
+log = logging.getLogger(__name__)
+
+
+class _WithId(msgspec.Struct):
+    id: str
+
+
+class Socket:
+    def __init__(self, ctx: zmq.Context, kind: int, address: str, *, bind: bool,
+                 allowed: tuple[type, ...] = MESSAGE_TYPES, identity: bytes | None = None,
+                 max_bytes: int = MAX_MESSAGE_BYTES, curve_keys: tuple[bytes, bytes] | None = None):
+        """curve_keys: (public, secret) of a CurveZMQ server; clients must know the public key."""
+        self.sock = ctx.socket(kind)
+        self.kind = kind
+        self.allowed = allowed
+        self.max_bytes = max_bytes
+        self.sock.setsockopt(zmq.MAXMSGSIZE, max_bytes + 64)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        if kind == zmq.ROUTER:
+            self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)   # a gone peer's replies are dropped
+        if identity is not None:
+            self.sock.setsockopt(zmq.IDENTITY, identity)
+        if curve_keys is not None:
+            self.sock.curve_publickey, self.sock.curve_secretkey = curve_keys
+            self.sock.curve_server = True
+        if bind:
+            self.sock.bind(address)
+        else:
+            self.sock.connect(address)
+        self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT) if bind else address
+
+    def send(self, msg, to: bytes | None = None) -> None:
+        self.send_frames(encode(msg), to)
+
+    def send_frames(self, frames: list[bytes], to: bytes | None = None) -> None:
+        self.sock.send_multipart([to, *frames] if to is not None else frames, copy=False)
+
+    def recv(self, flags: int = 0) -> tuple[bytes | None, object]:
+        """(sender identity on a ROUTER, else None; the message or an ErrorReply saying why not)."""
+        frames = self.sock.recv_multipart(flags, copy=True)
+        peer = frames.pop(0) if self.kind == zmq.ROUTER else None
+        try:
+            return peer, decode(frames, self.allowed, self.max_bytes)
+        except MessageError as e:
+            log.warning("dropped a malformed message on %s: %s", self.address, e)
+            return peer, ErrorReply(_request_id(frames), str(e))
+
+    def close(self, linger_ms: int = 0) -> None:
+        self.sock.close(linger_ms)
+
+
+def _request_id(frames: list[bytes]) -> str | None:
+    if len(frames) != 2:
+        return None
+    try:
+        return msgspec.msgpack.decode(frames[1], type=_WithId).id
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+def make_runtime_dir() -> Path:
+    """A fresh private (0700) directory for this instance's ipc:// socket files."""
+    return Path(tempfile.mkdtemp(prefix="conveyor-"))
+
+
+def remove_runtime_dir(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def ipc(runtime_dir: str | Path, name: str) -> str:
+    return f"ipc://{Path(runtime_dir) / name}"
+
+
+def load_curve_keys(folder: str | Path) -> tuple[bytes, bytes]:
+    """The server keypair in folder (server.key, server.key_secret), created there if missing."""
+    import zmq.auth
+
+    folder = Path(folder)
+    secret = folder / "server.key_secret"
+    if not secret.is_file():
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        zmq.auth.create_certificates(folder, "server")
+    public, secret_key = zmq.auth.load_certificate(secret)
+    return public, secret_key

@@ -1,0 +1,54 @@
+"""A worker process: rank r of the tensor-parallel group, one model shard and its KV pool.
+
+Every rank pulls every StepPlan and runs it (the layers all-reduce between ranks); rank 0 also
+tells the scheduler the KV pool size at start (the minimum over ranks) and pushes each StepResult.
+"""
+from __future__ import annotations
+
+import os
+
+import zmq
+
+from conveyor.engine import max_model_len
+from conveyor.shared.config import ServeConfig
+from conveyor.shared.messages import Ready, Shutdown, StepPlan, StepResult
+from conveyor.shared.model_files import read_model_config, resolve_model
+from conveyor.shared.sockets import Socket, ipc
+
+
+def worker_main(ctx: zmq.Context, control: Socket, cfg: ServeConfig, rank: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from conveyor.worker.model_runner import ModelRunner
+
+    tp = cfg.engine.tensor_parallel_size
+    if cfg.engine.device == "cuda":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
+    if tp > 1:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                init_method=f"tcp://127.0.0.1:{cfg.dist_port}",
+                                rank=rank, world_size=tp)
+    files = resolve_model(cfg.engine.model)
+    model = read_model_config(files)
+    runner = ModelRunner(cfg.engine, model, files, max_model_len(cfg.engine, model), device)
+    plans = Socket(ctx, zmq.PULL, ipc(cfg.runtime_dir, f"worker-{rank}"), bind=False,
+                   allowed=(StepPlan, Shutdown))
+    results = None
+    if rank == 0:
+        results = Socket(ctx, zmq.PUSH, ipc(cfg.runtime_dir, "results"), bind=False)
+        results.send(Ready("worker", {"num_blocks": runner.num_blocks}))
+    control.send(Ready(f"worker-{rank}", {"num_blocks": runner.num_blocks}))
+    while True:
+        _, plan = plans.recv()
+        if isinstance(plan, Shutdown):
+            return
+        if not isinstance(plan, StepPlan):
+            raise RuntimeError(f"unreadable step plan from the scheduler: {plan.error}")
+        result: StepResult = runner.execute(plan)
+        if results is not None:
+            results.send(result)

@@ -1,0 +1,78 @@
+"""Start `conveyor serve` in a subprocess for tests, find its children, and always clean up."""
+from __future__ import annotations
+
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+SMALL = ["--max-num-seqs", "64", "--kv-cache-memory-bytes", str(64 << 20),
+         "--max-model-len", "512"]
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    addresses: list[str]
+    children: dict[str, int]                 # process title -> pid
+
+    def kill_all(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(30)
+
+
+def child_pids(parent: int) -> dict[str, int]:
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read().split(b"\0")[0].decode(errors="replace").strip()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == parent:
+            found[cmd] = int(entry)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def run_serve(*args: str, timeout: float = 240) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "conveyor.cli", "serve", "--zmq-port", "0", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def start_server(*args: str, timeout: float = 240) -> Server:
+    proc = run_serve(*SMALL, *args)
+    deadline = time.monotonic() + timeout
+    line = ""
+    try:
+        while "serving on" not in line:
+            left = deadline - time.monotonic()
+            if left <= 0 or proc.poll() is not None:
+                raise RuntimeError(f"server did not start: {proc.stderr.read()[-2000:]}")
+            if select.select([proc.stdout], [], [], left)[0]:
+                line = proc.stdout.readline()
+        addresses = re.findall(r"tcp://[\d.]+:\d+", line)
+        return Server(proc, addresses, child_pids(proc.pid))
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+        raise

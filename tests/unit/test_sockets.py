@@ -1,0 +1,57 @@
+"""The socket helper: typed round trips, malformed frames as ErrorReplies, CurveZMQ, the
+private runtime directory."""
+import os
+import stat
+
+import pytest
+import zmq
+
+from conveyor.client import _socket
+from conveyor.shared.messages import Abort, ErrorReply, GenerateRequest, encode
+from conveyor.shared.sockets import (
+    Socket,
+    ipc,
+    load_curve_keys,
+    make_runtime_dir,
+    remove_runtime_dir,
+)
+
+
+@pytest.fixture
+def ctx():
+    c = zmq.Context()
+    yield c
+    c.destroy(linger=0)
+
+
+def test_router_dealer_round_trip_and_malformed_frames(ctx, tmp_path):
+    server = Socket(ctx, zmq.ROUTER, ipc(tmp_path, "s"), bind=True, allowed=(GenerateRequest,))
+    client = Socket(ctx, zmq.DEALER, ipc(tmp_path, "s"), bind=False)
+    client.send(GenerateRequest(id="a", prompt="hi"))
+    peer, msg = server.recv()
+    assert isinstance(msg, GenerateRequest) and msg.prompt == "hi"
+    for frames in ([b"junk"], encode(Abort(ids=["x"])), [b"\x0a", b"\x81\xa2id\x01"],
+                   [b"\x0a", b"\xc1"]):
+        client.send_frames(frames)
+        _, msg = server.recv()
+        assert isinstance(msg, ErrorReply)
+    assert msg.id is None
+    client.send_frames([b"\x0a", b"\x82\xa2id\xa1q\xa6stream\xa1x"])   # id readable, stream bad
+    assert server.recv()[1].id == "q"
+
+
+def test_curve_server_accepts_clients_that_know_its_key(ctx, tmp_path):
+    keys = load_curve_keys(tmp_path / "keys")
+    assert load_curve_keys(tmp_path / "keys") == keys           # created once, then reused
+    server = Socket(ctx, zmq.ROUTER, "tcp://127.0.0.1:*", bind=True, curve_keys=keys)
+    client = _socket(ctx, server.address, tmp_path / "keys" / "server.key")
+    client.send_multipart(encode(GenerateRequest(id="c", prompt="x")))
+    assert server.sock.poll(5000) and server.recv()[1].id == "c"
+    client.close(0)
+
+
+def test_runtime_dir_is_private_and_removed():
+    path = make_runtime_dir()
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o700
+    remove_runtime_dir(path)
+    assert not path.exists()
