@@ -1,13 +1,15 @@
 """The attention layer of a model: store this step's K/V in the paged pool, then attend.
 
 q, k, v arrive flat ([T, heads * head_dim], this rank's heads only); the pool of layer
-`layer_idx` is ctx.kv_caches[layer_idx]. The math is the backend's.
+`layer_idx` is ctx.kv_caches[layer_idx]. The math is the backend's: Triton kernels on CUDA
+(where Triton is installed), plain torch elsewhere, unless a backend is given.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from conveyor.kernels import triton_available
 from conveyor.worker.attention_backend import TorchAttentionBackend
 from conveyor.worker.context import StepContext
 
@@ -21,14 +23,31 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
-        self.backend = backend or TorchAttentionBackend()
+        self.backend = backend
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 ctx: StepContext) -> torch.Tensor:
         t = q.shape[0]
         kv_cache = ctx.kv_caches[self.layer_idx]
-        self.backend.write_kv(kv_cache, k.view(t, self.num_kv_heads, self.head_dim),
+        backend = self.backend or default_backend(q.is_cuda)
+        backend.write_kv(kv_cache, k.view(t, self.num_kv_heads, self.head_dim),
                               v.view(t, self.num_kv_heads, self.head_dim), ctx.slot_mapping)
-        out = self.backend.forward(q.view(t, self.num_heads, self.head_dim), kv_cache, ctx,
+        out = backend.forward(q.view(t, self.num_heads, self.head_dim), kv_cache, ctx,
                                    self.scale)               # [T, heads, head_dim]
         return out.reshape(t, self.num_heads * self.head_dim)
+
+
+_TORCH_BACKEND = TorchAttentionBackend()
+_TRITON_BACKEND = None
+
+
+def default_backend(cuda: bool):
+    """The Triton backend for CUDA tensors where Triton is installed, else the torch one."""
+    global _TRITON_BACKEND
+    if not (cuda and triton_available()):
+        return _TORCH_BACKEND
+    if _TRITON_BACKEND is None:
+        from conveyor.worker.triton_backend import TritonAttentionBackend
+
+        _TRITON_BACKEND = TritonAttentionBackend()
+    return _TRITON_BACKEND

@@ -1,9 +1,14 @@
-"""RMSNorm, computed in float32 like Hugging Face, with an optional fused residual add."""
+"""RMSNorm, computed in float32 like Hugging Face, with an optional fused residual add.
+
+On CUDA (with Triton) one fused kernel does the add and the norm; elsewhere, torch ops.
+"""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from conveyor.kernels import triton_available
 
 
 class RMSNorm(nn.Module):
@@ -24,6 +29,10 @@ class RMSNorm(nn.Module):
 
         NOTE: the add runs in the model dtype, as in Hugging Face's decoder layers.
         """
+        if x.is_cuda and x.dim() == 2 and triton_available():
+            from conveyor.kernels.rms_norm import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from conveyor.kernels import triton_available
 from conveyor.shared.config import ModelConfig
 from conveyor.worker.context import StepContext
 from conveyor.worker.layers.activation import SiluAndMul
@@ -46,9 +47,17 @@ class LlamaAttention(nn.Module):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, -1, self.head_dim)                  # [T, heads, head_dim]
         k = k.reshape(t, -1, self.head_dim)                  # [T, kv_heads, head_dim]
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if x.is_cuda and triton_available():   # one fused kernel, in place on the qkv output
+            from conveyor.kernels.rotary import rotary_qk
+
+            norm = self.q_norm is not None
+            rotary_qk(q, k, cos, sin, self.q_norm.weight if norm else None,
+                      self.k_norm.weight if norm else None,
+                      self.q_norm.eps if norm else 1e-6)
+        else:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = self.attn(q.view(t, -1), k.view(t, -1), v, ctx)   # [T, heads * head_dim]
         return self.o_proj(out)
 
