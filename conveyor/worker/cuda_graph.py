@@ -7,7 +7,6 @@ reads nothing and returns zeros); their outputs are ignored. Prefill and mixed s
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -30,7 +29,7 @@ class DecodeGraphs:
         self.sizes = graph_batch_sizes(max_batch)
         self.max_batch = self.sizes[-1]
         n = self.max_batch
-        self.inputs = torch.zeros(4, n, dtype=torch.long, device=device)  # ids, pos, slot, len
+        self.inputs = torch.zeros(3, n, dtype=torch.long, device=device)  # ids, pos, slot
         self.inputs[2].fill_(-1)
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
@@ -60,20 +59,20 @@ class DecodeGraphs:
             self.graphs[bs] = graph
         torch.cuda.synchronize()
 
-    def run(self, input_ids: list[int], positions: list[int], slot_mapping: list[int],
-            seq_lens: list[int], tables: list[list[int]]) -> torch.Tensor:
-        """One decode token per sequence; returns the final hidden states [n, hidden]."""
-        n = len(input_ids)
-        bs = next(s for s in self.sizes if s >= n)
-        pad = bs - n
-        host = torch.tensor([input_ids + [0] * pad, positions + [0] * pad,
-                             slot_mapping + [-1] * pad, seq_lens + [0] * pad], dtype=torch.long)
-        self.inputs[:, :bs].copy_(host, non_blocking=True)
-        self.seq_lens[:bs].copy_(self.inputs[3, :bs])
-        width = max(len(t) for t in tables)
-        padded = np.zeros((n, width), dtype=np.int32)
-        for i, t in enumerate(tables):   # numpy fills rows several times faster than torch.tensor
-            padded[i, :len(t)] = t
-        self.block_tables[:n, :width].copy_(torch.from_numpy(padded))
+    def size_for(self, n: int) -> int:
+        """The smallest captured batch size that holds n sequences."""
+        return next(s for s in self.sizes if s >= n)
+
+    def run(self, n: int, tokens: torch.Tensor, seq_lens: torch.Tensor,
+            block_tables: torch.Tensor, table_rows: torch.Tensor) -> torch.Tensor:
+        """One decode token for each of n sequences; returns the final hidden states [n, hidden].
+
+        tokens [3, bs] (ids, positions, slots) and seq_lens [bs] are already padded to the graph
+        size bs; the block tables are rows table_rows [n] of block_tables. All on the device.
+        """
+        bs = self.size_for(n)
+        self.inputs[:, :bs].copy_(tokens)
+        self.seq_lens[:bs].copy_(seq_lens)
+        torch.index_select(block_tables, 0, table_rows, out=self.block_tables[:n])
         self.graphs[bs].replay()
         return self.outputs[bs][:n]

@@ -137,35 +137,91 @@ class Sampler:
                 - per_row("presence_penalty") * in_output)
 
     def _sample_random(self, x: torch.Tensor, states: list[SeqSamplingState]) -> torch.Tensor:
-        """x: [R, V] logits of non-greedy rows. Returns the drawn token ids [R]."""
+        """x: [R, V] logits of non-greedy rows (not edited). Returns the drawn token ids [R].
+
+        Rows with top-k keep only their candidates: one topk, then top-p and min-p on the sorted
+        [R, K] values. The other rows stay full width; pure-temperature rows skip every filter.
+        """
         params = [s.params for s in states]
-        temperature = torch.tensor([p.temperature for p in params], device=x.device)
-        x = x / temperature[:, None]  # [R, V], a fresh tensor the filters may edit
         top_k = [i for i, p in enumerate(params) if 0 < p.top_k < self.vocab_size]
-        if top_k:
-            x = _on_rows(x, top_k, lambda sub: _top_k(sub, [params[i].top_k for i in top_k]))
+        if not top_k:
+            return self._sample_full(x, states)
+        if len(top_k) == len(states):
+            return self._sample_top_k(x, states)
+        token_ids = torch.empty(len(states), dtype=torch.long, device=x.device)
+        rest = [i for i in range(len(states)) if i not in set(top_k)]
+        for rows, fn in ((top_k, self._sample_top_k), (rest, self._sample_full)):
+            idx = torch.tensor(rows, device=x.device)
+            token_ids[idx] = fn(x[idx], [states[i] for i in rows])
+        return token_ids
+
+    def _sample_full(self, x: torch.Tensor, states: list[SeqSamplingState]) -> torch.Tensor:
+        """x: [R, V]; temperature, then top-p and min-p over the whole vocabulary."""
+        params = [s.params for s in states]
+        temperature = _column([p.temperature for p in params], x.device)  # [R, 1]
+        top_p = [i for i, p in enumerate(params) if p.top_p < 1]
+        min_p = [i for i, p in enumerate(params) if p.min_p > 0]
+        if top_p or min_p:
+            x = x / temperature  # [R, V], a fresh tensor the filters may edit
+            if top_p:
+                x = _on_rows(x, top_p, lambda sub: _top_p(sub, [params[i].top_p for i in top_p]))
+            if min_p:
+                x = _on_rows(x, min_p, lambda sub: _min_p(sub, [params[i].min_p for i in min_p]))
+            temperature = None
+        return self._race(x, temperature, states)
+
+    def _sample_top_k(self, x: torch.Tensor, states: list[SeqSamplingState]) -> torch.Tensor:
+        """x: [R, V], every row with 0 < top_k < V; draws among each row's top-k only."""
+        params = [s.params for s in states]
+        ks = [p.top_k for p in params]
+        values, ids = x.topk(max(ks), dim=-1)  # [R, K], sorted descending
+        values = values / _column([p.temperature for p in params], x.device)
+        k = torch.tensor(ks, device=x.device)[:, None]  # [R, 1]
+        values.masked_fill_(values < values.gather(1, k - 1), float("-inf"))
         top_p = [i for i, p in enumerate(params) if p.top_p < 1]
         if top_p:
-            x = _on_rows(x, top_p, lambda sub: _top_p(sub, [params[i].top_p for i in top_p]))
+            values = _on_rows(values, top_p, lambda sub: _top_p(
+                sub, [params[i].top_p for i in top_p], is_sorted=True))
         min_p = [i for i, p in enumerate(params) if p.min_p > 0]
         if min_p:
-            x = _on_rows(x, min_p, lambda sub: _min_p(sub, [params[i].min_p for i in min_p]))
-        probs = x.softmax(-1)  # [R, V]
+            values = _on_rows(values, min_p,
+                              lambda sub: _min_p(sub, [params[i].min_p for i in min_p]))
+        chosen = self._race(values, None, states, widths=ks)  # [R]
+        return ids.gather(1, chosen[:, None]).squeeze(1)
 
-        # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks token i with probability p_i.
-        # NOTE: a seeded row draws from its own generator only, so its tokens do not depend on the
-        # rest of the batch; the other rows share one batched draw.
-        noise = torch.empty_like(probs)  # [R, V]
+    def _race(self, x: torch.Tensor, temperature: torch.Tensor | None,
+              states: list[SeqSamplingState], widths: list[int] | None = None) -> torch.Tensor:
+        """Exponential race over x [R, W] (logits, divided by temperature [R, 1] when given).
+
+        argmax(p_i / E_i) with E_i ~ Exp(1) picks token i with probability p_i; in logits that is
+        argmax(x_i / T - log E_i) = argmax(x_i - T log E_i): no softmax, no division by T.
+        NOTE: a seeded row draws from its own generator only (widths[r] values when given), so its
+        tokens do not depend on the rest of the batch; the other rows share one batched draw.
+        """
+        noise = torch.empty_like(x, dtype=torch.float32)  # [R, W]
         shared = [i for i, s in enumerate(states) if s.generator is None]
         if len(shared) == len(states):
             noise.exponential_(generator=self.generator)
-        elif shared:
-            noise[torch.tensor(shared, device=x.device)] = torch.empty(
-                len(shared), probs.shape[1], device=x.device).exponential_(generator=self.generator)
-        for i, s in enumerate(states):
-            if s.generator is not None:
-                noise[i].exponential_(generator=s.generator)
-        return (probs / noise).argmax(-1)
+        else:
+            if widths is not None:
+                noise.fill_(1.0)  # columns past a seeded row's width are -inf in x anyway
+            if shared:
+                noise[torch.tensor(shared, device=x.device)] = torch.empty(
+                    len(shared), x.shape[1], device=x.device).exponential_(
+                        generator=self.generator)
+            for i, s in enumerate(states):
+                if s.generator is not None:
+                    w = x.shape[1] if widths is None else widths[i]
+                    noise[i, :w].exponential_(generator=s.generator)
+        noise.log_()
+        if temperature is None:
+            return (x - noise).argmax(-1)
+        return torch.addcmul(x, temperature, noise, value=-1).argmax(-1)
+
+
+def _column(values: list[float], device: torch.device) -> torch.Tensor:
+    """values as a float32 [R, 1] tensor."""
+    return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
 
 
 def _uses_penalty(p: SamplingParams) -> bool:
@@ -182,20 +238,21 @@ def _on_rows(x: torch.Tensor, rows: list[int],
     return x
 
 
-def _top_k(x: torch.Tensor, ks: list[int]) -> torch.Tensor:
-    """x: [R, V]; keeps each row's ks[r] largest logits (ties with the k-th are kept too)."""
-    k = torch.tensor(ks, device=x.device)[:, None]  # [R, 1]
-    kth = x.topk(max(ks), dim=-1).values.gather(1, k - 1)  # [R, 1]
-    return x.masked_fill_(x < kth, float("-inf"))
+def _top_p(x: torch.Tensor, ps: list[float], is_sorted: bool = False) -> torch.Tensor:
+    """x: [R, V]; keeps the smallest set of most likely tokens whose mass reaches ps[r].
 
-
-def _top_p(x: torch.Tensor, ps: list[float]) -> torch.Tensor:
-    """x: [R, V]; keeps the smallest set of most likely tokens whose mass reaches ps[r]."""
+    is_sorted: each row of x is already in descending order (no sort, no scatter back).
+    """
     p = torch.tensor(ps, device=x.device)[:, None]  # [R, 1]
-    sorted_probs, order = x.softmax(-1).sort(-1, descending=True)  # [R, V]
+    probs = x.softmax(-1)
+    if is_sorted:
+        sorted_probs, order = probs, None
+    else:
+        sorted_probs, order = probs.sort(-1, descending=True)  # [R, V]
     mass_before = sorted_probs.cumsum(-1) - sorted_probs  # mass of the more likely tokens
-    drop_sorted = mass_before >= p  # the top token has mass_before 0 < p: always kept
-    drop = torch.empty_like(drop_sorted).scatter_(1, order, drop_sorted)
+    drop = mass_before >= p  # the top token has mass_before 0 < p: always kept
+    if order is not None:
+        drop = torch.empty_like(drop).scatter_(1, order, drop)
     return x.masked_fill_(drop, float("-inf"))
 
 

@@ -87,6 +87,17 @@ def test_top_p_applies_to_the_top_k_renormalised_distribution():
     assert torch.allclose(freq, renormalised(PROBS, [0, 1]), atol=TOL)
 
 
+def test_top_k_rows_and_full_width_rows_in_one_batch():
+    # Top-k rows draw among their candidates only; the others from the whole vocabulary.
+    logits = torch.tensor([PROB_LOGITS]).repeat(NUM_DRAWS, 1)
+    states = [seq(top_k=2, min_p=0.7) if i % 2 else seq(top_p=0.75) for i in range(NUM_DRAWS)]
+    out = torch.tensor(sampler(4).sample(logits, states).token_ids)
+    # top-2 renormalised: 0.625, 0.375; min-p 0.7 drops 0.375 < 0.7 * 0.625
+    assert (out[1::2] == 0).all()
+    freq = torch.bincount(out[0::2], minlength=4) / (NUM_DRAWS // 2)
+    assert torch.allclose(freq, renormalised(PROBS, [0, 1]), atol=2 * TOL)
+
+
 def test_min_p_drops_tokens_below_min_p_times_the_top_probability():
     freq = frequencies(PROB_LOGITS, min_p=0.2)  # threshold 0.1: drops 0.05 only
     assert torch.allclose(freq, renormalised(PROBS, [0, 1, 2]), atol=TOL)
@@ -186,6 +197,16 @@ def test_seeded_rows_are_reproducible_whatever_the_batch():
     logits = torch.stack([torch.randn(1000), torch.randn(1000), torch.randn(1000), row])
     assert run_steps(1, batch, logits)[3] == alone
     assert run_steps(0, [seq(seed=42), seq()], torch.stack([row, row]))[0] == alone
+
+
+def test_seeded_top_k_rows_are_reproducible_whatever_the_batch():
+    torch.manual_seed(0)
+    row = torch.randn(1000)
+    alone = run_steps(0, [seq(seed=5, top_k=10)], row[None])[0]
+    batch = [seq(top_k=50), seq(seed=5, top_k=10), seq(temperature=0), seq(top_p=0.5)]
+    logits = torch.stack([torch.randn(1000), row, torch.randn(1000), torch.randn(1000)])
+    assert run_steps(1, batch, logits)[1] == alone
+    assert set(alone) <= set(row.topk(10).indices.tolist())
 
 
 def test_different_seeds_differ():
