@@ -13,28 +13,20 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_models import add_model_args, model_path  # noqa: E402
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model")
-    ap.add_argument("--shape", choices=["qwen3-0.6b", "llama3.1-8b"])
-    ap.add_argument("--random-weights", action="store_true")
-    ap.add_argument("--num-layers", type=int, default=None)
+    add_model_args(ap)
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--decode-tokens", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--json")
     args = ap.parse_args()
-    path = args.model
-    if path is None:
-        if not (args.shape and args.random_weights):
-            ap.error("give --model, or --shape with --random-weights")
-        sys.path.insert(0, str(Path(__file__).parent))
-        from bench_models import build_random_model
-
-        extra = {"num_hidden_layers": args.num_layers} if args.num_layers else {}
-        path = str(build_random_model(args.shape, **extra))
+    path = model_path(args, ap)
 
     from conveyor import LLM, SamplingParams
 

@@ -42,3 +42,21 @@ def build_random_model(shape: str, folder: str | Path | None = None, seed: int =
     if device == "cuda":
         torch.cuda.empty_cache()
     return folder
+
+
+def add_model_args(ap) -> None:
+    """--model, or --shape with --random-weights; plus --num-layers to shorten a shape."""
+    ap.add_argument("--model", help="a Hugging Face folder")
+    ap.add_argument("--shape", choices=sorted(SHAPES))
+    ap.add_argument("--random-weights", action="store_true",
+                    help="build --shape with random weights (nothing downloaded)")
+    ap.add_argument("--num-layers", type=int, default=None, help="override the layer count")
+
+
+def model_path(args, ap) -> str:
+    if args.model is not None:
+        return args.model
+    if not (args.shape and args.random_weights):
+        ap.error("give --model, or --shape with --random-weights")
+    extra = {"num_hidden_layers": args.num_layers} if args.num_layers else {}
+    return str(build_random_model(args.shape, **extra))

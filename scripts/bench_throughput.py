@@ -12,7 +12,12 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_models import add_model_args, model_path  # noqa: E402
 
 
 def workload(num_requests: int = 256, max_input: int = 1024, max_output: int = 1024):
@@ -48,11 +53,7 @@ def run_hf(path: str, prompts, max_tokens, batch: int = 64) -> tuple[float, int]
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", help="a Hugging Face folder")
-    ap.add_argument("--shape", choices=["qwen3-0.6b", "llama3.1-8b"])
-    ap.add_argument("--random-weights", action="store_true",
-                    help="build --shape with random weights (nothing downloaded)")
-    ap.add_argument("--num-layers", type=int, default=None, help="override the layer count")
+    add_model_args(ap)
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
@@ -62,18 +63,7 @@ def main() -> None:
     ap.add_argument("--json", help="append the result as a JSON line to this file")
     args = ap.parse_args()
 
-    path = args.model
-    if path is None:
-        if not (args.shape and args.random_weights):
-            ap.error("give --model, or --shape with --random-weights")
-        import sys
-        from pathlib import Path
-
-        sys.path.insert(0, str(Path(__file__).parent))
-        from bench_models import build_random_model
-
-        extra = {"num_hidden_layers": args.num_layers} if args.num_layers else {}
-        path = str(build_random_model(args.shape, **extra))
+    path = model_path(args, ap)
 
     from conveyor import LLM, SamplingParams
 
