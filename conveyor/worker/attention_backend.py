@@ -24,13 +24,16 @@ class TorchAttentionBackend:
 
         NOTE: the boolean mask makes a device sync on CUDA; GPU backends use a kernel instead.
         """
-        block_size = kv_cache.shape[2]
+        nb, _, bs, kvh, d = kv_cache.shape
         if slot_mapping.device.type != "cpu" or bool((slot_mapping < 0).any()):
             keep = slot_mapping >= 0
             slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
-        blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-        kv_cache[blocks, 0, offsets] = k.to(kv_cache.dtype)
-        kv_cache[blocks, 1, offsets] = v.to(kv_cache.dtype)
+        # Row of slot s among the pool's [nb * 2 * bs] rows: block * 2 * bs + offset for K,
+        # bs further for V; that is s + block * bs.
+        rows = slot_mapping + slot_mapping // bs * bs
+        flat = kv_cache.view(nb * 2 * bs, kvh, d)
+        flat.index_copy_(0, rows, k.to(kv_cache.dtype))
+        flat.index_copy_(0, rows + bs, v.to(kv_cache.dtype))
 
     def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, ctx: StepContext,
                 scale: float) -> torch.Tensor:
@@ -39,7 +42,7 @@ class TorchAttentionBackend:
         Rows past the last sequence (padding) come back as zeros.
         """
         out = torch.zeros_like(q)
-        nd = ctx.num_decodes
+        nd = ctx.num_decodes if ctx.num_decodes > 1 else 0   # a lone decode: the plain path
         if nd:
             out[:nd] = self._decode(q[:nd], kv_cache, ctx.block_tables[:nd], ctx.seq_lens[:nd],
                                     max(ctx.seq_lens_cpu[:nd]), scale)
@@ -89,14 +92,11 @@ class TorchAttentionBackend:
     def _prefill(q, k, v, scale):
         """q [L, heads, d] are the last L positions of a context k, v [S, kv_heads, d]."""
         q_len, seq_len = q.shape[0], k.shape[0]
-        group = q.shape[1] // k.shape[1]
-        k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, S, d]
-        v = v.repeat_interleave(group, dim=1).transpose(0, 1)
-        if q_len == seq_len:    # no cached prefix: plain causal
-            mask = None
-        else:
+        mask = None             # L == S: plain causal; L == 1: the last position sees everything
+        if 1 < q_len < seq_len:
             q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
             mask = torch.arange(seq_len, device=q.device) <= q_pos.unsqueeze(1)   # [L, S]
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.to(q.dtype), v.to(q.dtype),
-                                             attn_mask=mask, is_causal=mask is None, scale=scale)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype),
+            attn_mask=mask, is_causal=q_len == seq_len > 1, scale=scale, enable_gqa=True)
         return out.transpose(0, 1)                             # [L, heads, d]
