@@ -58,7 +58,9 @@ def _prctl(option: int, arg) -> None:
 
 
 def _exit_on_sigterm(signum, frame) -> None:
-    raise SystemExit(0)
+    # NOTE: exit at once: raising SystemExit here can land inside a finaliser (a zmq socket's
+    # __del__) and print a stray traceback; the launcher owns every shared resource anyway.
+    os._exit(0)
 
 
 def child_main(name: str, role_main, cfg: ServeConfig, *args) -> None:
