@@ -107,13 +107,19 @@ def test_async_cancel_frees_blocks(tp1):
     assert s.num_free_blocks == s.num_total_blocks and s.integrity_ok and s.num_running == 0
 
 
+def _dealer(ctx: zmq.Context, address: str, timeout_ms: int) -> zmq.Socket:
+    """A bare client socket, as a client in another language would open one."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
+    sock.connect(address)
+    return sock
+
+
 def test_malformed_frames_get_errors_and_server_keeps_serving(tp1):
     import msgpack
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, 10000)
-    sock.connect(tp1.addresses[0])
+    sock = _dealer(ctx, tp1.addresses[0], 10000)
     try:
         bad = [[os.urandom(40)], [b"\x63", b"junk"], [b"\x04", msgpack.packb([1, [], [], []])],
                [b"\x0a", msgpack.packb({"id": 5})], [b"\x0a", b"\xc1\xc1"],
@@ -141,10 +147,7 @@ def test_malformed_frames_get_errors_and_server_keeps_serving(tp1):
 def test_plain_zmq_and_msgpack_client(tp1):
     import msgpack
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, 60000)
-    sock.connect(tp1.addresses[0])
+    sock = _dealer(ctx, tp1.addresses[0], 60000)
     try:
         request = {"id": "a", "prompt": "The capital of France is", "stream": True,
                    "sampling": {"temperature": 0, "max_tokens": 8}}
