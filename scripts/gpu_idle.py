@@ -1,0 +1,84 @@
+"""GPU idle time between decode steps, from a torch.profiler trace of steady decoding.
+
+Fills `--batch` sequences with 512-token prompts, runs until all of them decode, then profiles
+`--steps` decode steps: busy = the union of the GPU kernels' intervals, idle = the rest of the
+window from the first kernel's start to the last kernel's end.
+
+    python scripts/gpu_idle.py --shape qwen3-0.6b --random-weights --batch 256
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_models import add_model_args, model_path  # noqa: E402
+
+
+def busy_time(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals."""
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if e > end:
+            total += e - max(s, end)
+            end = e
+    return total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    add_model_args(ap)
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args()
+    path = model_path(args, ap)
+
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from conveyor import LLM, SamplingParams
+    from conveyor.shared.messages import AddRequest
+
+    llm = LLM(model=path, device=args.device, skip_tokenizer_init=True, max_num_seqs=args.batch,
+              max_model_len=2048, max_num_batched_tokens=8192)
+    core = llm.engine
+    params = SamplingParams(temperature=0.6, max_tokens=1000, ignore_eos=True)
+    vocab = min(10000, core.model_config.vocab_size)
+    for i in range(args.batch):
+        core.add(AddRequest(id=f"{i}/0", token_ids=[(i * 7 + j) % vocab for j in range(512)],
+                            sampling=params))
+    while core.scheduler.num_waiting or any(r.num_computed_tokens < r.prompt_len
+                                            for r in core.scheduler.running):
+        core.step()
+    for _ in range(5):
+        core.step()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda"
+                                           else [])
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    sync()
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            core.step()
+        sync()
+        wall = time.perf_counter() - t0
+    kernels = [(e.time_range.start, e.time_range.end) for e in prof.events()
+               if e.device_type == DeviceType.CUDA]
+    print(f"batch {args.batch}: {wall / args.steps * 1e3:.2f} ms per decode step (profiled)")
+    if not kernels:
+        print("no GPU kernels in the trace")
+        return
+    window = max(e for _, e in kernels) - min(s for s, _ in kernels)      # microseconds
+    busy = busy_time(kernels)
+    idle = (window - busy) / window
+    print(f"GPU busy {busy / args.steps / 1e3:.2f} ms per step, idle {idle:.1%} of the "
+          f"{window / 1e3:.1f} ms window ({len(kernels)} kernels)")
+
+
+if __name__ == "__main__":
+    main()
