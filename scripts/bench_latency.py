@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -14,7 +13,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_models import add_model_args, model_path  # noqa: E402
+from bench_models import add_model_args, append_json, model_path  # noqa: E402
 
 
 def main() -> None:
@@ -53,9 +52,7 @@ def main() -> None:
               "prompt_len": args.prompt_len, "eager": args.enforce_eager}
     print(f"decode: {per_token * 1e3:.3f} ms/token (batch 1); TTFT for {args.prompt_len} "
           f"tokens: {statistics.median(ttft) * 1e3:.1f} ms")
-    if args.json:
-        with open(args.json, "a") as f:
-            f.write(json.dumps(result) + "\n")
+    append_json(args.json, result)
 
 
 if __name__ == "__main__":

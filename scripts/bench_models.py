@@ -60,3 +60,12 @@ def model_path(args, ap) -> str:
         ap.error("give --model, or --shape with --random-weights")
     extra = {"num_hidden_layers": args.num_layers} if args.num_layers else {}
     return str(build_random_model(args.shape, **extra))
+
+
+def append_json(path: str | None, result: dict) -> None:
+    """Append one result as a JSON line (for collecting runs), if a path was given."""
+    if path:
+        import json
+
+        with open(path, "a") as f:
+            f.write(json.dumps(result) + "\n")

@@ -10,14 +10,13 @@ Reports output tokens / wall time.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_models import add_model_args, model_path  # noqa: E402
+from bench_models import add_model_args, append_json, model_path  # noqa: E402
 
 
 def workload(num_requests: int = 256, max_input: int = 1024, max_output: int = 1024):
@@ -92,9 +91,7 @@ def main() -> None:
         result["hf_tok_per_s"] = round(hf_tokens / hf_s, 1)
         print(f"transformers: {hf_tokens} tokens in {hf_s:.1f} s = {hf_tokens / hf_s:,.0f} tok/s;"
               f" ratio {result['tok_per_s'] / result['hf_tok_per_s']:.1f}x")
-    if args.json:
-        with open(args.json, "a") as f:
-            f.write(json.dumps(result) + "\n")
+    append_json(args.json, result)
 
 
 if __name__ == "__main__":
