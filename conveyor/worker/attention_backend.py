@@ -77,9 +77,9 @@ class TorchAttentionBackend:
         if b <= _SDPA_MAX_DECODES:   # few sequences: one fused call is cheapest
             # one query per sequence: the heads sharing a KV head are the rows of one query
             out = F.scaled_dot_product_attention(
-                q.view(b, kvh, -1, d), k.transpose(1, 2).to(q.dtype),
+                q.reshape(b, kvh, -1, d), k.transpose(1, 2).to(q.dtype),
                 v.transpose(1, 2).to(q.dtype), attn_mask=~pad[:, None, None, :], scale=scale)
-            return out.view(b, -1, d)                          # [B, heads, d]
+            return out.reshape(b, -1, d)                       # [B, heads, d]
         qg = q.float().reshape(b, kvh, -1, d)                  # [B, kvh, group, d]
         out = torch.empty_like(qg)                             # [B, kvh, group, d]
         # One kv head at a time: k[:, :, h] is a strided view that bmm reads without a copy.
@@ -97,8 +97,8 @@ class TorchAttentionBackend:
         k = k.transpose(0, 1).unsqueeze(0).to(q.dtype)        # [1, kv_heads, S, d]
         v = v.transpose(0, 1).unsqueeze(0).to(q.dtype)
         if q_len == 1:   # the last position sees everything; group rows share their KV head
-            out = F.scaled_dot_product_attention(q.view(1, kvh, -1, d), k, v, scale=scale)
-            return out.view(1, -1, d)                          # [1, heads, d]
+            out = F.scaled_dot_product_attention(q.reshape(1, kvh, -1, d), k, v, scale=scale)
+            return out.reshape(1, -1, d)                       # [1, heads, d]
         mask = None      # L == S: plain causal
         if q_len < seq_len:
             q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)

@@ -225,3 +225,30 @@ def test_default_gguf_matches_transformers(monkeypatch):
         greedy = ref.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
                               attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
     assert tokens[0] == greedy[0].tolist()
+
+
+@pytest.mark.parametrize("num_decodes", [1, 3])
+def test_attention_backend_takes_strided_sdpa_outputs(monkeypatch, num_decodes):
+    """CUDA's SDPA kernels return outputs that are not contiguous; the reference must cope."""
+    import torch.nn.functional as F
+
+    sdpa = F.scaled_dot_product_attention
+
+    def strided_sdpa(*args, **kwargs):
+        out = sdpa(*args, **kwargs)                       # [..., L, d] laid out as [..., d, L]
+        return out.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+    block_size, heads, kv_heads, head_dim = 4, 4, 2, 8
+    pool = PagedPool(1, 16, block_size, kv_heads, head_dim, seed=1)
+    lens = [5 + 3 * i for i in range(num_decodes)]
+    for sid, n in enumerate(lens):
+        pool.lens[sid] = n - 1
+        pool.tables[sid] = [pool.free.pop() for _ in range(math.ceil((n - 1) / block_size))]
+    _, ctx = pool.step([(sid, 1) for sid in range(num_decodes)], num_decodes)
+    q = torch.randn(num_decodes, heads, head_dim)
+    k, v = (torch.randn(num_decodes, kv_heads, head_dim) for _ in range(2))
+    backend, cache = TorchAttentionBackend(), pool.kv_caches[0]
+    backend.write_kv(cache, k, v, ctx.slot_mapping)
+    expected = backend.forward(q, cache, ctx, 0.3)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", strided_sdpa)
+    torch.testing.assert_close(backend.forward(q, cache, ctx, 0.3), expected)
