@@ -11,7 +11,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from conveyor.engine import EngineCore
-from conveyor.frontend.tokenizer import apply_chat_template, load_tokenizer
+from conveyor.frontend.tokenizer import apply_chat_template, check_token_ids, load_tokenizer
 from conveyor.frontend.tracker import RequestTracker
 from conveyor.outputs import RequestOutput
 from conveyor.shared.config import EngineConfig
@@ -97,10 +97,7 @@ class LLM:
     def _add(self, tracker: RequestTracker, text, token_ids, params: SamplingParams) -> str:
         if self.tokenizer is None and params.stop:
             raise ValueError("stop strings need a tokenizer (skip_tokenizer_init is set)")
-        vocab = self.engine.model_config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
+        check_token_ids(token_ids, self.engine.model_config.vocab_size)
         rid = str(next(self._ids))
         for msg in tracker.add(rid, text, token_ids, params, arrival=time.time()):
             tracker.process(self.engine.add(msg))

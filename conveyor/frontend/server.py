@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from conveyor.frontend.tokenizer import apply_chat_template, load_tokenizer
+from conveyor.frontend.tokenizer import apply_chat_template, check_token_ids, load_tokenizer
 from conveyor.frontend.tracker import RequestTracker, sub_id
 from conveyor.outputs import PositionLogprobs
 from conveyor.shared.config import ServeConfig
@@ -146,10 +146,7 @@ class FrontendServer:
         if sum(given) != 1:
             raise ValueError("set exactly one of prompt, prompt_token_ids and messages")
         if msg.prompt_token_ids is not None:
-            bad = [t for t in msg.prompt_token_ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"prompt token ids out of the vocabulary [0, {self.vocab_size})"
-                                 f": {bad[:5]}")
+            check_token_ids(msg.prompt_token_ids, self.vocab_size)
             return None, list(msg.prompt_token_ids)
         if self.tokenizer is None:
             raise ValueError("this server has no tokenizer; send prompt_token_ids")

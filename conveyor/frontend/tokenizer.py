@@ -33,6 +33,13 @@ def load_tokenizer(files: ModelFiles, tokenizer: str | None = None):
     return AutoTokenizer.from_pretrained(cached)
 
 
+def check_token_ids(token_ids: list[int], vocab_size: int) -> None:
+    """A prompt given as ids must stay inside the vocabulary (ValueError names the culprits)."""
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token ids out of the vocabulary [0, {vocab_size}): {bad[:5]}")
+
+
 def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
                         **kwargs) -> list[int]:
     if not tokenizer.chat_template:

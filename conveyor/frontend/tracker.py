@@ -9,6 +9,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import msgspec
+
 from conveyor.frontend.detokenizer import IncrementalDetokenizer
 from conveyor.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from conveyor.shared.messages import AddRequest, TokenLogprobs, TokenOutput
@@ -126,8 +128,6 @@ class RequestTracker:
 
 def _sub_params(params: SamplingParams, index: int) -> SamplingParams:
     """The i-th of n samples: its own seed, and prompt logprobs computed once."""
-    import msgspec
-
     changes = {"n": 1}
     if params.seed is not None:
         changes["seed"] = params.seed + index

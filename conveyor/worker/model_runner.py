@@ -83,13 +83,14 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         num_tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
         blocks = -(-num_tokens // self.block_size)
-        saved, self.kv_caches = getattr(self, "kv_caches", None), allocate_kv_cache(
-            self.model_config, self.config, blocks, self.dtype, self.device)
+        # NOTE: runs before the real pool exists: a pool just big enough for this one step
+        self.kv_caches = allocate_kv_cache(self.model_config, self.config, blocks, self.dtype,
+                                           self.device)
         self.slots = {0: Slot(0, 0, SeqSamplingState.new(_PROFILE_PARAMS, [0] * num_tokens,
                                                          num_tokens, self.device))}
         self._add_blocks(0, list(range(blocks)))
         self._forward([(0, num_tokens, True, -1)], logits_rows=self.config.max_num_seqs)
-        self.slots, self.kv_caches = {}, saved
+        self.slots, self.kv_caches = {}, []
         peak = torch.cuda.max_memory_allocated(self.device)
         total = torch.cuda.get_device_properties(self.device).total_memory
         free_bytes = int(total * self.config.gpu_memory_utilization) - peak

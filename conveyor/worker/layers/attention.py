@@ -31,9 +31,9 @@ class Attention(nn.Module):
         kv_cache = ctx.kv_caches[self.layer_idx]
         backend = self.backend or default_backend(q.is_cuda)
         backend.write_kv(kv_cache, k.view(t, self.num_kv_heads, self.head_dim),
-                              v.view(t, self.num_kv_heads, self.head_dim), ctx.slot_mapping)
+                         v.view(t, self.num_kv_heads, self.head_dim), ctx.slot_mapping)
         out = backend.forward(q.view(t, self.num_heads, self.head_dim), kv_cache, ctx,
-                                   self.scale)               # [T, heads, head_dim]
+                              self.scale)                    # [T, heads, head_dim]
         return out.reshape(t, self.num_heads * self.head_dim)
 
 
