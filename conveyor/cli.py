@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import typing
 
-from conveyor.shared.config import EngineConfig
+from conveyor.shared.config import EngineConfig, HttpConfig
 
 _SKIP = {"model", "tokenizer"}
 _ALIASES = {"tensor_parallel_size": ["--tp"]}
@@ -96,12 +97,25 @@ def cmd_chat(args) -> int:
         history.append({"role": "assistant", "content": reply})
 
 
+def http_config(args) -> HttpConfig:
+    keys = args.api_key or [k for k in os.environ.get("CONVEYOR_API_KEY", "").split(",") if k]
+    return HttpConfig(
+        port=None if args.port < 0 else args.port,
+        served_model_names=tuple(args.served_model_name or ()), api_keys=tuple(keys),
+        rate_limit=args.rate_limit, rate_limit_burst=args.rate_limit_burst,
+        max_concurrent_requests=args.max_concurrent_requests,
+        request_timeout=args.request_timeout, max_body_bytes=args.max_request_body_bytes,
+        max_n=args.max_n, shutdown_timeout=args.shutdown_timeout)
+
+
 def cmd_serve(args) -> int:
     from conveyor.launcher import LaunchError, serve
 
     try:
-        return serve(EngineConfig.from_kwargs(**engine_kwargs(args)), args.host, args.zmq_port,
-                     args.frontends, args.zmq_curve_keys, args.startup_timeout)
+        return serve(EngineConfig.from_kwargs(**engine_kwargs(args)), http_config(args),
+                     host=args.host, zmq_port=args.zmq_port, num_frontends=args.frontends,
+                     curve_keys=args.zmq_curve_keys, startup_timeout=args.startup_timeout,
+                     skip_tokenizer_init=args.skip_tokenizer_init)
     except LaunchError as e:
         print(f"conveyor: error: {e}", file=sys.stderr)
         return 2
@@ -133,16 +147,37 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(chat)
     chat.set_defaults(func=cmd_chat)
 
-    srv = sub.add_parser("serve", help="run the engine as a server (ZMQ client port)")
-    srv.add_argument("--host", default="127.0.0.1", help="address the client port binds")
+    srv = sub.add_parser("serve", help="run the engine as a server (OpenAI HTTP API and ZMQ)")
+    srv.add_argument("--host", default="127.0.0.1", help="address the client ports bind")
+    srv.add_argument("--port", type=int, default=8000,
+                     help="OpenAI-compatible HTTP port (0: any free port; -1: no HTTP server)")
+    srv.add_argument("--served-model-name", action="append", metavar="NAME",
+                     help="model name clients use (repeatable; default: the model's own name)")
+    srv.add_argument("--api-key", action="append", metavar="KEY",
+                     help="require this bearer key on the HTTP API (repeatable; default: the "
+                          "comma-separated keys in $CONVEYOR_API_KEY, if set)")
+    srv.add_argument("--rate-limit", type=float, default=None, metavar="RPS",
+                     help="requests per second per API key (token bucket)")
+    srv.add_argument("--rate-limit-burst", type=int, default=0, metavar="N",
+                     help="token bucket size (default: max(1, RPS))")
+    srv.add_argument("--max-concurrent-requests", type=int, default=None, metavar="N",
+                     help="open requests beyond this get HTTP 429 / a ZMQ error")
+    srv.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                     help="abort requests running longer than this")
+    srv.add_argument("--max-request-body-bytes", type=int, default=8 << 20, metavar="BYTES")
+    srv.add_argument("--max-n", type=int, default=64, help="largest n a request may ask for")
+    srv.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+                     help="on SIGTERM, how long in-flight requests get to finish")
     srv.add_argument("--zmq-port", type=int, default=5555,
                      help="frontend i listens on ZMQ_PORT + i (0: any free port)")
     srv.add_argument("--frontends", type=int, default=1, help="number of frontend processes")
     srv.add_argument("--zmq-curve-keys", default=None, metavar="DIR",
                      help="require CurveZMQ: server keypair in DIR (created if missing)")
     srv.add_argument("--startup-timeout", type=float, default=600.0, metavar="SECONDS")
+    srv.add_argument("--skip-tokenizer-init", action="store_true",
+                     help="load no tokenizer: prompts and outputs are token ids only")
     add_engine_args(srv)
-    srv.set_defaults(func=cmd_serve)
+    srv.set_defaults(func=cmd_serve, max_queued_requests=1024)
 
     fetch = sub.add_parser("fetch-default-model", help="download the default model into the cache")
     fetch.set_defaults(func=cmd_fetch)

@@ -1,33 +1,39 @@
 """`conveyor serve`: start the frontends, the scheduler and the workers, then watch them.
 
-Checks what it can before spawning (model files, tensor-parallel split), spawns every child
-with the 'spawn' start method, waits for each one's Ready, prints where it listens, and then
-supervises: SIGINT/SIGTERM stop everything (exit 0); a child that dies fails every open request
-(EngineDead to the frontends) and ends the launch (exit 1). Start-up failures print one line.
+Checks what it can before spawning (model files, tensor-parallel split, the HTTP port, which it
+keeps reserved so every frontend can share it), spawns every child with the 'spawn' start
+method, waits for each one's Ready, tells the frontends to serve, prints where it listens, and
+then supervises. SIGINT/SIGTERM drain: the frontends refuse new requests and finish open ones
+(up to --shutdown-timeout), then everything stops (exit 0); a second signal stops at once. A
+child that dies fails every open request (EngineDead to the frontends) and ends the launch
+(exit 1). Start-up failures print one line.
 """
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import os
 import signal
 import socket
 import sys
 import time
+from pathlib import Path
 
 import zmq
 
 from conveyor.engine import max_model_len
 from conveyor.frontend.server import frontend_main
 from conveyor.scheduler.process import scheduler_main
-from conveyor.shared.config import ModelConfig, ServeConfig
-from conveyor.shared.messages import EngineDead, Ready
+from conveyor.shared.config import HttpConfig, ModelConfig, ServeConfig
+from conveyor.shared.messages import Drain, Drained, EngineDead, Ready
 from conveyor.shared.model_files import read_model_config, resolve_model
 from conveyor.shared.process import child_main
-from conveyor.shared.sockets import Socket, ipc, make_runtime_dir, remove_runtime_dir
+from conveyor.shared.sockets import Socket, ipc, make_runtime_dir, remove_runtime_dir, tcp_listener
 from conveyor.worker.process import worker_main
 
 STOP_GRACE_S = 5.0         # SIGTERM, then SIGKILL after this long
 DRAIN_S = 3.0              # how long frontends get to send their errors after a death
+DRAIN_SLACK_S = 2.0        # beyond --shutdown-timeout, for the frontends' last replies
 
 
 class LaunchError(Exception):
@@ -53,18 +59,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve(engine, host: str, zmq_port: int, num_frontends: int, curve_keys: str | None,
-          startup_timeout: float) -> int:
+def serve(engine, http: HttpConfig, *, host: str = "127.0.0.1", zmq_port: int = 0,
+          num_frontends: int = 1, curve_keys: str | None = None,
+          startup_timeout: float = 600.0, skip_tokenizer_init: bool = False) -> int:
     model = read_model_config(resolve_model(engine.model))
     check_tensor_parallel(model, engine.tensor_parallel_size)
     max_model_len(engine, model)
+    reserved = None
+    if http.port is not None:
+        try:
+            reserved = tcp_listener(host, http.port)   # held until exit: the port stays ours
+        except OSError as e:
+            raise LaunchError(f"cannot listen on http://{host}:{http.port}: {e}") from None
+        http = dataclasses.replace(http, port=reserved.getsockname()[1])
     runtime_dir = make_runtime_dir()
     try:
+        if reserved is not None:
+            from conveyor.frontend.metrics import setup_multiprocess_dir
+            setup_multiprocess_dir(Path(runtime_dir) / "metrics")
         cfg = ServeConfig(engine, str(runtime_dir), os.getpid(), host, zmq_port, num_frontends,
-                          curve_keys, free_port())
+                          curve_keys, free_port(), http, skip_tokenizer_init)
         return Launcher(cfg).run(startup_timeout)
     finally:
         remove_runtime_dir(runtime_dir)
+        if reserved is not None:
+            reserved.close()
 
 
 class Launcher:
@@ -72,18 +91,28 @@ class Launcher:
         self.cfg = cfg
         self.ctx = zmq.Context()
         self.control = Socket(self.ctx, zmq.PULL, ipc(cfg.runtime_dir, "launcher"), bind=True,
-                              allowed=(Ready, EngineDead))
+                              allowed=(Ready, EngineDead, Drained))
         self.procs: dict[str, mp.process.BaseProcess] = {}
+        self.dead: set[str] = set()          # children whose exit was seen
 
     def run(self, startup_timeout: float) -> int:
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             self._spawn()
             addresses = self._wait_ready(startup_timeout)
-            print(f"conveyor: serving on {', '.join(addresses)} (ZMQ; tp="
+            self._tell_frontends(Ready("launcher"))
+            http = self.cfg.http
+            where = ([f"http://{self.cfg.host}:{http.port} (HTTP)"] if http.port is not None
+                     else []) + [f"{', '.join(addresses)} (ZMQ)"]
+            print(f"conveyor: serving on {', '.join(where)}; tp="
                   f"{self.cfg.engine.tensor_parallel_size}, frontends={self.cfg.num_frontends}, "
-                  f"pid {os.getpid()})", flush=True)
-            dead = self._supervise()
+                  f"pid {os.getpid()}", flush=True)
+            try:
+                dead = self._supervise()
+            except _Stop:
+                dead = self._drain()
+                if dead is None:
+                    return 0
             print(f"conveyor: error: {dead}; stopped the server", file=sys.stderr, flush=True)
             return 1
         except LaunchError as e:
@@ -119,7 +148,7 @@ class Launcher:
         """(a control message, or the name of a child that exited), either may be None."""
         poller = zmq.Poller()
         poller.register(self.control.sock, zmq.POLLIN)
-        sentinels = {p.sentinel: name for name, p in self.procs.items()}
+        sentinels = {p.sentinel: name for name, p in self.procs.items() if name not in self.dead}
         for fd in sentinels:
             poller.register(fd, zmq.POLLIN)
         events = dict(poller.poll(None if timeout_s is None else int(timeout_s * 1000)))
@@ -156,28 +185,61 @@ class Launcher:
     def _supervise(self) -> str:
         """Block until a child dies; fail every open request; return what died."""
         while True:
-            msg, exited = self._poll(None)
-            if exited is None and not isinstance(msg, EngineDead):
-                continue
-            if isinstance(msg, EngineDead):
-                reason = msg.reason
-            else:
-                proc = self.procs[exited]
-                proc.join(0.1)
-                reason = f"{exited} (pid {proc.pid}) died with exit code {proc.exitcode}"
-            self._notify_frontends(f"the engine failed: {reason}")
-            return reason
+            reason = self._death(*self._poll(None))
+            if reason is not None:
+                self._fail_requests(reason)
+                return reason
 
-    def _notify_frontends(self, reason: str) -> None:
-        frontends = [(n, p) for n, p in self.procs.items() if n.startswith("frontend-")]
-        for name, proc in frontends:
-            if proc.is_alive():
-                push = Socket(self.ctx, zmq.PUSH, ipc(self.cfg.runtime_dir, name), bind=False)
-                push.send(EngineDead(reason))
-                push.close(linger_ms=1000)
+    def _death(self, msg, exited: str | None) -> str | None:
+        """What died, if this poll result says a child died."""
+        if isinstance(msg, EngineDead):
+            return msg.reason
+        if exited is None:
+            return None
+        self.dead.add(exited)
+        proc = self.procs[exited]
+        proc.join(0.1)
+        return f"{exited} (pid {proc.pid}) died with exit code {proc.exitcode}"
+
+    def _drain(self) -> str | None:
+        """SIGTERM: let the frontends finish open requests; what died meanwhile, if anything."""
+        timeout = self.cfg.http.shutdown_timeout
+        print(f"conveyor: draining (up to {timeout:g} s); signal again to stop at once",
+              file=sys.stderr, flush=True)
+        waiting = self._tell_frontends(Drain(timeout))
+        deadline = time.monotonic() + timeout + DRAIN_SLACK_S
+        while waiting and time.monotonic() < deadline:
+            msg, exited = self._poll(deadline - time.monotonic())
+            if isinstance(msg, Drained):
+                waiting.discard(msg.role)
+                continue
+            reason = self._death(msg, exited)
+            if reason is not None:
+                self._fail_requests(reason)
+                return reason
+        return None
+
+    def _fail_requests(self, reason: str) -> None:
+        """EngineDead to the frontends; wait (a little) until each has failed its requests."""
+        waiting = self._tell_frontends(EngineDead(f"the engine failed: {reason}"))
         deadline = time.monotonic() + DRAIN_S
-        for _, proc in frontends:
-            proc.join(max(0.0, deadline - time.monotonic()))
+        while waiting and time.monotonic() < deadline:
+            msg, exited = self._poll(deadline - time.monotonic())
+            if isinstance(msg, Drained):
+                waiting.discard(msg.role)
+            elif exited is not None:
+                waiting.discard(exited)
+
+    def _tell_frontends(self, msg) -> set[str]:
+        """Send msg to every live frontend; returns their names."""
+        told = set()
+        for name, proc in self.procs.items():
+            if name.startswith("frontend-") and proc.is_alive():
+                push = Socket(self.ctx, zmq.PUSH, ipc(self.cfg.runtime_dir, name), bind=False)
+                push.send(msg)
+                push.close(linger_ms=1000)
+                told.add(name)
+        return told
 
     def _stop_all(self) -> None:
         order = sorted(self.procs.values(), key=lambda p: not p.name.startswith("conveyor::front"))

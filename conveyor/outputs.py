@@ -25,6 +25,7 @@ class CompletionOutput:
     finish_reason: str | None = None         # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None     # the stop token id or stop string that ended it
     error: str | None = None
+    error_code: int | None = None            # with "error": 400 invalid, 429 overloaded, 5xx
 
     @property
     def finished(self) -> bool:

@@ -2,6 +2,10 @@
 1024-token prompt (fresh random prompts, so the prefix cache never helps).
 
     python scripts/bench_latency.py --shape qwen3-0.6b --random-weights
+    python scripts/bench_latency.py --shape llama3.1-8b --random-weights --tp 2   # via serve
+
+With --tp the model runs in `conveyor serve` (one worker per GPU) and is timed through the ZMQ
+client, so the figure includes the processes' messages; without it, in-process (LLM).
 """
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_models import add_model_args, append_json, model_path  # noqa: E402
+from bench_models import add_model_args, append_json, model_path, served  # noqa: E402
 
 
 def main() -> None:
@@ -23,14 +27,27 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--tp", type=int, default=None, help="run in `conveyor serve --tp N`")
     ap.add_argument("--json")
     args = ap.parse_args()
     path = model_path(args, ap)
+    engine = dict(max_num_seqs=8, max_model_len=4096, max_num_batched_tokens=4096,
+                  enforce_eager=args.enforce_eager)
+    if args.tp is None:
+        from conveyor import LLM
 
-    from conveyor import LLM, SamplingParams
+        llm = LLM(model=path, device="cuda", skip_tokenizer_init=True, **engine)
+        measure(args, lambda prompt, p: llm.generate([prompt], p, use_tqdm=False))
+        return
+    flags = [f"--{k.replace('_', '-')}" if v is True else f"--{k.replace('_', '-')}={v}"
+             for k, v in engine.items() if v is not False]
+    with served(path, args.tp, *flags) as client:
+        measure(args, client.generate)
 
-    llm = LLM(model=path, device="cuda", skip_tokenizer_init=True, max_num_seqs=8,
-              max_model_len=4096, max_num_batched_tokens=4096, enforce_eager=args.enforce_eager)
+
+def measure(args, generate) -> None:
+    from conveyor import SamplingParams
+
     rng = random.Random(0)
 
     def prompt(n):
@@ -39,7 +56,7 @@ def main() -> None:
     def timed(n_prompt, n_out):
         p = SamplingParams(temperature=0, ignore_eos=True, max_tokens=n_out)
         t0 = time.perf_counter()
-        llm.generate([prompt(n_prompt)], p, use_tqdm=False)
+        generate(prompt(n_prompt), p)
         return time.perf_counter() - t0
 
     timed(32, 16)          # warm-up
@@ -47,9 +64,9 @@ def main() -> None:
     short = [timed(16, 1) for _ in range(args.repeat)]
     long = [timed(16, args.decode_tokens + 1) for _ in range(args.repeat)]
     per_token = (statistics.median(long) - statistics.median(short)) / args.decode_tokens
-    result = {"shape": args.shape or path, "decode_ms_per_token": round(per_token * 1e3, 3),
+    result = {"shape": args.shape or args.model, "decode_ms_per_token": round(per_token * 1e3, 3),
               "ttft_ms": round(statistics.median(ttft) * 1e3, 2),
-              "prompt_len": args.prompt_len, "eager": args.enforce_eager}
+              "prompt_len": args.prompt_len, "eager": args.enforce_eager, "tp": args.tp}
     print(f"decode: {per_token * 1e3:.3f} ms/token (batch 1); TTFT for {args.prompt_len} "
           f"tokens: {statistics.median(ttft) * 1e3:.1f} ms")
     append_json(args.json, result)

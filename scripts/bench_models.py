@@ -3,6 +3,12 @@ the engine loads them like any checkpoint. Used by the GPU benchmarks and tests.
 """
 from __future__ import annotations
 
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -69,3 +75,25 @@ def append_json(path: str | None, result: dict) -> None:
 
         with open(path, "a") as f:
             f.write(json.dumps(result) + "\n")
+
+
+@contextlib.contextmanager
+def served(path: str, tp: int, *args: str, timeout: float = 900):
+    """`conveyor serve` of a token-only model on the GPU(s) (ZMQ only); yields a Client."""
+    from conveyor.client import Client
+
+    cmd = [sys.executable, "-m", "conveyor.cli", "serve", "--model", path, "--device", "cuda",
+           "--tp", str(tp), "--port", "-1", "--zmq-port", "0", "--skip-tokenizer-init", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        line = ""
+        while "serving on" not in line:
+            line = proc.stdout.readline()
+            if not line and proc.poll() is not None:
+                raise RuntimeError(f"conveyor serve --tp {tp} did not start")
+        with Client(re.search(r"tcp://[\d.]+:\d+", line).group(0), timeout=timeout) as client:
+            yield client
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(60)

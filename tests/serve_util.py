@@ -17,7 +17,8 @@ SMALL = ["--max-num-seqs", "64", "--kv-cache-memory-bytes", str(64 << 20),
 @dataclass
 class Server:
     proc: subprocess.Popen
-    addresses: list[str]
+    addresses: list[str]                     # ZMQ, one per frontend
+    http: str | None                         # the HTTP API's base URL
     children: dict[str, int]                 # process title -> pid
 
     def kill_all(self) -> None:
@@ -55,7 +56,7 @@ def alive(pid: int) -> bool:
 
 def run_serve(*args: str, timeout: float = 240) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "conveyor.cli", "serve", "--zmq-port", "0", *args],
+        [sys.executable, "-m", "conveyor.cli", "serve", "--zmq-port", "0", "--port", "0", *args],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
@@ -71,7 +72,8 @@ def start_server(*args: str, timeout: float = 240) -> Server:
             if select.select([proc.stdout], [], [], left)[0]:
                 line = proc.stdout.readline()
         addresses = re.findall(r"tcp://[\d.]+:\d+", line)
-        return Server(proc, addresses, child_pids(proc.pid))
+        http = re.search(r"http://[\d.]+:\d+", line)
+        return Server(proc, addresses, http and http.group(0), child_pids(proc.pid))
     except BaseException:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(30)

@@ -100,7 +100,7 @@ class RequestTracker:
             elif o.finish_reason is not None:
                 seq.detok.flush()
                 seq.out.finish_reason, seq.out.stop_reason = o.finish_reason, o.stop_reason
-                seq.out.error = o.error
+                seq.out.error, seq.out.error_code = o.error, o.error_code
             seq.out.text = seq.detok.text
             if all(s.out.finished for s in req.seqs):
                 req.output.finished = True

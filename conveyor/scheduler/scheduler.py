@@ -72,7 +72,12 @@ class Scheduler:
         """Queue a request; one that can never run ends at once with finish_reason "error"."""
         error = self._reject_reason(msg)
         if error is not None:
-            return [TokenOutput(msg.id, [], finish_reason="error", error=error)]
+            return [TokenOutput(msg.id, [], finish_reason="error", error=error, error_code=400)]
+        cap = self.config.max_queued_requests
+        # NOTE: requests that free sequence slots will take at the next step are not queued
+        if cap is not None and len(self.waiting) - self.slots.num_free >= cap:
+            return [TokenOutput(msg.id, [], finish_reason="error", error_code=429,
+                                error=f"the server is overloaded: {cap} requests are waiting")]
         req = Request.from_message(msg, next(self._arrivals))
         self.requests[req.id] = req
         self.waiting.append(req)

@@ -21,6 +21,7 @@ class EngineConfig:
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    max_queued_requests: int | None = None   # more waiting requests are refused (None: no cap)
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int = 1 << 30     # KV pool budget on CPU
@@ -40,6 +41,8 @@ class EngineConfig:
               "must be a power of two up to 256")
         check(self.max_num_seqs >= 1, "max_num_seqs", "must be at least 1")
         check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be at least 1")
+        check(self.max_queued_requests is None or self.max_queued_requests >= 0,
+              "max_queued_requests", "must be non-negative")
         check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len",
               "must be at least 1")
         check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "must be in (0, 1]")
@@ -126,6 +129,37 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class HttpConfig:
+    """The OpenAI-compatible HTTP API every frontend serves on one shared port."""
+    port: int | None = 8000                  # None: no HTTP server; 0: any free port
+    served_model_names: tuple[str, ...] = ()  # names clients may use; default: the model's name
+    api_keys: tuple[str, ...] = ()           # empty: no authentication
+    rate_limit: float | None = None          # requests per second per API key (token bucket)
+    rate_limit_burst: int = 0                # bucket size; 0: max(1, rate_limit)
+    max_concurrent_requests: int | None = None   # open requests per server; more get 429
+    request_timeout: float | None = None     # seconds; a request running longer is aborted
+    max_body_bytes: int = 8 << 20
+    max_n: int = 64
+    shutdown_timeout: float = 30.0           # SIGTERM: seconds in-flight requests get to finish
+
+    def __post_init__(self) -> None:
+        if self.port is not None and not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be a TCP port, got {self.port}")
+        for name in ("rate_limit", "request_timeout"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        for name in ("max_concurrent_requests", "max_body_bytes", "max_n"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+        if self.rate_limit_burst < 0 or self.shutdown_timeout < 0:
+            raise ValueError("rate_limit_burst and shutdown_timeout must be non-negative")
+        if any(not k for k in self.api_keys):
+            raise ValueError("an API key must not be empty")
+
+
+@dataclass(frozen=True)
 class ServeConfig:
     """What `conveyor serve` hands every child process (besides its rank or index)."""
     engine: EngineConfig
@@ -136,6 +170,8 @@ class ServeConfig:
     num_frontends: int = 1
     zmq_curve_keys: str | None = None        # folder with the CurveZMQ server keypair
     dist_port: int = 0                       # torch.distributed rendezvous on 127.0.0.1
+    http: HttpConfig = field(default_factory=HttpConfig)
+    skip_tokenizer_init: bool = False        # no tokenizer: clients send and get token ids
 
     def __post_init__(self) -> None:
         if self.num_frontends < 1:

@@ -11,6 +11,7 @@ Flow (see docs/ARCHITECTURE.md; the client protocol is in docs/PROTOCOL.md):
   scheduler -> frontend  : TokenOutputs, Stats
   scheduler -> workers   : StepPlan (deltas: a sequence is sent whole once, then only what changed)
   worker 0  -> scheduler : StepResult
+  launcher <-> children  : Ready, EngineDead, Shutdown, Drain, Drained (control)
 """
 from __future__ import annotations
 
@@ -57,6 +58,7 @@ class TokenOutput(msgspec.Struct, omit_defaults=True):
     finish_reason: str | None = None         # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None     # the stop token id that ended it, if any
     error: str | None = None
+    error_code: int | None = None            # with "error": 400 invalid, 429 overloaded, 500 failed
     stats: RequestStats | None = None        # sent with the first token and when finished
 
 
@@ -114,6 +116,16 @@ class EngineDead(msgspec.Struct):
     reason: str
 
 
+class Drain(msgspec.Struct):
+    """launcher -> frontend: refuse new requests; end open ones within timeout_s, then Drained."""
+    timeout_s: float
+
+
+class Drained(msgspec.Struct):
+    """frontend -> launcher: no open request is left (after Drain or EngineDead)."""
+    role: str
+
+
 class Stats(msgspec.Struct, omit_defaults=True):
     num_running: int = 0
     num_waiting: int = 0
@@ -163,6 +175,7 @@ class Completion(msgspec.Struct, omit_defaults=True):
     finish_reason: str | None = None         # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
     error: str | None = None
+    error_code: int | None = None            # HTTP-style class of the error: 400, 429, 500, 503
 
 
 class GenerateOutput(msgspec.Struct, omit_defaults=True):
@@ -175,6 +188,7 @@ class GenerateOutput(msgspec.Struct, omit_defaults=True):
 class ErrorReply(msgspec.Struct):
     id: str | None                           # None: the frame could not be read at all
     error: str
+    code: int = 400                          # HTTP-style: 400 invalid, 429 overloaded, 503 down
 
 
 # --- codec ------------------------------------------------------------------------------------
@@ -182,7 +196,7 @@ class ErrorReply(msgspec.Struct):
 # NOTE: a type's tag is its position here plus one; append only, clients depend on the tags.
 MESSAGE_TYPES: tuple[type, ...] = (
     AddRequest, Abort, TokenOutputs, StepPlan, StepResult, Ready, Shutdown, EngineDead, Stats,
-    GenerateRequest, CancelRequest, StatsRequest, GenerateOutput, ErrorReply,
+    GenerateRequest, CancelRequest, StatsRequest, GenerateOutput, ErrorReply, Drain, Drained,
 )
 _TAG = {cls: bytes([i + 1]) for i, cls in enumerate(MESSAGE_TYPES)}
 _DECODERS = {bytes([i + 1]): msgspec.msgpack.Decoder(cls) for i, cls in enumerate(MESSAGE_TYPES)}

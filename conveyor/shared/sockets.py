@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 
@@ -63,7 +64,13 @@ class Socket:
 
     def recv(self, flags: int = 0) -> tuple[bytes | None, object]:
         """(sender identity on a ROUTER, else None; the message or an ErrorReply saying why not)."""
-        frames = self.sock.recv_multipart(flags, copy=True)
+        return self._decode(self.sock.recv_multipart(flags, copy=True))
+
+    async def recv_async(self) -> tuple[bytes | None, object]:
+        """recv() for a socket made from a zmq.asyncio context."""
+        return self._decode(await self.sock.recv_multipart(copy=True))
+
+    def _decode(self, frames: list[bytes]) -> tuple[bytes | None, object]:
         peer = frames.pop(0) if self.kind == zmq.ROUTER else None
         try:
             return peer, decode(frames, self.allowed, self.max_bytes)
@@ -82,6 +89,21 @@ def _request_id(frames: list[bytes]) -> str | None:
         return msgspec.msgpack.decode(frames[1], type=_WithId).id
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None
+
+
+def tcp_listener(host: str, port: int) -> socket.socket:
+    """A TCP socket bound with SO_REUSEPORT, so every frontend can listen on one port (the
+    kernel spreads connections over them); port 0 picks a free one. Not yet listening."""
+    info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(info[0], socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind(info[4])
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def make_runtime_dir() -> Path:

@@ -1,0 +1,143 @@
+"""What every HTTP request passes before the API sees it: API keys, rate limit, body cap.
+
+`Guard` is plain ASGI middleware. Keys are compared as SHA-256 digests with
+`hmac.compare_digest` against every configured key, so neither the key's content nor its length
+shows in the timing. The rate limit is a token bucket per API key (per client address when no keys
+are set). A body over the cap is refused with 413 whether or not it declares its length (an
+undeclared one as it is read, through the app's HTTPException handler). Every
+response's status is counted for the metrics under its route.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import time
+
+import msgspec
+from starlette.exceptions import HTTPException
+
+OPEN_PATHS = frozenset({"/health"})          # answered without an API key
+ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
+                    "/metrics", "/version", "/tokenize", "/detokenize"})
+_MAX_BUCKETS = 10_000
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                404: "not_found_error", 408: "timeout_error", 413: "invalid_request_error",
+                429: "rate_limit_error", 503: "service_unavailable"}
+
+
+def error_body(status: int, message: str) -> dict:
+    """OpenAI's error shape."""
+    return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "server_error"),
+                      "param": None, "code": status}}
+
+
+class TokenBucket:
+    def __init__(self, rate: float, burst: float):
+        self.rate, self.burst = rate, burst
+        self.tokens, self.stamp = burst, time.monotonic()
+
+    def _refill(self) -> None:
+        now = time.monotonic()
+        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+
+    def take(self) -> bool:
+        self._refill()
+        if self.tokens < 1:
+            return False
+        self.tokens -= 1
+        return True
+
+    def full(self) -> bool:
+        self._refill()
+        return self.tokens >= self.burst
+
+
+class Guard:
+    def __init__(self, app, api_keys: tuple[str, ...] = (), rate_limit: float | None = None,
+                 burst: int = 0, max_body_bytes: int = 8 << 20, metrics=None):
+        self.app = app
+        self.key_digests = [hashlib.sha256(k.encode()).digest() for k in api_keys]
+        self.rate, self.burst = rate_limit, burst or max(1.0, rate_limit or 1.0)
+        self.buckets: dict[str, TokenBucket] = {}
+        self.max_body = max_body_bytes
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        status = 0
+
+        async def counted_send(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            refusal = self._check(scope, path)
+            if refusal is not None:
+                await _send_error(counted_send, *refusal)
+                return
+            received = 0
+
+            async def capped_receive():
+                nonlocal received
+                message = await receive()
+                if message["type"] == "http.request":
+                    received += len(message.get("body", b""))
+                    if received > self.max_body:       # the app answers it with a 413
+                        raise HTTPException(*self._too_large())
+                return message
+
+            await self.app(scope, capped_receive, counted_send)
+        finally:
+            if self.metrics is not None:
+                self.metrics.http_request(path if path in ROUTES else "other", status or 499)
+
+    def _check(self, scope, path: str) -> tuple[int, str] | None:
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_body):
+            return self._too_large()
+        key = ""
+        if self.key_digests and path not in OPEN_PATHS:
+            key = _bearer(headers.get(b"authorization", b""))
+            digest = hashlib.sha256(key.encode(errors="replace")).digest()
+            ok = False
+            for known in self.key_digests:       # NOTE: no early exit: every key is compared
+                ok |= hmac.compare_digest(digest, known)
+            if not ok:
+                return 401, "a valid API key is required (Authorization: Bearer KEY)"
+        if self.rate is not None and path not in OPEN_PATHS:
+            client = key or (scope.get("client") or ("?",))[0]
+            if not self._bucket(client).take():
+                return 429, f"rate limit exceeded: {self.rate:g} requests per second"
+        return None
+
+    def _bucket(self, client: str) -> TokenBucket:
+        bucket = self.buckets.get(client)
+        if bucket is None:
+            if len(self.buckets) >= _MAX_BUCKETS:    # forget clients whose bucket is full
+                for k in [k for k, b in self.buckets.items() if b.full()]:
+                    del self.buckets[k]
+            bucket = self.buckets[client] = TokenBucket(self.rate, self.burst)
+        return bucket
+
+    def _too_large(self) -> tuple[int, str]:
+        return 413, f"the request body exceeds {self.max_body} bytes"
+
+
+def _bearer(value: bytes) -> str:
+    scheme, _, token = value.decode("latin-1").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""
+
+
+async def _send_error(send, status: int, message: str) -> None:
+    body = msgspec.json.encode(error_body(status, message))
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,410 @@
+"""The OpenAI-compatible HTTP API of a frontend process (FastAPI on uvicorn).
+
+Routes: POST /v1/completions, /v1/chat/completions (streamed as server-sent events when asked),
+/tokenize, /detokenize; GET /v1/models, /health, /metrics, /version. Every frontend process
+serves this app on one shared port. `Guard` (auth, rate limit, body cap) wraps the app; errors
+are OpenAI's error JSON with the right status. A request's response starts only once the engine
+has accepted it, so a refusal is a status code, not a broken stream; a client that disconnects
+cancels its request, which frees its KV blocks.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException
+
+from conveyor import __version__
+from conveyor.frontend import openai_protocol as oai
+from conveyor.frontend.core import READY, FrontendCore, RequestError
+from conveyor.frontend.guard import error_body
+from conveyor.frontend.tokenizer import apply_chat_template, check_token_ids
+from conveyor.shared.messages import Completion, GenerateOutput, GenerateRequest
+
+log = logging.getLogger(__name__)
+_JSON = msgspec.json.Encoder()
+STATS_TIMEOUT_S = 2.0
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def error_response(status: int, message: str) -> Response:
+    return Response(_JSON.encode(error_body(status, message)), status,
+                    media_type="application/json")
+
+
+def build_app(core: FrontendCore, model_names: tuple[str, ...], max_n: int,
+              metrics=None) -> FastAPI:
+    app = FastAPI(title="conveyor", version=__version__, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    created = int(time.time())
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request, e: ApiError):
+        return error_response(e.status, str(e))
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request, e: HTTPException):
+        return error_response(e.status_code, str(e.detail))
+
+    @app.exception_handler(Exception)
+    async def _internal(request, e: Exception):
+        log.exception("internal error on %s", request.url.path)
+        return error_response(500, "internal server error")
+
+    def check_model(name: str | None) -> str:
+        if name is not None and name not in model_names:
+            raise ApiError(400, f"the model {name!r} does not exist; this server serves "
+                                f"{', '.join(model_names)}")
+        return name or model_names[0]
+
+    async def parse(request: Request, kind: type):
+        try:
+            req = oai.decode_request(await request.body(), kind)
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+        if core.state != READY:
+            raise ApiError(503, f"the server is {core.state}")
+        return req, check_model(req.model)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req, model = await parse(request, oai.CompletionRequest)
+        try:
+            params = oai.sampling_params(req, max_n)
+            prompts = oai.completion_prompts(req)
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+        gens = [GenerateRequest(id=str(i), sampling=params, stream=req.stream,
+                                priority=req.priority,
+                                **({"prompt": p} if isinstance(p, str) else
+                                   {"prompt_token_ids": p})) for i, p in enumerate(prompts)]
+        run = _Run(core, request, gens)
+        shape = _CompletionShape(f"cmpl-{uuid.uuid4().hex}", model, req, core.tokenizer)
+        return await run.respond(shape, req.stream, req.stream_options)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req, model = await parse(request, oai.ChatRequest)
+        try:
+            params = oai.sampling_params(req, max_n)
+            messages = oai.chat_messages(req)
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+        gen = GenerateRequest(id="0", messages=messages, sampling=params, stream=req.stream,
+                              priority=req.priority)
+        run = _Run(core, request, [gen])
+        shape = _ChatShape(f"chatcmpl-{uuid.uuid4().hex}", model, req.n, req.top_logprobs or 0)
+        return await run.respond(shape, req.stream, req.stream_options)
+
+    @app.get("/v1/models")
+    async def models():
+        data = [{"id": name, "object": "model", "created": created, "owned_by": "conveyor",
+                 "max_model_len": core.max_model_len} for name in model_names]
+        return {"object": "list", "data": data}
+
+    @app.get("/health")
+    async def health():
+        if core.state != READY:
+            return error_response(503, f"the server is {core.state}")
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def prometheus():
+        if metrics is None:
+            raise ApiError(404, "metrics are off")
+        future = asyncio.get_running_loop().create_future()
+        core.request_stats(lambda s: future.done() or future.set_result(s))
+        try:
+            stats = await asyncio.wait_for(future, STATS_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            stats = None
+        body, content_type = metrics.render(stats)
+        return Response(body, media_type=content_type)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        req = _decode(await request.body(), _TokenizeRequest)
+        check_model(req.model)
+        if core.tokenizer is None:
+            raise ApiError(400, "this server has no tokenizer")
+        try:
+            if (req.prompt is None) == (req.messages is None):
+                raise ValueError("set exactly one of prompt and messages")
+            if req.messages is not None:
+                ids = apply_chat_template(core.tokenizer, oai.chat_messages(req),
+                                          req.add_generation_prompt)
+            else:
+                ids = core.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+        return {"count": len(ids), "max_model_len": core.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        req = _decode(await request.body(), _DetokenizeRequest)
+        check_model(req.model)
+        if core.tokenizer is None:
+            raise ApiError(400, "this server has no tokenizer")
+        try:
+            check_token_ids(req.tokens, core.vocab_size)
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+        return {"prompt": core.tokenizer.decode(req.tokens)}
+
+    return app
+
+
+class _TokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[oai.ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class _DetokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    tokens: list[int]
+
+
+def _decode(body: bytes, kind: type):
+    try:
+        return oai.decode_request(body, kind)
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None
+
+
+# --- one generation request -------------------------------------------------------------------
+
+class _Run:
+    """The engine requests behind one HTTP request (one per prompt), and its client's fate."""
+
+    def __init__(self, core: FrontendCore, request: Request, gens: list[GenerateRequest]):
+        self.core = core
+        self.queue: asyncio.Queue[GenerateOutput] = asyncio.Queue()
+        self.open: dict[str, str] = {}       # prompt index -> engine request id, until finished
+        try:
+            for gen in gens:
+                self.open[gen.id] = core.submit(gen, self.queue.put_nowait, fit_context=True)
+        except RequestError as e:
+            self.close()
+            raise ApiError(e.code, str(e)) from None
+        self.gone = asyncio.ensure_future(_disconnected(request))
+
+    async def next(self) -> list[GenerateOutput] | None:
+        """What arrived since the last call (waits for at least one); None if the client left."""
+        if self.queue.empty():
+            get = asyncio.ensure_future(self.queue.get())
+            await asyncio.wait((get, self.gone), return_when=asyncio.FIRST_COMPLETED)
+            if not get.done():
+                get.cancel()
+                return None
+            items = [get.result()]
+        else:
+            items = []
+        while not self.queue.empty():
+            items.append(self.queue.get_nowait())
+        for out in items:
+            if out.finished:
+                self.open.pop(out.id, None)
+        return items
+
+    def close(self) -> None:
+        for rid in self.open.values():
+            self.core.cancel(rid)
+        self.open.clear()
+        if hasattr(self, "gone"):
+            self.gone.cancel()
+
+    async def respond(self, shape, stream: bool, options: oai.StreamOptions | None) -> Response:
+        try:
+            first = await self.next()
+            if first is None:
+                return Response(status_code=499)     # nobody is listening
+            error = _refusal(first)
+            if error is not None:
+                return error_response(*error)
+            if not stream:
+                finals = {out.id: out for out in first}
+                while self.open:
+                    items = await self.next()
+                    if items is None:
+                        return Response(status_code=499)
+                    finals.update((out.id, out) for out in items)
+                error = _failure([c for out in finals.values() for c in out.outputs])
+                if error is not None:
+                    return error_response(*error)
+                body = shape.whole([finals[k] for k in sorted(finals, key=int)])
+                return Response(_JSON.encode(body), media_type="application/json")
+        except BaseException:
+            self.close()
+            raise
+        return _EventStream(self, shape, first, bool(options and options.include_usage))
+
+
+def _refusal(first: list[GenerateOutput]) -> tuple[int, str] | None:
+    """An error status if the engine refused the request before producing anything."""
+    comps = [c for out in first for c in out.outputs]
+    if comps and all(c.error_code and not c.token_ids for c in comps):
+        return comps[0].error_code, comps[0].error or "the request failed"
+    return None
+
+
+def _failure(comps: list[Completion]) -> tuple[int, str] | None:
+    for c in comps:
+        if c.finish_reason == "error":
+            return c.error_code or 500, c.error or "the request failed"
+    return None
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class _EventStream(Response):
+    """Server-sent events: one chunk per sample per step, then usage if asked, then [DONE]."""
+
+    def __init__(self, run: _Run, shape, first: list[GenerateOutput], include_usage: bool):
+        super().__init__(media_type="text/event-stream")
+        self.run, self.shape, self.first, self.include_usage = run, shape, first, include_usage
+
+    async def __call__(self, scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream"),
+                                (b"cache-control", b"no-cache")]})
+        run, shape = self.run, self.shape
+        try:
+            events, items = shape.opening(), self.first
+            while True:
+                failed = None
+                for out in items:
+                    shape.prompt_tokens += len(out.prompt_token_ids or [])
+                    for c in out.outputs:
+                        shape.completion_tokens += len(c.token_ids)
+                        events.append(shape.chunk(int(out.id), c))
+                    failed = failed or _failure(out.outputs)
+                if failed is not None:
+                    events.append({"error": error_body(*failed)["error"]})
+                    break
+                if not run.open:
+                    if self.include_usage:
+                        events.append(shape.usage_chunk())
+                    break
+                await send({"type": "http.response.body", "body": _sse(events),
+                            "more_body": True})
+                events, items = [], await run.next()
+                if items is None:
+                    return
+            await send({"type": "http.response.body", "body": _sse(events) + b"data: [DONE]\n\n",
+                        "more_body": False})
+        finally:
+            run.close()
+
+
+def _sse(events: list[dict]) -> bytes:
+    return b"".join(b"data: " + _JSON.encode(e) + b"\n\n" for e in events)
+
+
+# --- response shapes --------------------------------------------------------------------------
+
+class _Shape:
+    """The bodies of one response; the stream adds up its token counts as chunks pass by."""
+    object_name = chunk_object = ""
+
+    def __init__(self, id: str, model: str, n: int):
+        self.id, self.model, self.n = id, model, n
+        self.created = int(time.time())
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+
+    def base(self, choices: list[dict], chunk: bool = False) -> dict:
+        return {"id": self.id, "object": self.chunk_object if chunk else self.object_name,
+                "created": self.created, "model": self.model, "choices": choices}
+
+    def opening(self) -> list[dict]:
+        return []
+
+    def usage_chunk(self) -> dict:
+        return {**self.base([], chunk=True),
+                "usage": oai.usage(self.prompt_tokens, self.completion_tokens)}
+
+    def whole(self, finals: list[GenerateOutput]) -> dict:
+        choices = []
+        for out in finals:
+            self.prompt_tokens += len(out.prompt_token_ids or [])
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                self.completion_tokens += len(c.token_ids)
+                choices.append(self.choice(int(out.id) * self.n + c.index, c))
+        return {**self.base(choices),
+                "usage": oai.usage(self.prompt_tokens, self.completion_tokens)}
+
+
+class _CompletionShape(_Shape):
+    object_name = chunk_object = "text_completion"
+
+    def __init__(self, id: str, model: str, req: oai.CompletionRequest, tokenizer):
+        super().__init__(id, model, req.n)
+        self.echo, self.tokenizer = req.echo, tokenizer
+        self.prompts = req.prompt if isinstance(req.prompt, list) and not isinstance(
+            req.prompt[0], int) else [req.prompt]
+        self.echoed: set[int] = set()
+
+    def _prefix(self, index: int) -> str:
+        if not self.echo or index in self.echoed:
+            return ""
+        self.echoed.add(index)
+        prompt = self.prompts[index // self.n]
+        if isinstance(prompt, str) or self.tokenizer is None:
+            return prompt if isinstance(prompt, str) else ""
+        return self.tokenizer.decode(prompt)
+
+    def choice(self, index: int, c: Completion) -> dict:
+        return {"index": index, "text": self._prefix(index) + c.text,
+                "logprobs": None if c.logprobs is None else oai.completion_logprobs(c.logprobs, 0),
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+
+    def chunk(self, prompt_index: int, c: Completion) -> dict:
+        return self.base([self.choice(prompt_index * self.n + c.index, c)], chunk=True)
+
+
+class _ChatShape(_Shape):
+    object_name, chunk_object = "chat.completion", "chat.completion.chunk"
+
+    def __init__(self, id: str, model: str, n: int, top_logprobs: int):
+        super().__init__(id, model, n)
+        self.top = top_logprobs
+
+    def _logprobs(self, c: Completion) -> dict | None:
+        return None if c.logprobs is None else oai.chat_logprobs(c.logprobs, self.top)
+
+    def opening(self) -> list[dict]:
+        return [self.base([{"index": i, "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None, "finish_reason": None}], chunk=True)
+                for i in range(self.n)]
+
+    def choice(self, index: int, c: Completion) -> dict:
+        return {"index": index, "message": {"role": "assistant", "content": c.text},
+                "logprobs": self._logprobs(c),
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+
+    def chunk(self, prompt_index: int, c: Completion) -> dict:
+        choice = {"index": c.index, "delta": {"content": c.text},
+                  "logprobs": self._logprobs(c),
+                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        return self.base([choice], chunk=True)

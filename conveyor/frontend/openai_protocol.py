@@ -1,0 +1,191 @@
+"""The OpenAI API's request and response shapes (completions and chat completions).
+
+Requests are decoded with msgspec: a field of the wrong type is a clear 400, unknown fields are
+ignored (as OpenAI's servers do). `sampling_params` maps a request onto SamplingParams, with
+vLLM's extra fields (top_k, min_p, ignore_eos, repetition_penalty, min_tokens, ...). The builders
+turn the engine's Completions into response bodies and stream chunks (plain dicts, sent as JSON).
+"""
+from __future__ import annotations
+
+import msgspec
+
+from conveyor.shared.messages import Logprob
+from conveyor.shared.sampling_params import MAX_LOGPROBS, SamplingParams
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Common(msgspec.Struct, kw_only=True):
+    """What both endpoints take: OpenAI's sampling fields plus vLLM's extras."""
+    model: str | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    priority: int = 0
+
+
+class CompletionRequest(_Common, kw_only=True):
+    prompt: str | list[str | int | list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    role: str
+    content: str | list[dict] | None = None
+    name: str | None = None
+
+
+class ChatRequest(_Common, kw_only=True):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    response_format: dict | None = None
+
+
+def decode_request(body: bytes, kind: type):
+    """The request, or ValueError saying which field is wrong."""
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as e:
+        raise ValueError(f"invalid request: {e}") from None
+    except msgspec.DecodeError as e:
+        raise ValueError(f"the body is not valid JSON: {e}") from None
+
+
+def sampling_params(req: CompletionRequest | ChatRequest, max_n: int) -> SamplingParams:
+    """SamplingParams for a request, or ValueError for what the engine cannot do."""
+    if req.n > max_n:
+        raise ValueError(f"n must be at most {max_n}, got {req.n}")
+    if req.logit_bias:
+        raise ValueError("logit_bias is not supported")
+    if req.stream_options is not None and not req.stream:
+        raise ValueError("stream_options is only allowed with stream: true")
+    if isinstance(req, ChatRequest):
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        if req.top_logprobs is not None and not req.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        if req.tools:
+            raise ValueError("tools are not supported")
+        if req.tool_choice not in (None, "none"):
+            raise ValueError("tool_choice is not supported")
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            raise ValueError("only response_format type 'text' is supported")
+    else:
+        max_tokens, logprobs = req.max_tokens, req.logprobs
+        if req.suffix:
+            raise ValueError("suffix is not supported")
+        if req.best_of is not None and req.best_of != req.n:
+            raise ValueError("best_of other than n is not supported")
+        if req.echo and req.logprobs is not None:
+            raise ValueError("echo with logprobs is not supported")
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {logprobs}")
+    given = {
+        "n": req.n, "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
+        "min_p": req.min_p, "presence_penalty": req.presence_penalty,
+        "frequency_penalty": req.frequency_penalty, "repetition_penalty": req.repetition_penalty,
+        "seed": req.seed, "max_tokens": max_tokens, "min_tokens": req.min_tokens,
+        "ignore_eos": req.ignore_eos, "stop": [req.stop] if isinstance(req.stop, str) else req.stop,
+        "stop_token_ids": req.stop_token_ids, "logprobs": logprobs,
+        "skip_special_tokens": req.skip_special_tokens,
+        "include_stop_str_in_output": req.include_stop_str_in_output,
+    }
+    # NOTE: a None means "the default"; max_tokens=None is kept: the rest of the context
+    return SamplingParams(**{k: v for k, v in given.items()
+                             if v is not None or k in ("max_tokens", "seed", "logprobs")})
+
+
+def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
+    """The prompts of a completions request: texts and/or token-id lists, one per choice set."""
+    p = req.prompt
+    if isinstance(p, str):
+        prompts = [p]
+    elif p and all(isinstance(x, int) for x in p):
+        prompts = [list(p)]
+    elif p and all(isinstance(x, (str, list)) for x in p):
+        prompts = list(p)
+    else:
+        raise ValueError("prompt must be a string, a list of strings, a list of token ids, or "
+                         "a list of token-id lists")
+    if any(len(x) == 0 for x in prompts):
+        raise ValueError("the prompt is empty")
+    return prompts
+
+
+def chat_messages(req: ChatRequest) -> list[dict[str, str]]:
+    if not req.messages:
+        raise ValueError("messages must not be empty")
+    out = []
+    for m in req.messages:
+        if isinstance(m.content, list):
+            parts = [p.get("text") for p in m.content]
+            if any(p.get("type") != "text" or not isinstance(t, str)
+                   for p, t in zip(m.content, parts)):
+                raise ValueError("only text content parts are supported")
+            content = "".join(parts)
+        else:
+            content = m.content or ""
+        out.append({"role": m.role, "content": content})
+    return out
+
+
+# --- responses --------------------------------------------------------------------------------
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_logprobs(entries: list[list[Logprob]], offset: int) -> dict:
+    """OpenAI's legacy logprobs object: tokens, their logprobs, top alternatives, offsets."""
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for entry in entries:
+        chosen = entry[0]
+        text = chosen.text or ""
+        tokens.append(text)
+        token_logprobs.append(chosen.logprob)
+        top.append({(lp.text or ""): lp.logprob for lp in entry})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
+            "text_offset": offsets}
+
+
+def chat_logprobs(entries: list[list[Logprob]], top: int) -> dict:
+    """Per token: the chosen one, and the `top` most likely (which may include it)."""
+    def one(lp: Logprob) -> dict:
+        text = lp.text or ""
+        return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode())}
+
+    return {"content": [{**one(e[0]), "top_logprobs": [
+        one(lp) for lp in sorted(e, key=lambda lp: lp.rank)[:top]]} for e in entries]}
+

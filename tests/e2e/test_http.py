@@ -1,0 +1,290 @@
+"""The OpenAI-compatible HTTP API of `conveyor serve` on CPU, through the official `openai`
+client and raw HTTP: results equal the offline API's, every error status comes from a real
+request with OpenAI's error shape, a client that disconnects frees its blocks, /metrics parses
+and moves, and limits (rate, concurrency, queue, timeout) answer with their status."""
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from serve_util import start_server
+
+from conveyor import SamplingParams
+from conveyor.client import Client
+from conveyor.shared.model_files import default_model_path
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not default_model_path().is_file(),
+                                                   reason="default model not fetched")]
+
+KEYS = ("key-one", "key-two")
+PROMPTS = ["The capital of France is", "1, 2, 3,", "def fib(n):"]
+CHAT = [{"role": "user", "content": "Name the three primary colors."}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = start_server("--api-key", KEYS[0], "--api-key", KEYS[1], "--served-model-name", "smol",
+                     "--max-n", "4", "--max-request-body-bytes", "65536",
+                     "--max-concurrent-requests", "3")
+    yield s
+    s.kill_all()
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    return openai.OpenAI(base_url=server.http + "/v1", api_key=KEYS[1], max_retries=0,
+                         timeout=120)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    from conveyor import LLM
+    return LLM(max_num_seqs=64, kv_cache_memory_bytes=64 << 20, max_model_len=512)
+
+
+def _post(server, path: str, body, key: str | None = KEYS[0], **kw) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    content = json.dumps(body) if isinstance(body, (dict, list)) else body
+    return httpx.post(server.http + path, content=content, headers=headers, timeout=60, **kw)
+
+
+def _error(r: httpx.Response, status: int) -> str:
+    assert r.status_code == status, (r.status_code, r.text)
+    err = r.json()["error"]
+    assert err["code"] == status and err["type"] and err["message"]
+    return err["message"]
+
+
+def _metrics(server) -> dict[str, float]:
+    text = httpx.get(server.http + "/metrics", timeout=30,
+                     headers={"Authorization": f"Bearer {KEYS[0]}"}).text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+def test_completions_equal_the_offline_api(oai, llm):
+    greedy = SamplingParams(temperature=0, max_tokens=12)
+    want = [o.outputs[0].text for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
+    r = oai.completions.create(model="smol", prompt=PROMPTS, max_tokens=12, temperature=0)
+    assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == want
+    assert r.usage.completion_tokens == 36 and r.object == "text_completion"
+    streamed = ["", "", ""]
+    for chunk in oai.completions.create(model="smol", prompt=PROMPTS, max_tokens=12,
+                                        temperature=0, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert streamed == want
+
+
+def test_chat_equals_the_offline_api_streamed_or_not(oai, llm):
+    want = llm.chat(CHAT, SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)
+    want = want[0].outputs[0].text
+    r = oai.chat.completions.create(model="smol", messages=CHAT, max_tokens=20, temperature=0)
+    assert r.choices[0].message.content == want and r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason in ("stop", "length")
+    text, usage, roles = "", None, 0
+    for chunk in oai.chat.completions.create(model="smol", messages=CHAT, max_tokens=20,
+                                             temperature=0, stream=True,
+                                             stream_options={"include_usage": True}):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            roles += c.delta.role == "assistant"
+            text += c.delta.content or ""
+    assert text == want and roles == 1
+    assert usage.completion_tokens == r.usage.completion_tokens
+    assert usage.prompt_tokens == r.usage.prompt_tokens > 10
+
+
+def test_n_seed_and_logprobs(oai):
+    r = oai.completions.create(model="smol", prompt="Once upon a time", max_tokens=6, n=2,
+                               seed=7, temperature=1.0, logprobs=3)
+    again = oai.completions.create(model="smol", prompt="Once upon a time", max_tokens=6, n=2,
+                                   seed=7, temperature=1.0, logprobs=3)
+    assert [c.text for c in r.choices] == [c.text for c in again.choices]
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert all(v <= 0 for v in lp.token_logprobs) and all(len(t) >= 3 for t in lp.top_logprobs)
+    assert "".join(lp.tokens) == r.choices[0].text
+    c = oai.chat.completions.create(model="smol", messages=CHAT, max_tokens=4, temperature=0,
+                                    logprobs=True, top_logprobs=2)
+    content = c.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(t.top_logprobs) == 2 for t in content)
+    assert content[0].logprob == pytest.approx(content[0].top_logprobs[0].logprob, abs=1e-4)
+
+
+def test_api_keys(server, oai):
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.http + "/v1", api_key="wrong", max_retries=0).models.list()
+    _error(httpx.get(server.http + "/v1/models"), 401)
+    _error(_post(server, "/v1/completions", {"prompt": "x"}, key="key-one-and-more"), 401)
+    assert [m.id for m in oai.models.list().data] == ["smol"]
+    assert httpx.get(server.http + "/health").status_code == 200      # no key needed
+
+
+@pytest.mark.parametrize("body,needle", [
+    ({"prompt": "x", "temperature": -1}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "top_p": 1.5}, "top_p"),
+    ({"prompt": "x", "max_tokens": "many"}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 600}, "context length"),
+    ({"prompt": "x" * 3000}, "context length"),
+    ({"prompt": ""}, "empty"),
+    ({"prompt": [1, 2, 10 ** 9]}, "vocabulary"),
+    ({"prompt": "x", "model": "gpt-4"}, "gpt-4"),
+    ({"prompt": "x", "n": 5}, "n must be at most 4"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream"),
+    ({"max_tokens": 3}, "prompt"),
+    (b"{not json", "JSON"),
+])
+def test_invalid_requests_are_400(server, body, needle):
+    assert needle in _error(_post(server, "/v1/completions", body), 400)
+
+
+def test_chat_errors_and_other_statuses(server):
+    assert "messages" in _error(_post(server, "/v1/chat/completions", {"messages": []}), 400)
+    tools = {"messages": CHAT, "tools": [{"type": "function"}]}
+    assert "tools" in _error(_post(server, "/v1/chat/completions", tools), 400)
+    _error(_post(server, "/v1/completions", {"prompt": "x" * 70000}), 413)
+    chunked = (b"x" * 10000 for _ in range(10))          # no content-length: counted as read
+    _error(_post(server, "/v1/completions", chunked), 413)
+    _error(_post(server, "/v1/nothing-here", {}), 404)
+    _error(httpx.get(server.http + "/v1/completions",
+                     headers={"Authorization": f"Bearer {KEYS[0]}"}), 405)
+
+
+def test_tokenize_detokenize_version(server):
+    r = _post(server, "/tokenize", {"prompt": "Hello world"}).json()
+    assert r["count"] == len(r["tokens"]) > 0 and r["max_model_len"] == 512
+    assert _post(server, "/detokenize", {"tokens": r["tokens"]}).json()["prompt"].endswith(
+        "Hello world")
+    chat = _post(server, "/tokenize", {"messages": CHAT}).json()
+    assert chat["count"] > r["count"]
+    _error(_post(server, "/detokenize", {"tokens": [-1]}), 400)
+    version = httpx.get(server.http + "/version", headers={"Authorization": "Bearer key-one"})
+    assert version.json()["version"]
+
+
+def _stream(server, tokens: int = 200, key: str | None = KEYS[0]):
+    """A long streamed completion, open once its headers arrive: (context, response)."""
+    body = {"prompt": "Tell me a story", "max_tokens": tokens, "ignore_eos": True,
+            "stream": True}
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    cm = httpx.stream("POST", server.http + "/v1/completions", json=body, timeout=60,
+                      headers=headers)
+    return cm, cm.__enter__()
+
+
+def test_concurrency_cap_gives_429(server):
+    streams = [_stream(server) for _ in range(3)]
+    try:
+        assert [r.status_code for _, r in streams] == [200] * 3
+        r = _post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+        assert "open requests" in _error(r, 429)
+    finally:
+        for cm, _ in streams:
+            cm.__exit__(None, None, None)
+
+
+def test_disconnect_mid_stream_frees_blocks_and_metrics_move(server):
+    before = _metrics(server)
+    body = {"prompt": "Tell me a long story", "max_tokens": 400, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", server.http + "/v1/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {KEYS[0]}"}) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        got = [line for line, _ in zip(lines, range(6)) if line.startswith("data:")]
+        assert len(got) >= 3
+    with Client(server.addresses[0], timeout=30) as c:
+        deadline = time.monotonic() + 15
+        while True:
+            s = c.stats()
+            if s.num_running == 0 and s.num_free_blocks == s.num_total_blocks:
+                break
+            assert time.monotonic() < deadline, s
+            time.sleep(0.1)
+        assert s.integrity_ok
+    after = _metrics(server)
+    key = 'conveyor_requests_total{finish_reason=abort}'
+    assert after[key] == before.get(key, 0) + 1
+    assert after["conveyor_kv_cache_usage_ratio"] == 0
+    assert after["conveyor_generation_tokens_total"] > before["conveyor_generation_tokens_total"]
+    ok = 'conveyor_http_requests_total{route=/v1/completions,status=200}'
+    assert after[ok] > before[ok]
+    assert after["conveyor_time_to_first_token_seconds_count"] > 0
+
+
+# --- limits -----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def limited():
+    s = start_server("--max-num-seqs", "2", "--max-queued-requests", "1",
+                     "--max-concurrent-requests", "4", "--rate-limit", "5",
+                     "--rate-limit-burst", "30", "--shutdown-timeout", "60")
+    yield s
+    s.kill_all()
+
+
+def test_queue_cap_gives_429(limited):
+    """2 running, 1 waiting (a streamed response starts once the request runs), then one more."""
+    body = {"prompt": "Tell me a story", "max_tokens": 20, "ignore_eos": True}
+    with ThreadPoolExecutor(3) as pool, Client(limited.addresses[0], timeout=30) as c:
+        futures = [pool.submit(_post, limited, "/v1/completions", body, None) for _ in range(3)]
+        deadline = time.monotonic() + 30
+        while (c.stats().num_waiting, c.stats().num_running) != (1, 2):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        r = _post(limited, "/v1/completions", {"prompt": "x", "max_tokens": 2}, key=None)
+        assert "waiting" in _error(r, 429)
+        assert [f.result().status_code for f in futures] == [200] * 3
+
+
+def test_request_timeout_gives_408_and_frees_blocks():
+    server = start_server("--request-timeout", "1")
+    try:
+        body = {"prompt": "Tell me a story", "max_tokens": 480, "ignore_eos": True}
+        assert "longer than 1 s" in _error(_post(server, "/v1/completions", body, None), 408)
+        with Client(server.addresses[0], timeout=30) as c:
+            out = c.generate("Tell me a story", SamplingParams(max_tokens=480, ignore_eos=True))
+            assert out.finish_reason == "error" and "longer than 1 s" in out.error
+            s = c.stats()
+            assert s.num_running == 0 and s.num_free_blocks == s.num_total_blocks
+    finally:
+        server.kill_all()
+
+
+def test_rate_limit_gives_429(limited):
+    start = time.monotonic()
+    with httpx.Client() as client:
+        codes = [client.get(limited.http + "/v1/models").status_code for _ in range(60)]
+    allowed = 30 + 5 * (time.monotonic() - start)      # burst + rate x elapsed
+    assert codes[0] == 200 and 429 in codes and codes.count(200) <= allowed + 1
+    assert httpx.get(limited.http + "/health").status_code == 200      # never limited
+
+
+def test_sigterm_drains_then_exits_0(limited):
+    time.sleep(6)                                      # refill the rate-limit bucket
+    cm, resp = _stream(limited, tokens=20, key=None)
+    lines = resp.iter_lines()
+    assert next(lines).startswith("data:")
+    limited.proc.send_signal(15)
+    time.sleep(1.0)
+    assert httpx.get(limited.http + "/health").status_code == 503
+    _error(_post(limited, "/v1/completions", {"prompt": "x"}, key=None), 503)
+    rest = [line for line in lines if line]
+    cm.__exit__(None, None, None)
+    assert rest[-1] == "data: [DONE]"
+    events = [json.loads(line[6:]) for line in rest if line.startswith("data: {")]
+    assert "error" not in events[-1], events[-1]
+    finishes = [e["choices"][0]["finish_reason"] for e in events]
+    assert finishes[-1] == "length"
+    assert limited.proc.wait(30) == 0
