@@ -48,7 +48,8 @@ def llm():
 def _post(server, path: str, body, key: str | None = KEYS[0], **kw) -> httpx.Response:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     content = json.dumps(body) if isinstance(body, (dict, list)) else body
-    return httpx.post(server.http + path, content=content, headers=headers, timeout=60, **kw)
+    kw.setdefault("timeout", 60)
+    return httpx.post(server.http + path, content=content, headers=headers, **kw)
 
 
 def _error(r: httpx.Response, status: int) -> str:
@@ -288,3 +289,30 @@ def test_sigterm_drains_then_exits_0(limited):
     finishes = [e["choices"][0]["finish_reason"] for e in events]
     assert finishes[-1] == "length"
     assert limited.proc.wait(30) == 0
+
+
+def test_disconnect_while_waiting_for_a_whole_response_frees_blocks(server):
+    body = {"prompt": "Tell me a long story", "max_tokens": 400, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        _post(server, "/v1/completions", body, timeout=1.0)
+    with Client(server.addresses[0], timeout=30) as c:
+        deadline = time.monotonic() + 15
+        while (s := c.stats()).num_running or s.num_free_blocks != s.num_total_blocks:
+            assert time.monotonic() < deadline, s
+            time.sleep(0.1)
+
+
+def test_bench_serving_against_the_server(server, tmp_path):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    import bench_serving as bench
+    out = tmp_path / "serving.json"
+    [report] = bench.main(["--base-url", server.http, "--api-key", KEYS[0], "--num-prompts", "6",
+                           "--request-rate", "20", "--max-concurrency", "3",
+                           "--random-input-len", "32", "--random-output-len", "8",
+                           "--output", str(out)])
+    assert report["completed"] == 6 and report["failed"] == 0
+    assert report["total_output_tokens"] == 48 and report["ttft_ms"]["p50"] > 0
+    assert json.loads(out.read_text().splitlines()[-1])["completed"] == 6
