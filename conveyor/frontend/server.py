@@ -167,10 +167,17 @@ class Frontend:
             if rid is not None:
                 self.core.cancel(rid)
         elif isinstance(msg, StatsRequest):
-            self.core.request_stats(lambda stats: self.clients.send(
-                stats or ErrorReply(None, "the engine is not running", 503), to=peer))
+            self.core.request_stats(lambda stats: self._send_stats(peer, stats))
         else:                                    # ErrorReply: the frame was malformed
             self.clients.send(msg, to=peer)
+
+    def _send_stats(self, peer: bytes, stats: Stats | None) -> None:
+        if stats is None:
+            self.clients.send(ErrorReply(None, "the engine is not running", 503), to=peer)
+            return
+        stats.frontend_open_requests = len(self.core.open)
+        stats.frontend_tracked_requests = len(self.core.tracker.requests)
+        self.clients.send(stats, to=peer)
 
     def _to_client(self, peer: bytes, key: tuple[bytes, str], out: GenerateOutput) -> None:
         self.clients.send(out, to=peer)

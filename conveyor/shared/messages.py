@@ -136,6 +136,9 @@ class Stats(msgspec.Struct, omit_defaults=True):
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
     integrity_ok: bool = True
+    # filled in by the frontend that answers a client's StatsRequest, about itself
+    frontend_open_requests: int = 0          # requests it still owes an answer
+    frontend_tracked_requests: int = 0       # requests in its tracker (equal when all is well)
 
 
 # --- client <-> frontend (the public ZMQ protocol, docs/PROTOCOL.md) -------------------------
