@@ -231,6 +231,7 @@ class _Run:
             self.gone.cancel()
 
     async def respond(self, shape, stream: bool, options: oai.StreamOptions | None) -> Response:
+        streaming = False
         try:
             first = await self.next()
             if first is None:
@@ -238,22 +239,23 @@ class _Run:
             error = _refusal(first)
             if error is not None:
                 return error_response(*error)
-            if not stream:
-                finals = {out.id: out for out in first}
-                while self.open:
-                    items = await self.next()
-                    if items is None:
-                        return Response(status_code=499)
-                    finals.update((out.id, out) for out in items)
-                error = _failure([c for out in finals.values() for c in out.outputs])
-                if error is not None:
-                    return error_response(*error)
-                body = shape.whole([finals[k] for k in sorted(finals, key=int)])
-                return Response(_JSON.encode(body), media_type="application/json")
-        except BaseException:
-            self.close()
-            raise
-        return _EventStream(self, shape, first, bool(options and options.include_usage))
+            if stream:
+                streaming = True                     # the stream closes the run when it ends
+                return _EventStream(self, shape, first, bool(options and options.include_usage))
+            finals = {out.id: out for out in first}
+            while self.open:
+                items = await self.next()
+                if items is None:
+                    return Response(status_code=499)
+                finals.update((out.id, out) for out in items)
+            error = _failure([c for out in finals.values() for c in out.outputs])
+            if error is not None:
+                return error_response(*error)
+            body = shape.whole([finals[k] for k in sorted(finals, key=int)])
+            return Response(_JSON.encode(body), media_type="application/json")
+        finally:
+            if not streaming:
+                self.close()
 
 
 def _refusal(first: list[GenerateOutput]) -> tuple[int, str] | None:

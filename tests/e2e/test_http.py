@@ -220,7 +220,7 @@ def test_disconnect_mid_stream_frees_blocks_and_metrics_move(server):
     assert after["conveyor_kv_cache_usage_ratio"] == 0
     assert after["conveyor_generation_tokens_total"] > before["conveyor_generation_tokens_total"]
     ok = 'conveyor_http_requests_total{route=/v1/completions,status=200}'
-    assert after[ok] > before[ok]
+    assert after[ok] > before.get(ok, 0)
     assert after["conveyor_time_to_first_token_seconds_count"] > 0
 
 
