@@ -1,7 +1,8 @@
 """The engine core in one process: the scheduler and a model runner joined by a channel.
 
 The channel carries the same encoded messages as the ZeroMQ transport between processes, so the
-in-process engine (the offline API, tests) speaks exactly the multi-process protocol.
+in-process engine (the offline API, tests) speaks exactly the multi-process protocol. With async
+scheduling a step queues the next plan on the device before it takes the previous one's result.
 """
 from __future__ import annotations
 
@@ -41,8 +42,23 @@ class EngineCore:
         return self.scheduler.has_work()
 
     def step(self) -> list[TokenOutput]:
-        plan = self.scheduler.schedule()
-        if plan is None:
-            return []
-        result = self.runner.execute(decode(encode(plan), (StepPlan,)))
+        """Plan and submit steps until one result comes back (or nothing more can be planned,
+        then wait for the step in flight); returns what that result gives the frontends."""
+        outputs = None
+        while outputs is None and self.scheduler.can_schedule():
+            plan = self.scheduler.schedule()
+            if plan is None:
+                break
+            result = self.runner.submit(decode(encode(plan), (StepPlan,)))
+            if result is not None:
+                outputs = self._update(result)
+        if outputs is None:
+            result = self.runner.flush()
+            outputs = [] if result is None else self._update(result)
+        if not self.scheduler.has_work():     # a step in flight holds finished requests only
+            while (result := self.runner.flush()) is not None:
+                self._update(result)
+        return outputs
+
+    def _update(self, result: StepResult) -> list[TokenOutput]:
         return self.scheduler.update(decode(encode(result), (StepResult,)))

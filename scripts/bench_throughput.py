@@ -58,6 +58,8 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
+                    help="one step at a time (no overlap of scheduling and the GPU)")
     ap.add_argument("--compare-hf", action="store_true")
     ap.add_argument("--json", help="append the result as a JSON line to this file")
     args = ap.parse_args()
@@ -72,7 +74,7 @@ def main() -> None:
     llm = LLM(model=path, device="cuda", skip_tokenizer_init=True,
               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
               max_num_batched_tokens=args.max_num_batched_tokens,
-              enforce_eager=args.enforce_eager)
+              enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling)
     startup = time.perf_counter() - t0
     llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=8), use_tqdm=False)   # warm-up
     t0 = time.perf_counter()
@@ -82,7 +84,8 @@ def main() -> None:
     result = {"shape": args.shape or path, "requests": len(prompts),
               "prompt_tokens": sum(map(len, prompts)), "output_tokens": out_tokens,
               "seconds": round(elapsed, 3), "tok_per_s": round(out_tokens / elapsed, 1),
-              "startup_s": round(startup, 1), "eager": args.enforce_eager}
+              "startup_s": round(startup, 1), "eager": args.enforce_eager,
+              "async_scheduling": args.async_scheduling}
     print(f"conveyor: {out_tokens} output tokens in {elapsed:.2f} s = "
           f"{out_tokens / elapsed:,.0f} tok/s (startup {startup:.1f} s)")
     if args.compare_hf:

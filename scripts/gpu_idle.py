@@ -35,6 +35,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false")
     args = ap.parse_args()
     path = model_path(args, ap)
 
@@ -45,7 +46,8 @@ def main() -> None:
     from conveyor.shared.messages import AddRequest
 
     llm = LLM(model=path, device=args.device, skip_tokenizer_init=True, max_num_seqs=args.batch,
-              max_model_len=2048, max_num_batched_tokens=8192)
+              max_model_len=2048, max_num_batched_tokens=8192,
+              async_scheduling=args.async_scheduling)
     core = llm.engine
     params = SamplingParams(temperature=0.6, max_tokens=1000, ignore_eos=True)
     vocab = min(10000, core.model_config.vocab_size)
@@ -69,7 +71,8 @@ def main() -> None:
         wall = time.perf_counter() - t0
     kernels = [(e.time_range.start, e.time_range.end) for e in prof.events()
                if e.device_type == DeviceType.CUDA]
-    print(f"batch {args.batch}: {wall / args.steps * 1e3:.2f} ms per decode step (profiled)")
+    print(f"batch {args.batch}, async scheduling {'on' if args.async_scheduling else 'off'}: "
+          f"{wall / args.steps * 1e3:.2f} ms per decode step (profiled)")
     if not kernels:
         print("no GPU kernels in the trace")
         return

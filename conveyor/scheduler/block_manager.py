@@ -125,11 +125,14 @@ class BlockManager:
         req.block_table.extend(ids)
         return ids
 
-    def cache_full_blocks(self, req: Request) -> None:
-        """Register the blocks of `req` that became full of computed tokens."""
+    def cache_full_blocks(self, req: Request, num_tokens: int | None = None) -> None:
+        """Register the blocks of `req` that became full of computed tokens: of its first
+        num_tokens tokens (default num_computed_tokens), which must all be known."""
         if not self.enable_prefix_caching:
             return
-        num_full = req.num_computed_tokens // self.block_size
+        if num_tokens is None:
+            num_tokens = req.num_computed_tokens
+        num_full = num_tokens // self.block_size
         self._hash_blocks(req, num_full)
         for i in range(req.num_cached_blocks, num_full):
             block = self.blocks[req.block_table[i]]

@@ -2,8 +2,9 @@
 
 Frontends (DEALERs, one identity each) send AddRequest, Abort and StatsRequest to its ROUTER; each
 request's outputs go back only to the frontend that added it. Every StepPlan is encoded once and
-pushed to every worker rank; rank 0 pushes back the StepResult. With nothing to do it blocks in
-poll, so an idle server spins no core.
+pushed to every worker rank; rank 0 pushes back the StepResult. With async scheduling it plans
+the next step as soon as one is sent, so up to two are in flight and the workers never wait for it.
+With nothing to do it blocks in poll, so an idle server spins no core.
 """
 from __future__ import annotations
 
@@ -59,7 +60,6 @@ class SchedulerLoop:
         self.results = results
         self.workers = workers
         self.owner: dict[str, bytes] = {}    # sequence id -> identity of the frontend that added it
-        self.in_flight = False
 
     def run(self) -> None:
         poller = zmq.Poller()
@@ -67,7 +67,7 @@ class SchedulerLoop:
         poller.register(self.results.sock, zmq.POLLIN)
         stalled = False                      # work waiting, but nothing could be planned
         while True:
-            busy = not self.in_flight and self.scheduler.has_work() and not stalled
+            busy = self.scheduler.can_schedule() and not stalled
             events = dict(poller.poll(0 if busy else None))
             outputs: list[TokenOutput] = []
             if self.frontends.sock in events:
@@ -77,19 +77,17 @@ class SchedulerLoop:
                 _, result = self.results.recv()
                 if not isinstance(result, StepResult):
                     raise RuntimeError(f"worker 0 sent {type(result).__name__}, not a StepResult")
-                self.in_flight = False
                 outputs += self.scheduler.update(result)
             self._send_outputs(outputs)
             stalled = False
-            if not self.in_flight and self.scheduler.has_work():
+            if self.scheduler.can_schedule():
                 plan = self.scheduler.schedule()
-                if plan is None:
+                if plan is None:             # until a result or a frontend message comes
                     stalled = True
                     continue
                 frames = encode(plan)
                 for worker in self.workers:
                     worker.send_frames(frames)
-                self.in_flight = True
 
     def _on_frontend(self, peer: bytes, msg) -> list[TokenOutput]:
         if isinstance(msg, AddRequest):

@@ -29,8 +29,12 @@ class Request:
     arrival: float = 0.0
     arrival_index: int = 0                   # order of `add` calls, breaks ties between arrivals
     status: RequestStatus = RequestStatus.WAITING
-    # NOTE: the first num_computed_tokens tokens have their KV in the blocks of block_table.
+    # NOTE: the first num_computed_tokens tokens have their KV in the blocks of block_table, or
+    # will have once the planned steps have run (it advances when a step is planned).
     num_computed_tokens: int = 0
+    # NOTE: tokens sampled by planned steps whose results are not applied yet (overlap scheduling):
+    # known to exist, value unknown; they follow token_ids. At most one per step in flight.
+    num_pending_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)   # of its full blocks, by content
     num_cached_blocks: int = 0               # leading blocks already offered to the prefix cache
@@ -66,6 +70,11 @@ class Request:
         return len(self.token_ids) - self.prompt_len
 
     @property
+    def num_planned_tokens(self) -> int:
+        """Known and pending tokens: the length the request has once its planned steps are done."""
+        return len(self.token_ids) + self.num_pending_tokens
+
+    @property
     def num_remaining_tokens(self) -> int:
-        """Known tokens whose KV is not computed yet (1 for a request in decode)."""
-        return len(self.token_ids) - self.num_computed_tokens
+        """Known or pending tokens whose KV is not computed (nor planned); 1 in decode."""
+        return self.num_planned_tokens - self.num_computed_tokens

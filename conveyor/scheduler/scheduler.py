@@ -4,11 +4,20 @@ The scheduler owns every live request. `schedule()` plans the next step (running
 then waiting ones in policy order, preempting by recompute when blocks run out); `update()` applies
 the worker's result and says what the frontends should see. A worker applies a `StepPlan` in this
 order: release the `freed` slots, install the `new` sequences, run `seqs`.
+
+Overlap scheduling (`async_scheduling`): up to two plans are in flight, and step N+1 is planned
+while step N runs, as if N were done. Planning a step advances its requests' progress at once; a
+token it samples is pending (known to exist, value unknown) until update() of its step, and the
+decode of the next plan computes it (the worker takes it from its device). Results are applied in
+plan order. A stop by EOS or a stop token is seen one step late: the token already planned after
+it is dropped.
 """
 from __future__ import annotations
 
 import itertools
 import time
+from collections import Counter, deque
+from dataclasses import dataclass
 
 from conveyor.scheduler import prompt_logprobs
 from conveyor.scheduler.block_manager import BlockManager, IntegrityError
@@ -34,6 +43,15 @@ WATERMARK = 0.01
 WAITING, RUNNING, FINISHED = RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.FINISHED
 
 
+@dataclass(slots=True)
+class _Planned:
+    """One request's part of a plan in flight."""
+    req: Request
+    step: SeqStep
+    end: int                                 # the step computes tokens [end - num_tokens, end)
+    incarnation: int                         # req.stats.num_preemptions when it was planned
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int, eos_token_ids: tuple[int, ...],
                  max_model_len: int, policy: Policy | None = None) -> None:
@@ -51,7 +69,8 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.slots = SlotPool(config.max_num_seqs)
-        self._in_flight: list[tuple[Request, SeqStep]] | None = None
+        self.max_in_flight = 2 if config.async_scheduling else 1
+        self._in_flight: deque[tuple[int, list[_Planned]]] = deque()   # (step, its parts), oldest
         self._step = 0
         self._arrivals = itertools.count()
         self.num_preemptions = 0
@@ -65,8 +84,17 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    @property
+    def num_in_flight(self) -> int:
+        """Plans whose results are not applied yet."""
+        return len(self._in_flight)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def can_schedule(self) -> bool:
+        """Whether a schedule() call is due: work left, and room for one more plan in flight."""
+        return self.has_work() and len(self._in_flight) < self.max_in_flight
 
     def add(self, msg: AddRequest) -> list[TokenOutput]:
         """Queue a request; one that can never run ends at once with finish_reason "error"."""
@@ -99,11 +127,13 @@ class Scheduler:
         return outputs
 
     def schedule(self) -> StepPlan | None:
-        """Plan the next step, or None when nothing can run."""
-        if self._in_flight is not None:
-            raise RuntimeError("schedule() called again before update() of the last plan")
+        """Plan the next step, or None when nothing can run now (with plans in flight, maybe
+        after the next update())."""
+        if len(self._in_flight) >= self.max_in_flight:
+            raise RuntimeError(f"schedule() called with {len(self._in_flight)} plans in flight; "
+                               f"update() first")
         budget = self.config.max_num_batched_tokens
-        batch: list[tuple[Request, int, list[int]]] = []   # (request, end, new block ids)
+        batch: list[_Planned] = []
         budget, preempted = self._schedule_running(batch, budget)
         new: list[NewSeq] = []
         # NOTE: after a preemption nothing new is admitted this step, lest it is preempted next.
@@ -112,40 +142,49 @@ class Scheduler:
         if not batch:
             return None
         # NOTE: single-token steps (decodes) come first: workers rely on this order.
-        planned = [(req, self._seq_step(req, end, blocks)) for req, end, blocks in batch]
-        planned.sort(key=lambda p: p[1].num_tokens > 1)
+        batch.sort(key=lambda p: p.step.num_tokens > 1)
         self._step += 1
-        self._in_flight = planned
-        return StepPlan(self._step, new, [s for _, s in planned], self.slots.take_released())
+        self._in_flight.append((self._step, batch))
+        return StepPlan(self._step, new, [p.step for p in batch], self.slots.take_released())
 
     def update(self, result: StepResult) -> list[TokenOutput]:
-        """Apply the worker's result of the last plan; returns one output per request that got
-        tokens, prompt logprobs or finished."""
-        planned, self._in_flight = self._in_flight, None
-        if planned is None or result.step != self._step:
-            raise ValueError(f"result for step {result.step} does not match the plan in flight")
-        if len(result.sampled) != sum(s.sample for _, s in planned):
+        """Apply the worker's result of the oldest plan in flight; returns one output per request
+        that got tokens, prompt logprobs or finished."""
+        if not self._in_flight or result.step != self._in_flight[0][0]:
+            raise ValueError(f"result for step {result.step} does not match the oldest plan in "
+                             f"flight")
+        planned = self._in_flight[0][1]
+        if len(result.sampled) != sum(p.step.sample for p in planned):
             raise ValueError(f"step {result.step}: {len(result.sampled)} sampled tokens for "
-                             f"{sum(s.sample for _, s in planned)} sampling sequences")
+                             f"{sum(p.step.sample for p in planned)} sampling sequences")
+        self._in_flight.popleft()
         samples = iter(zip(result.sampled, result.logprobs))
         prompt_entries = dict(result.prompt_logprobs)
         outputs = []
-        for req, step in planned:
+        for p in planned:
+            req, step = p.req, p.step
             sample = next(samples) if step.sample else None
-            if req.status is not RUNNING:            # aborted while the step ran
+            if req.status is FINISHED:               # aborted, or stopped by an earlier token
                 continue
-            req.num_computed_tokens += step.num_tokens
-            self.blocks.cache_full_blocks(req)
             out = TokenOutput(req.id, [])
+            # NOTE: a step planned before its request was preempted still delivers its token
+            # (pending, so the request was not readmitted meanwhile) and prompt logprobs; only
+            # its blocks are gone.
+            if req.status is RUNNING and req.stats.num_preemptions == p.incarnation:
+                # tokens [0, p.end) are all known now: the last one came at the latest from the
+                # plan before this one, whose result came first
+                self.blocks.cache_full_blocks(req, p.end)
             if step.prompt_logprobs_from >= 0:
                 out.prompt_logprobs = prompt_logprobs.take_new(
                     req, step.prompt_logprobs_from, prompt_entries.get(step.slot, [])) or None
             if sample is not None:
+                req.num_pending_tokens -= 1
                 self._add_token(req, *sample, out)
             if out.new_token_ids or out.prompt_logprobs or out.finish_reason:
                 outputs.append(out)
-        if any(req.status is FINISHED for req, _ in planned):
+        if any(p.req.status is FINISHED for p in planned):
             self.running = [r for r in self.running if r.status is RUNNING]
+            self.waiting = [r for r in self.waiting if r.status is WAITING]
         return outputs
 
     def stats(self) -> Stats:
@@ -180,7 +219,8 @@ class Scheduler:
         for req in list(self.running):
             if budget == 0:
                 break
-            if req.status is not RUNNING:            # preempted for an earlier one
+            # preempted for an earlier one, or its plans in flight end it
+            if req.status is not RUNNING or self._ends_in_flight(req):
                 continue
             num = min(req.num_remaining_tokens, budget)
             while not self.blocks.can_allocate(req, num):
@@ -191,7 +231,7 @@ class Scheduler:
                 if victim is req:
                     break
             if req.status is RUNNING:
-                batch.append((req, req.num_computed_tokens + num, self.blocks.allocate(req, num)))
+                batch.append(self._plan(req, num, self.blocks.allocate(req, num)))
                 scheduled.add(req.id)
                 budget -= num
         return budget, preempted
@@ -199,7 +239,9 @@ class Scheduler:
     def _admit_waiting(self, batch: list, new: list[NewSeq], budget: int) -> None:
         admitted = False
         for req in self.policy.order_waiting(self.waiting):
-            if budget == 0 or not self.slots.num_free:
+            # NOTE: a request preempted with a sampled token in flight waits for that token: a
+            # NewSeq carries every token.
+            if budget == 0 or not self.slots.num_free or req.num_pending_tokens:
                 break
             use_cache = req.sampling.prompt_logprobs is None   # every position must be computed
             prefix = self.blocks.lookup(req) if use_cache else []
@@ -216,17 +258,34 @@ class Scheduler:
             self.running.append(req)
             new.append(NewSeq(req.slot, list(req.token_ids), req.prompt_len, req.sampling,
                               list(req.block_table), num_cached))
-            batch.append((req, num_cached + num, []))
+            batch.append(self._plan(req, num, []))
             budget -= num
             admitted = True
         if admitted:
             self.waiting = [r for r in self.waiting if r.status is WAITING]
 
-    def _seq_step(self, req: Request, end: int, new_block_ids: list[int]) -> SeqStep:
-        """The step computing tokens [num_computed_tokens, end) of `req`."""
+    def _plan(self, req: Request, num: int, new_block_ids: list[int]) -> _Planned:
+        """The step computing the next num tokens of `req` (blocks allocated). Advances its
+        progress now; the token it samples, if it reaches the last known or pending token,
+        becomes pending."""
         start = req.num_computed_tokens
-        return SeqStep(req.slot, end - start, new_block_ids, end == req.num_tokens,
+        end = start + num
+        sample = end == req.num_planned_tokens
+        step = SeqStep(req.slot, num, new_block_ids, sample,
                        prompt_logprobs.first_position(req, start, end))
+        req.num_computed_tokens = end
+        req.num_pending_tokens += sample
+        return _Planned(req, step, end, req.stats.num_preemptions)
+
+    def _ends_in_flight(self, req: Request) -> bool:
+        """Whether the tokens pending for `req` surely end it (max_tokens, length limit): then it
+        is not planned again. An end by EOS or a stop token cannot be foreseen; such a request is
+        planned on, and update() drops the token of its step after the stop."""
+        max_tokens = req.sampling.max_tokens
+        return req.num_pending_tokens > 0 and (
+            (max_tokens is not None
+             and req.num_output_tokens + req.num_pending_tokens >= max_tokens)
+            or req.num_planned_tokens >= self.max_len)
 
     def _preempt(self, req: Request) -> None:
         """Free the blocks and slot of a running request; it is recomputed once readmitted."""
@@ -254,7 +313,13 @@ class Scheduler:
                 req.finish_reason, req.stop_reason, req.stats)
 
     def _release(self, req: Request) -> None:
-        """Free what a finished request holds; the caller takes it out of its queue."""
+        """Free what a finished request holds; the caller takes it out of its queue.
+
+        NOTE: a plan in flight may still write KV into the blocks freed here (or by a
+        preemption). That is safe: a worker runs plans strictly in order, and the blocks can
+        reappear only in a later plan, which runs after it. The slot is likewise freed only by
+        the next plan, after the worker ran the ones in flight.
+        """
         self.blocks.free(req)
         self._release_slot(req)
         req.status = FINISHED
@@ -290,9 +355,16 @@ class Scheduler:
             raise IntegrityError("waiting and running queues do not partition the request table")
         self.slots.check_integrity([r.slot for r in self.running])
         for r in self.running:
-            if (r.status is not RUNNING or r.num_computed_tokens >= r.num_tokens
+            if (r.status is not RUNNING or r.num_computed_tokens >= r.num_planned_tokens
                     or len(r.block_table) * self.blocks.block_size < r.num_computed_tokens):
                 raise IntegrityError(f"running request {r.id} is in a bad state")
         for r in self.waiting:
-            if r.status is not WAITING or r.slot is not None or r.block_table:
+            if (r.status is not WAITING or r.slot is not None or r.block_table
+                    or r.num_computed_tokens):
                 raise IntegrityError(f"waiting request {r.id} holds a slot, blocks or progress")
+        pending = Counter(p.req for _, planned in self._in_flight for p in planned
+                          if p.step.sample and p.req.status is not FINISHED)
+        for r in self.requests.values():
+            if r.num_pending_tokens != pending[r]:
+                raise IntegrityError(f"request {r.id} counts {r.num_pending_tokens} pending "
+                                     f"tokens, but {pending[r]} sampling steps are in flight")

@@ -29,6 +29,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     quantization: str | None = None
     enforce_eager: bool = False
+    async_scheduling: bool = True            # plan step N+1 while step N runs (overlap)
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, rule: str) -> None:

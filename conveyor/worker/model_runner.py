@@ -6,10 +6,14 @@ live in one [max_num_seqs, max_blocks_per_seq] table, on the host (numpy) and on
 step writes only the entries it added. A step's integer inputs are built with numpy from per-
 sequence numbers and reach the device in one copy. The same code runs on CPU and GPU; only rank
 0's result is used.
+
+Steps are pipelined: `submit` queues a plan's forward pass before it takes the previous step's
+result, so the host never makes the device wait; a decode whose input is the token the previous
+step sampled gets it on the device. `execute` runs one step to its end.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -20,9 +24,9 @@ from conveyor.shared.model_files import ModelFiles
 from conveyor.shared.sampling_params import SamplingParams
 from conveyor.worker.context import StepContext
 from conveyor.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for_budget
-from conveyor.worker.layers.parallel import broadcast_from_rank0, min_over_ranks, tp_rank
+from conveyor.worker.layers.parallel import broadcast_tensor, min_over_ranks, tp_rank
 from conveyor.worker.loader import load_model
-from conveyor.worker.sampler import Sampler, SeqSamplingState
+from conveyor.worker.sampler import LogprobTensors, SampledTensors, Sampler, SeqSamplingState
 
 _PROFILE_PARAMS = SamplingParams(temperature=0)
 
@@ -32,6 +36,19 @@ class Slot:
     num_blocks: int                  # entries of its row of the block table in use
     num_computed: int
     state: SeqSamplingState          # holds the token ids (prompt + output so far)
+
+
+@dataclass
+class _Launched:
+    """A step whose forward pass is queued; its sampling and the copies to the host follow."""
+    step: int
+    states: list[SeqSamplingState]                   # of the sampling rows, in batch order
+    logits: torch.Tensor | None                      # [S + P, vocab]: sampling, then prompt rows
+    prompt_rows: list[tuple[int, list[int], int]]    # (slot, target ids, top-k) per sequence
+    sampled: torch.Tensor | None = None              # [S] int64 on the device, once sampled
+    host: SampledTensors | None = None               # host copies of the draw
+    host_prompt: list[tuple[int, LogprobTensors]] = field(default_factory=list)
+    done: torch.cuda.Event | None = None             # CUDA: recorded after the copies to the host
 
 
 class ModelRunner:
@@ -53,7 +70,12 @@ class ModelRunner:
         self.block_tables = torch.zeros(config.max_num_seqs, max_blocks, dtype=torch.int32,
                                         device=self.device)
         self._table_writes: list[tuple[int, list[int]]] = []   # (flat index, block ids) to copy
-        self._staging = torch.empty(0, dtype=torch.long)        # host side of the one copy
+        # host side of the one copy per step: two buffers in turn, each with an event recorded
+        # after its last copy (CUDA)
+        self._staging = [torch.empty(0, dtype=torch.long) for _ in range(2)]
+        self._staging_copied: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0
+        self._pending: _Launched | None = None   # submitted, result not taken yet
         self.num_blocks = min_over_ranks(self._num_blocks(), self.device)
         self.kv_caches = allocate_kv_cache(model_config, config, self.num_blocks, self.dtype,
                                            self.device)
@@ -102,10 +124,49 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return num
 
-    # --- one step -----------------------------------------------------------------------------
+    # --- steps --------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
+        """Run one step to its end (the sequential path)."""
+        if self._pending is not None:
+            raise RuntimeError(f"execute() while step {self._pending.step} is in flight")
+        self.submit(plan)
+        return self.flush()
+
+    @torch.inference_mode()
+    def submit(self, plan: StepPlan) -> StepResult | None:
+        """Queue `plan` on the device; return the result of the step submitted before it (None
+        if there is none), taken only once `plan`'s forward pass is queued behind it.
+
+        Order: the forward pass of `plan` (decodes fed by the previous step's draw on the
+        device), then the previous step's tokens to the host (by then its sampling is done or
+        nearly), then the sampling of `plan` (penalties and min_tokens count those tokens).
+        Every rank makes the same collective calls in the same order: forward, then sampling.
+        """
+        launched = self._launch(plan)
+        result = self.flush()
+        self._sample(launched)
+        self._pending = launched
+        return result
+
+    @torch.inference_mode()
+    def flush(self) -> StepResult | None:
+        """The result of the step in flight, waiting for it; None if there is none."""
+        pending, self._pending = self._pending, None
+        return None if pending is None else self._finish(pending)
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a submitted step's result is not taken yet."""
+        return self._pending is not None
+
+    def step_done(self) -> bool:
+        """Whether flush() would not wait: no step in flight, or it is done on the device."""
+        p = self._pending
+        return p is None or p.done is None or p.done.query()
+
+    def _launch(self, plan: StepPlan) -> _Launched:
         for slot in plan.freed:
             self.slots.pop(slot, None)
         for seq in plan.new:
@@ -119,8 +180,45 @@ class ModelRunner:
                 self._add_blocks(s.slot, s.new_block_ids)
             steps.append((s.slot, s.num_tokens, s.sample, s.prompt_logprobs_from))
         if not steps:
-            return StepResult(step=plan.step, sampled=[], logprobs=[], prompt_logprobs=[])
+            return _Launched(plan.step, [], None, [])
         return self._forward(steps, step=plan.step)
+
+    def _sample(self, st: _Launched) -> None:
+        """Queue the sampling of a launched step and the copies of its results to the host."""
+        num = len(st.states)
+        rank0 = tp_rank() == 0
+        if num:
+            if rank0:
+                drawn = self.sampler.sample_tensors(st.logits[:num], st.states)
+            else:
+                drawn = SampledTensors(torch.empty(num, dtype=torch.long, device=self.device),
+                                       [], None)
+            # NOTE: only rank 0 samples; the others take its tokens so their slots stay in step.
+            st.sampled = broadcast_tensor(drawn.token_ids)
+            drawn.token_ids = st.sampled
+            st.host = drawn.to_host()
+        offset = num
+        for slot_id, targets, k in st.prompt_rows if rank0 else []:
+            part = st.logits[offset:offset + len(targets)]
+            st.host_prompt.append(
+                (slot_id, self.sampler.prompt_logprob_tensors(part, targets, k).to_host()))
+            offset += len(targets)
+        st.logits = None
+        if self.device.type == "cuda":
+            st.done = torch.cuda.Event()
+            st.done.record()
+
+    def _finish(self, st: _Launched) -> StepResult:
+        """Read a step's results on the host (waiting for their copies) and append its sampled
+        tokens to their sequences."""
+        if st.done is not None:
+            st.done.synchronize()
+        out = st.host.output() if st.host is not None else None
+        sampled = out.token_ids if out else []
+        for state, token in zip(st.states, sampled):
+            state.token_ids.append(token)
+        return StepResult(step=st.step, sampled=sampled, logprobs=out.logprobs if out else [],
+                          prompt_logprobs=[(slot, lp.tolist()) for slot, lp in st.host_prompt])
 
     def _add_blocks(self, slot_id: int, block_ids: list[int]) -> None:
         slot = self.slots[slot_id]
@@ -130,24 +228,37 @@ class ModelRunner:
         slot.num_blocks = n + len(block_ids)
 
     def _forward(self, steps: list[tuple[int, int, bool, int]], step: int = 0,
-                 logits_rows: int = 0) -> StepResult:
-        """steps: (slot, num_tokens, sample, prompt_logprobs_from) in batch order."""
+                 logits_rows: int = 0) -> _Launched:
+        """steps: (slot, num_tokens, sample, prompt_logprobs_from) in batch order. Queues the
+        forward pass and the logits; waits for nothing on the device."""
+        prev = self._pending
+        prev_rows = {id(s): i for i, s in enumerate(prev.states)} if prev is not None else {}
         input_ids: list[int] = []
         starts, query_lens, seq_lens = [], [], []
         sample_rows, sample_states = [], []
         prompt_rows: list[tuple[int, list[int], list[int], int]] = []  # slot, rows, targets, k
+        gather_rows, gather_from = [], []        # rows fed by prev's draw, and its rows there
         num_decodes, decodes_done = 0, False
         for slot_id, n, sample, lp_from in steps:
             slot = self.slots[slot_id]
             start, end = slot.num_computed, slot.num_computed + n
             tokens = slot.state.token_ids
             row0 = len(input_ids)
+            if end <= len(tokens):
+                input_ids.extend(tokens[start:end])
+            elif n == 1 and start == len(tokens) and id(slot.state) in prev_rows:
+                # NOTE: the input is the token the previous step is sampling for this sequence;
+                # it is not on the host yet and is copied on the device (below).
+                gather_rows.append(row0)
+                gather_from.append(prev_rows[id(slot.state)])
+                input_ids.append(0)
+            else:
+                raise RuntimeError(f"slot {slot_id}: tokens [{start}, {end}) planned, but "
+                                   f"{len(tokens)} known")
             if n == 1:
-                input_ids.append(tokens[start])
                 if not decodes_done:
                     num_decodes += 1
             else:
-                input_ids.extend(tokens[start:end])
                 decodes_done = True
             starts.append(start)
             query_lens.append(n)
@@ -171,8 +282,12 @@ class ModelRunner:
                      and num_decodes <= graphs.max_batch)
         padded = graphs.size_for(num_seqs) if use_graph else num_tokens   # graph rows
         rows = sample_rows + [r for _, rs, _, _ in prompt_rows for r in rs]
-        dev = self._to_device(steps, input_ids, starts, query_lens, seq_lens, rows, padded)
+        dev = self._to_device(steps, input_ids, starts, query_lens, seq_lens, rows, padded,
+                              gather_rows, gather_from)
         tokens3 = dev["tokens"]                                    # [3, padded]: ids, pos, slot
+        if gather_rows:
+            tokens3[0].index_copy_(0, dev["gather_rows"],
+                                   prev.sampled.index_select(0, dev["gather_from"]))
         if use_graph:
             hidden = graphs.run(num_seqs, tokens3, dev["seq_lens"], self.block_tables,
                                 dev["slots"])
@@ -186,32 +301,21 @@ class ModelRunner:
             hidden = self.model(tokens3[0], tokens3[1], ctx)
         if logits_rows:  # profiling: the largest logits tensor a step can make
             self.model.compute_logits(hidden[-1:].expand(logits_rows, -1))
-            return StepResult(step=step, sampled=[], logprobs=[], prompt_logprobs=[])
-
+            return _Launched(step, [], None, [])
+        # NOTE: the logits are taken now: the next step's graph replay overwrites `hidden`.
         logits = self.model.compute_logits(hidden[dev["rows"]]) if rows else None
-        # NOTE: only rank 0 samples; the others take its tokens so their slots stay in step.
-        out = (self.sampler.sample(logits[:len(sample_rows)], sample_states)
-               if sample_rows and tp_rank() == 0 else None)
-        sampled = broadcast_from_rank0(out.token_ids if out else [0] * len(sample_rows),
-                                       self.device)
-        for state, token in zip(sample_states, sampled):
-            state.token_ids.append(token)
-        prompt_logprobs, offset = [], len(sample_rows)
-        for slot_id, rs, targets, k in prompt_rows:
-            part = logits[offset:offset + len(rs)]
-            prompt_logprobs.append((slot_id, self.sampler.prompt_logprobs(part, targets, k)))
-            offset += len(rs)
-        return StepResult(step=step, sampled=sampled, logprobs=out.logprobs if out else [],
-                          prompt_logprobs=prompt_logprobs)
+        return _Launched(step, sample_states, logits,
+                         [(slot_id, targets, k) for slot_id, _, targets, k in prompt_rows])
 
-    def _to_device(self, steps, input_ids, starts, query_lens, seq_lens, rows,
-                   padded: int) -> dict[str, torch.Tensor]:
+    def _to_device(self, steps, input_ids, starts, query_lens, seq_lens, rows, padded: int,
+                   gather_rows: list[int], gather_from: list[int]) -> dict[str, torch.Tensor]:
         """The step's integer inputs, built with numpy and sent to the device in one copy.
 
         tokens [3, padded] (token ids, positions, KV slots; padding rows: 0, 0, -1), seq_lens
         [max(padded, B)] (padding 0), query_start_loc [B + 1], slots [B] (block-table rows),
-        rows [R] (hidden rows to compute logits for); and the block-table entries added since
-        the last step, written into the device table.
+        rows [R] (hidden rows to compute logits for), gather_rows and gather_from [G] (token-id
+        rows to take from the previous step's draw, and its rows there); and the block-table
+        entries added since the last step, written into the device table.
         """
         bs = self.block_size
         num_seqs, num_tokens = len(steps), len(input_ids)
@@ -228,15 +332,22 @@ class ModelRunner:
         write_len = sum(len(b) for _, b in writes)
         b_pad = num_seqs + padded - num_tokens
         sizes = {"tokens": 3 * padded, "seq_lens": b_pad, "query_start_loc": num_seqs + 1,
-                 "slots": num_seqs, "rows": len(rows), "write_at": write_len,
-                 "write_ids": write_len}
+                 "slots": num_seqs, "rows": len(rows), "gather_rows": len(gather_rows),
+                 "gather_from": len(gather_rows), "write_at": write_len, "write_ids": write_len}
         total = sum(sizes.values())
-        if self._staging.numel() < total:
-            self._staging = torch.empty(max(total, 2 * self._staging.numel()), dtype=torch.long,
-                                        pin_memory=self.device.type == "cuda")
-        # NOTE: the staging buffer is rewritten next step; safe because every step ends with a
-        # sync (the sampled tokens' .tolist()) after this copy has run.
-        host = self._staging.numpy()[:total]
+        # NOTE: with a step in flight the buffer of the last step may still be copying: the two
+        # buffers take turns, and a buffer is rewritten only once its last copy ran (its event;
+        # that copy came before the previous step's sampling, which the host waited for, so
+        # this never waits in practice).
+        turn, self._turn = self._turn, self._turn ^ 1
+        if self._staging_copied[turn] is not None:
+            self._staging_copied[turn].synchronize()
+        if self._staging[turn].numel() < total:
+            self._staging[turn] = torch.empty(max(total, 2 * self._staging[turn].numel()),
+                                              dtype=torch.long,
+                                              pin_memory=self.device.type == "cuda")
+        staging = self._staging[turn]
+        host = staging.numpy()[:total]
         tokens = host[:3 * padded].reshape(3, padded)
         tokens[0, :num_tokens] = input_ids
         tokens[1, :num_tokens] = positions
@@ -255,11 +366,18 @@ class ModelRunner:
         at += num_seqs
         host[at:at + len(rows)] = rows
         at += len(rows)
+        host[at:at + len(gather_rows)] = gather_rows
+        at += len(gather_rows)
+        host[at:at + len(gather_from)] = gather_from
+        at += len(gather_from)
         if writes:
             host[at:at + write_len] = np.concatenate(
                 [np.arange(i, i + len(b)) for i, b in writes])
             host[at + write_len:at + 2 * write_len] = np.concatenate([b for _, b in writes])
-        flat = self._staging[:total].to(self.device, non_blocking=True)
+        flat = staging[:total].to(self.device, non_blocking=True)   # on CPU: staging itself
+        if self.device.type == "cuda":
+            self._staging_copied[turn] = torch.cuda.Event()
+            self._staging_copied[turn].record()
         out, at = {}, 0
         for name, size in sizes.items():
             out[name] = flat[at:at + size]

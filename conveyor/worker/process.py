@@ -2,6 +2,8 @@
 
 Every rank pulls every StepPlan and runs it (the layers all-reduce between ranks); rank 0 also
 tells the scheduler the KV pool size at start (the minimum over ranks) and pushes each StepResult.
+A step is submitted to the device before the previous one's result is taken: the result goes out
+when the next plan has been queued behind it, or when its step is done and no plan came first.
 """
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ from conveyor.shared.config import ServeConfig
 from conveyor.shared.messages import Ready, Shutdown, StepPlan, StepResult
 from conveyor.shared.model_files import read_model_config, resolve_model
 from conveyor.shared.sockets import Socket, ipc
+
+_POLL_MS = 1     # while a step runs on the device: how often to look whether it is done
 
 
 def worker_main(ctx: zmq.Context, control: Socket, cfg: ServeConfig, rank: int) -> None:
@@ -44,11 +48,36 @@ def worker_main(ctx: zmq.Context, control: Socket, cfg: ServeConfig, rank: int) 
         results.send(Ready("worker", {"num_blocks": runner.num_blocks}))
     control.send(Ready(f"worker-{rank}", {"num_blocks": runner.num_blocks}))
     while True:
+        if not _plan_comes_first(plans, runner):
+            _send(results, runner.flush())
+            continue
         _, plan = plans.recv()
         if isinstance(plan, Shutdown):
             return
         if not isinstance(plan, StepPlan):
             raise RuntimeError(f"unreadable step plan from the scheduler: {plan.error}")
-        result: StepResult = runner.execute(plan)
-        if results is not None:
-            results.send(result)
+        if cfg.engine.async_scheduling:
+            _send(results, runner.submit(plan))
+        else:                                # one step at a time: no result to wait for later
+            _send(results, runner.execute(plan))
+
+
+def _plan_comes_first(plans: Socket, runner) -> bool:
+    """Wait until a plan arrives (True) or the step in flight is done on the device (False: its
+    result goes out without waiting for the next plan, which may wait for that result).
+
+    NOTE: ranks may decide differently here; that is safe because taking a result makes no
+    collective call (those are in submit, in plan order on every rank).
+    """
+    if not runner.in_flight:
+        return True
+    while not plans.sock.poll(0):
+        if runner.step_done():
+            return False
+        plans.sock.poll(_POLL_MS)            # returns at once when a plan comes
+    return True
+
+
+def _send(results: Socket | None, result: StepResult | None) -> None:
+    if results is not None and result is not None:
+        results.send(result)

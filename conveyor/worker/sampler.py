@@ -2,7 +2,8 @@
 
 Order per row: penalties and min_tokens masking, then greedy argmax, or temperature, top-k, top-p,
 min-p and an exponential-race draw. Returned logprobs come from the raw logits (vLLM's default).
-Each filter runs batched over only the rows that use it; no step syncs the device before the end.
+Each filter runs batched over only the rows that use it. `sample_tensors` never syncs the device
+(its results stay there until the caller reads them); `sample` is it plus the read.
 """
 from __future__ import annotations
 
@@ -44,6 +45,46 @@ class SampleOutput:
     logprobs: list[TokenLogprobs | None]     # per row; None where params.logprobs is None
 
 
+@dataclass
+class LogprobTensors:
+    """Logprobs at M positions: the chosen token first, then the top-k (rank order)."""
+    ids: torch.Tensor                        # [M, K + 1] int64
+    values: torch.Tensor                     # [M, K + 1] float32
+    ranks: torch.Tensor                      # [M] int64: rank of the chosen token (1 = best)
+    ks: list[int]                            # per position: top-k entries to keep (<= K)
+
+    def to_host(self) -> LogprobTensors:
+        """Start copying to the host (on CUDA asynchronously, into pinned memory: read the copy
+        only once the stream got past it)."""
+        return LogprobTensors(*(t.to("cpu", non_blocking=True)
+                                for t in (self.ids, self.values, self.ranks)), self.ks)
+
+    def tolist(self) -> list[TokenLogprobs]:
+        ids, values, ranks = self.ids.tolist(), self.values.tolist(), self.ranks.tolist()
+        return [TokenLogprobs(ids[r][: k + 1], values[r][: k + 1], ranks[r])
+                for r, k in enumerate(self.ks)]
+
+
+@dataclass
+class SampledTensors:
+    """A batch's draw, still on the device."""
+    token_ids: torch.Tensor                  # [N] int64
+    logprob_rows: list[int]                  # the rows that asked for logprobs
+    logprobs: LogprobTensors | None          # of logprob_rows, in order
+
+    def to_host(self) -> SampledTensors:
+        """Start copying to the host (see LogprobTensors.to_host)."""
+        return SampledTensors(self.token_ids.to("cpu", non_blocking=True), self.logprob_rows,
+                              self.logprobs.to_host() if self.logprobs is not None else None)
+
+    def output(self) -> SampleOutput:
+        logprobs: list[TokenLogprobs | None] = [None] * self.token_ids.shape[0]
+        if self.logprobs is not None:
+            for i, lp in zip(self.logprob_rows, self.logprobs.tolist()):
+                logprobs[i] = lp
+        return SampleOutput(self.token_ids.tolist(), logprobs)
+
+
 class Sampler:
     def __init__(self, vocab_size: int, eos_token_ids: tuple[int, ...], seed: int,
                  device: torch.device | str):
@@ -54,21 +95,25 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, states: list[SeqSamplingState]) -> SampleOutput:
         """logits: [N, >= vocab_size], row i for states[i]; columns past vocab_size are ignored."""
+        return self.sample_tensors(logits, states).output()
+
+    def sample_tensors(self, logits: torch.Tensor,
+                       states: list[SeqSamplingState]) -> SampledTensors:
+        """`sample` without reading the result: nothing here waits for the device."""
         logits = logits[:, : self.vocab_size].float()  # [N, V]
         params = [s.params for s in states]
         penalised = [i for i, p in enumerate(params) if _uses_penalty(p)]
         banned_rows, banned_ids = self._min_tokens_bans(states)
         wants_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
         if all(p.greedy for p in params) and not (penalised or banned_rows or wants_logprobs):
-            return SampleOutput(logits.argmax(-1).tolist(), [None] * len(states))
+            return SampledTensors(logits.argmax(-1), [], None)
 
         x = logits.clone() if penalised or banned_rows else logits  # [N, V]
         if penalised:
             x = _on_rows(x, penalised, lambda sub: self._apply_penalties(
                 sub, [states[i] for i in penalised]))
         if banned_rows:
-            x[torch.tensor(banned_rows, device=x.device),
-              torch.tensor(banned_ids, device=x.device)] = float("-inf")
+            x[_tensor(banned_rows, x.device), _tensor(banned_ids, x.device)] = float("-inf")
 
         random = [i for i, p in enumerate(params) if not p.greedy]
         if not random:
@@ -77,26 +122,29 @@ class Sampler:
             token_ids = self._sample_random(x, states)
         else:
             token_ids = x.argmax(-1)  # greedy rows keep these
-            idx = torch.tensor(random, device=x.device)
+            idx = _tensor(random, x.device)
             token_ids[idx] = self._sample_random(x[idx], [states[i] for i in random])
 
-        logprobs: list[TokenLogprobs | None] = [None] * len(states)
+        logprobs = None
         if wants_logprobs:
-            idx = torch.tensor(wants_logprobs, device=x.device)
+            idx = _tensor(wants_logprobs, x.device)
             raw = logits if len(wants_logprobs) == len(states) else logits[idx]
-            gathered = _gather_logprobs(raw.log_softmax(-1), token_ids[idx],
+            logprobs = _gather_logprobs(raw.log_softmax(-1), token_ids[idx],
                                         [params[i].logprobs for i in wants_logprobs])
-            for i, lp in zip(wants_logprobs, gathered):
-                logprobs[i] = lp
-        return SampleOutput(token_ids.tolist(), logprobs)
+        return SampledTensors(token_ids, wants_logprobs, logprobs)
 
     def prompt_logprobs(self, logits: torch.Tensor, target_ids: list[int],
                         k: int) -> list[TokenLogprobs]:
         """logits: [P, >= vocab_size], row j predicting target_ids[j]; top-k from the raw logits."""
         if not target_ids:
             return []
+        return self.prompt_logprob_tensors(logits, target_ids, k).tolist()
+
+    def prompt_logprob_tensors(self, logits: torch.Tensor, target_ids: list[int],
+                               k: int) -> LogprobTensors:
+        """`prompt_logprobs` (target_ids not empty) without reading the result."""
         logprobs = logits[:, : self.vocab_size].float().log_softmax(-1)  # [P, V]
-        targets = torch.tensor(target_ids, dtype=torch.long, device=logits.device)  # [P]
+        targets = _tensor(target_ids, logits.device, torch.long)  # [P]
         return _gather_logprobs(logprobs, targets, [k] * len(target_ids))
 
     def _min_tokens_bans(self, states: list[SeqSamplingState]) -> tuple[list[int], list[int]]:
@@ -124,7 +172,7 @@ class Sampler:
         in_output = counts > 0
 
         def per_row(name: str) -> torch.Tensor:  # [R, 1]
-            return torch.tensor([getattr(s.params, name) for s in states], device=x.device)[:, None]
+            return _tensor([getattr(s.params, name) for s in states], x.device)[:, None]
 
         if any(s.params.repetition_penalty != 1 for s in states):
             prompts = _padded([s.token_ids[:s.prompt_len] for s in states], V, x.device)  # [R, Lp]
@@ -151,7 +199,7 @@ class Sampler:
         token_ids = torch.empty(len(states), dtype=torch.long, device=x.device)
         rest = [i for i in range(len(states)) if i not in set(top_k)]
         for rows, fn in ((top_k, self._sample_top_k), (rest, self._sample_full)):
-            idx = torch.tensor(rows, device=x.device)
+            idx = _tensor(rows, x.device)
             token_ids[idx] = fn(x[idx], [states[i] for i in rows])
         return token_ids
 
@@ -176,7 +224,7 @@ class Sampler:
         ks = [p.top_k for p in params]
         values, ids = x.topk(max(ks), dim=-1)  # [R, K], sorted descending
         values = values / _column([p.temperature for p in params], x.device)
-        k = torch.tensor(ks, device=x.device)[:, None]  # [R, 1]
+        k = _tensor(ks, x.device)[:, None]  # [R, 1]
         values.masked_fill_(values < values.gather(1, k - 1), float("-inf"))
         top_p = [i for i, p in enumerate(params) if p.top_p < 1]
         if top_p:
@@ -206,7 +254,7 @@ class Sampler:
             if widths is not None:
                 noise.fill_(1.0)  # columns past a seeded row's width are -inf in x anyway
             if shared:
-                noise[torch.tensor(shared, device=x.device)] = torch.empty(
+                noise[_tensor(shared, x.device)] = torch.empty(
                     len(shared), x.shape[1], device=x.device).exponential_(
                         generator=self.generator)
             for i, s in enumerate(states):
@@ -219,9 +267,27 @@ class Sampler:
         return torch.addcmul(x, temperature, noise, value=-1).argmax(-1)
 
 
+def _tensor(values: list | np.ndarray, device: torch.device,
+            dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A small host list or array as a tensor on `device`, queued without a device sync.
+
+    NOTE: torch.tensor(values, device="cuda") copies from pageable memory and then waits for the
+    stream, so the host would stall until the queued forward pass is done. A copy from pinned
+    memory is queued instead (torch's pinned allocator keeps the block until the copy ran).
+    """
+    if device.type == "cpu":
+        return torch.from_numpy(values) if isinstance(values, np.ndarray) else torch.tensor(
+            values, dtype=dtype)
+    if isinstance(values, np.ndarray):
+        pinned = torch.from_numpy(values).pin_memory()
+    else:
+        pinned = torch.tensor(values, dtype=dtype, pin_memory=True)
+    return pinned.to(device, non_blocking=True)
+
+
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
     """values as a float32 [R, 1] tensor."""
-    return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
+    return _tensor(values, device, torch.float32)[:, None]
 
 
 def _uses_penalty(p: SamplingParams) -> bool:
@@ -233,7 +299,7 @@ def _on_rows(x: torch.Tensor, rows: list[int],
     """Replaces x[rows] by fn(x[rows]) (in place unless rows is every row, then fn(x))."""
     if len(rows) == x.shape[0]:
         return fn(x)
-    idx = torch.tensor(rows, device=x.device)
+    idx = _tensor(rows, x.device)
     x[idx] = fn(x[idx])
     return x
 
@@ -243,7 +309,7 @@ def _top_p(x: torch.Tensor, ps: list[float], is_sorted: bool = False) -> torch.T
 
     is_sorted: each row of x is already in descending order (no sort, no scatter back).
     """
-    p = torch.tensor(ps, device=x.device)[:, None]  # [R, 1]
+    p = _tensor(ps, x.device)[:, None]  # [R, 1]
     probs = x.softmax(-1)
     if is_sorted:
         sorted_probs, order = probs, None
@@ -258,7 +324,7 @@ def _top_p(x: torch.Tensor, ps: list[float], is_sorted: bool = False) -> torch.T
 
 def _min_p(x: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
     """x: [R, V]; drops tokens less likely than min_ps[r] times the row's most likely one."""
-    min_p = torch.tensor(min_ps, device=x.device)[:, None]  # [R, 1]
+    min_p = _tensor(min_ps, x.device)[:, None]  # [R, 1]
     probs = x.softmax(-1)  # [R, V]
     return x.masked_fill_(probs < min_p * probs.amax(-1, keepdim=True), float("-inf"))
 
@@ -268,17 +334,14 @@ def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tens
     padded = np.full((len(rows), max(map(len, rows))), pad, dtype=np.int64)
     for i, r in enumerate(rows):  # numpy converts a row of ints several times faster than torch
         padded[i, : len(r)] = r
-    return torch.from_numpy(padded).to(device)
+    return _tensor(padded, device)
 
 
 def _gather_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor,
-                     ks: list[int]) -> list[TokenLogprobs]:
+                     ks: list[int]) -> LogprobTensors:
     """logprobs: [M, V], chosen: [M]. Per row: the chosen token, the top ks[r], its rank."""
     chosen_lp = logprobs.gather(1, chosen[:, None])  # [M, 1]
     rank = (logprobs >= chosen_lp).sum(-1)  # [M]; ties count against the chosen token, as vLLM
     top_lp, top_ids = logprobs.topk(max(ks), dim=-1)  # [M, K]
-    ids = torch.cat([chosen[:, None], top_ids], 1).tolist()
-    values = torch.cat([chosen_lp, top_lp], 1).tolist()
-    ranks = rank.tolist()
-    return [TokenLogprobs(ids[r][: k + 1], values[r][: k + 1], ranks[r])
-            for r, k in enumerate(ks)]
+    return LogprobTensors(torch.cat([chosen[:, None], top_ids], 1),
+                          torch.cat([chosen_lp, top_lp], 1), rank, ks)

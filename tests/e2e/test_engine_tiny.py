@@ -1,7 +1,8 @@
 """The engine against transformers on tiny random Llama, Qwen2 and Qwen3 models.
 
 Greedy tokens must be identical, logprobs close; outputs must not change with the prefix cache,
-chunked prefill, or a KV pool so small that requests are preempted and recomputed.
+chunked prefill, a KV pool so small that requests are preempted and recomputed, or async
+scheduling (two steps in flight, sampled tokens fed to the next step on the device).
 """
 import pytest
 import torch
@@ -43,9 +44,11 @@ def make_llm(path, **kw) -> LLM:
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, logprobs=3)
 
 
-def test_greedy_and_logprobs_match_transformers(tiny):
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_greedy_and_logprobs_match_transformers(tiny, async_scheduling):
     path, hf = tiny
-    outs = make_llm(path).generate(prompts(), GREEDY, use_tqdm=False)
+    outs = make_llm(path, async_scheduling=async_scheduling).generate(prompts(), GREEDY,
+                                                                       use_tqdm=False)
     for ids, out in zip(prompts(), outs):
         expected, logprobs = hf_greedy(hf, ids, NEW)
         comp = out.outputs[0]
@@ -107,3 +110,83 @@ def test_prompt_logprobs_match_transformers(tiny):
         entry = out.prompt_logprobs[p]
         assert abs(entry[ids[p]].logprob - ref[p - 1, ids[p]].item()) < 1e-4
         assert set(ref[p - 1].topk(2).indices.tolist()) <= set(entry)
+
+
+def assert_same_outputs(a, b, tol: float = 1e-5) -> None:
+    """Same tokens, ends and prompt logprobs; the same logprob entries, values within tol (batch
+    shapes differ, so float sums may round differently)."""
+    def same_positions(x, y):
+        assert (x is None) == (y is None)
+        for px, py in zip(x or [], y or []):
+            assert (px is None) == (py is None) and set(px or {}) == set(py or {})
+            for t in px or {}:
+                assert px[t].rank == py[t].rank
+                assert abs(px[t].logprob - py[t].logprob) < tol
+        assert len(x or []) == len(y or [])
+
+    assert len(a) == len(b)
+    for ra, rb in zip(a, b):
+        assert len(ra.outputs) == len(rb.outputs)
+        for ca, cb in zip(ra.outputs, rb.outputs):
+            assert ca.token_ids == cb.token_ids
+            assert (ca.finish_reason, ca.stop_reason) == (cb.finish_reason, cb.stop_reason)
+            same_positions(ca.logprobs, cb.logprobs)
+        same_positions(ra.prompt_logprobs, rb.prompt_logprobs)
+
+
+SEEDED = dict(temperature=0.8, top_k=50, max_tokens=NEW, logprobs=2)
+ASYNC_SCENARIOS = {
+    "chunked-prefill": (dict(max_num_batched_tokens=8), GREEDY),
+    "preemption": (dict(num_kv_blocks=14, max_num_batched_tokens=16), GREEDY),
+    "max-num-seqs": (dict(max_num_seqs=2), GREEDY),
+    "max-tokens-1": (dict(), SamplingParams(temperature=0, max_tokens=1, logprobs=3)),
+    "n2-seeded": (dict(), SamplingParams(n=2, seed=5, **SEEDED)),
+    "penalties-min-tokens": (dict(), SamplingParams(
+        seed=3, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.7,
+        min_tokens=8, stop_token_ids=list(range(3, 256, 4)), **SEEDED)),
+    "prompt-logprobs": (dict(max_num_batched_tokens=16, num_kv_blocks=20),
+                        SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=2,
+                                       logprobs=1)),
+}
+
+
+@pytest.mark.parametrize("scenario", ASYNC_SCENARIOS)
+def test_async_scheduling_changes_no_output(tiny, scenario):
+    path, _ = tiny
+    engine_args, params = ASYNC_SCENARIOS[scenario]
+    runs = {}
+    for flag in (False, True):
+        llm = make_llm(path, async_scheduling=flag, **engine_args)
+        runs[flag] = llm.generate(prompts(), params, use_tqdm=False)
+        if "num_kv_blocks" in engine_args and scenario == "preemption":
+            assert llm.engine.scheduler.num_preemptions > 0
+        stats = llm.engine.scheduler.stats()
+        assert stats.num_free_blocks == stats.num_total_blocks and stats.num_running == 0
+        llm.engine.scheduler.check_integrity()
+    assert_same_outputs(runs[False], runs[True])
+    if scenario == "penalties-min-tokens":      # the test can tell: both change the tokens
+        plain = make_llm(path).generate(prompts(), SamplingParams(seed=3, **SEEDED),
+                                        use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in plain] != [
+            o.outputs[0].token_ids for o in runs[True]]
+        assert all(len(o.outputs[0].token_ids) >= 8 for o in runs[True])
+
+
+def test_async_scheduling_with_stops_and_the_prefix_cache(tiny):
+    path, _ = tiny
+    reference = make_llm(path, async_scheduling=False).generate(prompts(), GREEDY,
+                                                                 use_tqdm=False)
+    # every prompt stops early on a token of its own greedy output (or on EOS)
+    stops = SamplingParams(temperature=0, max_tokens=NEW, logprobs=2,
+                           stop_token_ids=[o.outputs[0].token_ids[3] for o in reference])
+    shared = prompts()[3]
+    batch = [shared + [5, 6, 7], shared + [9], *prompts()]
+    runs = {}
+    for flag in (False, True):
+        llm = make_llm(path, async_scheduling=flag)
+        first = llm.generate(prompts(), stops, use_tqdm=False)
+        second = llm.generate(batch, GREEDY, use_tqdm=False)        # hits the cache
+        assert llm.engine.scheduler.stats().prefix_cache_hits > 0
+        assert all(o.outputs[0].finish_reason == "stop" for o in first)
+        runs[flag] = first + second
+    assert_same_outputs(runs[False], runs[True])

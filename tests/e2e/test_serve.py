@@ -1,6 +1,7 @@
-"""`conveyor serve` end to end on CPU: TP=3 equals TP=1 and the in-process LLM (sync and async
-clients, 64 concurrent requests), streaming, cancellation freeing blocks, malformed frames, and a
-client written with plain zmq + msgpack. (The default model has 9 heads: --tp 2 cannot split it.)
+"""`conveyor serve` end to end on CPU: TP=3 equals TP=1 and the in-process LLM without async
+scheduling (sync and async clients, 64 concurrent requests), as does a server without it;
+streaming, cancellation freeing blocks, malformed frames, and a client written with plain zmq +
+msgpack. (The default model has 9 heads: --tp 2 cannot split it.)
 """
 import asyncio
 import contextlib
@@ -42,8 +43,19 @@ def tp3():
 @pytest.fixture(scope="module")
 def reference():
     from conveyor import LLM
-    llm = LLM(max_num_seqs=64, kv_cache_memory_bytes=64 << 20, max_model_len=512)
+    # one step at a time: the servers (async scheduling, the default) must give the same tokens
+    llm = LLM(max_num_seqs=64, kv_cache_memory_bytes=64 << 20, max_model_len=512,
+              async_scheduling=False)
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+def test_server_without_async_scheduling_matches(reference):
+    server = start_server("--no-async-scheduling")
+    try:
+        with Client(server.addresses[0], timeout=120) as c:
+            assert [r.token_ids for r in c.generate(PROMPTS[:16], GREEDY)] == reference[:16]
+    finally:
+        server.kill_all()
 
 
 def _wait_all_free(client: Client, timeout: float = 10.0):

@@ -1,19 +1,24 @@
-"""Scheduler: batching, chunked prefill, preemption, aborts, stops and prompt logprobs.
+"""Scheduler: batching, chunked prefill, preemption, aborts, stops and prompt logprobs, with one
+plan in flight (depth 1) or two (async scheduling, depth 2).
 
 A fake worker runs every plan: it keeps per-slot state from NewSeq/SeqStep/freed like a real one,
 writes each computed token into a fake KV pool, and samples from the context it reads back from the
 pool, so a wrong block table, a bad cache hit or a mis-planned range changes the output or fails.
+At depth 2 it runs a plan as late as a real pipeline may: after the scheduler planned the next one
+and applied the result before, so blocks freed meanwhile may already be planned for someone else.
 """
 from __future__ import annotations
 
 import itertools
+import random
 import subprocess
 import sys
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import pytest
 
-from conveyor.scheduler import FCFSPolicy, IntegrityError, Request, Scheduler
+from conveyor.scheduler import FCFSPolicy, IntegrityError, Policy, Request, Scheduler
 from conveyor.shared.config import EngineConfig
 from conveyor.shared.messages import (
     AddRequest,
@@ -53,15 +58,39 @@ class FakeWorker:
         self.pool: dict[tuple[int, int], int] = {}        # (block, offset) -> token id
         self.slots: dict[int, SlotState] = {}
         self.plans: list[StepPlan] = []
+        self.queue: deque[tuple[StepPlan, dict]] = deque()   # received, not run yet
         self.prompt_positions: dict[str, list[int]] = {}   # request id -> positions returned
+        self.draws: Counter[str] = Counter()               # request id -> tokens sampled for it
 
     def _kv(self, st: SlotState, p: int) -> int | None:
         return self.pool.get((st.block_ids[p // self.bs], p % self.bs))
 
     def step(self, plan: StepPlan) -> StepResult:
+        self.receive(plan)
+        return self.run_next()
+
+    def receive(self, plan: StepPlan) -> None:
+        """Take a plan, with what the scheduler holds for it now (checked when it runs)."""
         cfg = self.sched.config
         assert not self.plans or plan.step == self.plans[-1].step + 1
         self.plans.append(plan)
+        assert sum(s.num_tokens for s in plan.seqs) <= cfg.max_num_batched_tokens
+        assert len(plan.seqs) <= cfg.max_num_seqs
+        assert len({s.slot for s in plan.seqs}) == len(plan.seqs)
+        single = [s.num_tokens == 1 for s in plan.seqs]
+        assert single == sorted(single, reverse=True), "single-token steps must come first"
+        by_slot = {r.slot: r for r in self.sched.running}
+        blocks = self.sched.blocks.blocks
+        # slot -> (request id, block table, blocks it alone holds)
+        held = {s.slot: (by_slot[s.slot].id, list(by_slot[s.slot].block_table),
+                         {b for b in by_slot[s.slot].block_table if blocks[b].ref_count == 1})
+                for s in plan.seqs}
+        self.queue.append((plan, held))
+
+    def run_next(self) -> StepResult:
+        """Run the oldest plan received."""
+        plan, held = self.queue.popleft()
+        cfg = self.sched.config
         for slot in plan.freed:
             del self.slots[slot]                          # KeyError: freed an unknown slot
         for ns in plan.new:
@@ -71,32 +100,27 @@ class FakeWorker:
                            ns.num_computed)
             assert all(self._kv(st, p) == st.token_ids[p] for p in range(ns.num_computed))
             self.slots[ns.slot] = st
-        assert sum(s.num_tokens for s in plan.seqs) <= cfg.max_num_batched_tokens
-        assert len(plan.seqs) <= cfg.max_num_seqs
-        assert len({s.slot for s in plan.seqs}) == len(plan.seqs)
-        single = [s.num_tokens == 1 for s in plan.seqs]
-        assert single == sorted(single, reverse=True), "single-token steps must come first"
-        by_slot = {r.slot: r for r in self.sched.running}
         sampled, logprobs, prompt_logprobs = [], [], []
         for s in plan.seqs:
             st = self.slots[s.slot]
+            rid, table, private = held[s.slot]
             if any(ns.slot == s.slot for ns in plan.new):
                 assert s.new_block_ids == []
             st.block_ids += s.new_block_ids
-            assert st.block_ids == by_slot[s.slot].block_table
+            assert st.block_ids == table
             start, end = st.num_computed, st.num_computed + s.num_tokens
             assert s.num_tokens >= 1 and end <= len(st.token_ids)
             assert s.sample == (end == len(st.token_ids))
             assert len(st.block_ids) * self.bs >= end
             for p in range(start, end):
                 block = st.block_ids[p // self.bs]
-                assert self.sched.blocks.blocks[block].ref_count == 1, "wrote a shared block"
+                assert block in private, "wrote a shared block"
                 self.pool[(block, p % self.bs)] = st.token_ids[p]
             st.num_computed = end
             if s.prompt_logprobs_from >= 0:
                 lo, hi = s.prompt_logprobs_from, min(end + 1, st.prompt_len)
                 assert start + 1 <= lo < hi
-                self.prompt_positions.setdefault(by_slot[s.slot].id, []).extend(range(lo, hi))
+                self.prompt_positions.setdefault(rid, []).extend(range(lo, hi))
                 prompt_logprobs.append((s.slot, [TokenLogprobs([st.token_ids[p]], [-float(p)], 1)
                                                  for p in range(lo, hi)]))
             if s.sample:
@@ -105,6 +129,7 @@ class FakeWorker:
                 token = self.next_token(ctx)
                 st.token_ids.append(token)
                 sampled.append(token)
+                self.draws[rid] += 1
                 want = st.sampling.logprobs is not None
                 logprobs.append(TokenLogprobs([token], [-0.5], 1) if want else None)
         return StepResult(plan.step, sampled, logprobs, prompt_logprobs)
@@ -124,13 +149,17 @@ class Collected:
 
 class Harness:
     def __init__(self, num_blocks=64, block_size=4, max_num_seqs=8, budget=32, caching=True,
-                 eos=(), max_model_len=256, next_token=context_token, policy=None) -> None:
+                 eos=(), max_model_len=256, next_token=context_token, policy=None,
+                 depth=1) -> None:
         cfg = EngineConfig(block_size=block_size, max_num_seqs=max_num_seqs,
-                           max_num_batched_tokens=budget, enable_prefix_caching=caching)
+                           max_num_batched_tokens=budget, enable_prefix_caching=caching,
+                           async_scheduling=depth == 2)
         self.sched = Scheduler(cfg, num_blocks, eos, max_model_len, policy)
+        assert self.sched.max_in_flight == depth
         self.worker = FakeWorker(self.sched, next_token)
         self.out: dict[str, Collected] = {}
         self._arrivals = itertools.count()
+        self.max_pending = 0                  # most pending tokens any request had after a plan
 
     def add(self, rid: str, prompt, arrival: float | None = None, **sampling) -> None:
         sampling.setdefault("max_tokens", 8)
@@ -152,21 +181,44 @@ class Harness:
                 c.finish_reason, c.stop_reason, c.error = o.finish_reason, o.stop_reason, o.error
 
     def step(self) -> StepPlan | None:
-        plan = self.sched.schedule()
+        """Plan a step if one is due; then, with `depth` plans in flight or none planned, run the
+        oldest and apply its result (as the process loops do). Returns the plan, if any."""
+        plan = self.plan()
+        if self.worker.queue and (plan is None
+                                  or self.sched.num_in_flight == self.sched.max_in_flight):
+            self.apply()
+        return plan
+
+    def plan(self) -> StepPlan | None:
+        plan = self.sched.schedule() if self.sched.can_schedule() else None
         self.sched.check_integrity()
         if plan is not None:
-            self.collect(self.sched.update(self.worker.step(plan)))
-            self.sched.check_integrity()
+            self.worker.receive(plan)
+            self.max_pending = max([self.max_pending]
+                                   + [r.num_pending_tokens for r in self.sched.running])
         return plan
+
+    def apply(self) -> None:
+        """Run the oldest plan in flight and apply its result."""
+        self.collect(self.sched.update(self.worker.run_next()))
+        self.sched.check_integrity()
+
+    def busy(self) -> bool:
+        """Plan or apply one step; False once there was nothing to do."""
+        in_flight = bool(self.worker.queue)
+        return self.step() is not None or in_flight
 
     def run(self, max_steps: int = 10_000) -> dict[str, Collected]:
         for _ in range(max_steps):
-            if self.step() is None:
+            if not self.busy():
                 break
         assert not self.sched.has_work(), "nothing scheduled, yet requests remain"
         assert all(c.num_finishes == 1 for c in self.out.values())
         assert self.sched.blocks.num_free_blocks == self.sched.blocks.num_blocks
         return self.out
+
+
+DEPTHS = pytest.mark.parametrize("depth", [1, 2])
 
 
 def prompts(n: int, length: int = 10, shared: int = 0) -> list[list[int]]:
@@ -180,8 +232,9 @@ def test_scheduler_imports_no_torch():
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
-def test_token_budget_is_respected_and_filled():
-    h = Harness(budget=16)
+@DEPTHS
+def test_token_budget_is_respected_and_filled(depth):
+    h = Harness(budget=16, depth=depth)
     for i, p in enumerate(prompts(6, 13)):
         h.add(f"r{i}", p)
     h.run()
@@ -192,8 +245,9 @@ def test_token_budget_is_respected_and_filled():
     assert all(len(c.tokens) == 8 and c.finish_reason == "length" for c in h.out.values())
 
 
-def test_chunked_prefill_splits_a_long_prompt():
-    h = Harness(budget=16, block_size=4)
+@DEPTHS
+def test_chunked_prefill_splits_a_long_prompt(depth):
+    h = Harness(budget=16, block_size=4, depth=depth)
     prompt = list(range(1, 41))
     h.add("a", prompt, max_tokens=3)
     out = h.run()
@@ -213,8 +267,9 @@ def reference(prompt: list[int], n: int, next_token=context_token) -> list[int]:
     return ctx[len(prompt):]
 
 
-def test_decodes_are_scheduled_before_prefill_chunks():
-    h = Harness(budget=10)
+@DEPTHS
+def test_decodes_are_scheduled_before_prefill_chunks(depth):
+    h = Harness(budget=10, depth=depth)
     h.add("a", [1, 2, 3], max_tokens=5)
     h.step()
     h.add("b", list(range(10, 40)), max_tokens=2)
@@ -226,8 +281,9 @@ def test_decodes_are_scheduled_before_prefill_chunks():
     assert out["b"].tokens == reference(list(range(10, 40)), 2)
 
 
-def test_single_token_admissions_go_before_prefill_chunks():
-    h = Harness(budget=10)
+@DEPTHS
+def test_single_token_admissions_go_before_prefill_chunks(depth):
+    h = Harness(budget=10, depth=depth)
     h.add("long", list(range(10, 25)), max_tokens=2)
     h.step()                                      # 10 of 15 prompt tokens
     h.add("one", [7], max_tokens=2)
@@ -243,12 +299,13 @@ class FirstCandidate(FCFSPolicy):
         return candidates[0]
 
 
-def test_max_num_seqs_caps_the_batch():
-    h = Harness(max_num_seqs=2, budget=64)
+@DEPTHS
+def test_max_num_seqs_caps_the_batch(depth):
+    h = Harness(max_num_seqs=2, budget=64, depth=depth)
     for i, p in enumerate(prompts(5)):
         h.add(f"r{i}", p, max_tokens=4)
     running = []
-    while h.step() is not None:
+    while h.busy():
         running.append(h.sched.num_running)
     assert max(running) == 2
     assert all(s.slot in (0, 1) for p in h.worker.plans for s in p.seqs)
@@ -256,13 +313,14 @@ def test_max_num_seqs_caps_the_batch():
     assert all(c.finish_reason == "length" for c in h.out.values())
 
 
-def test_fcfs_admits_by_arrival_time():
-    h = Harness(max_num_seqs=1)
+@DEPTHS
+def test_fcfs_admits_by_arrival_time(depth):
+    h = Harness(max_num_seqs=1, depth=depth)
     h.add("late", [1, 2], arrival=3.0, max_tokens=2)
     h.add("early", [3, 4], arrival=1.0, max_tokens=2)
     h.add("middle", [5, 6], arrival=2.0, max_tokens=2)
     finished = []
-    while h.step() is not None:
+    while h.busy():
         finished += [rid for rid, c in h.out.items() if c.num_finishes and rid not in finished]
     assert finished == ["early", "middle", "late"]
 
@@ -274,19 +332,39 @@ def test_fcfs_victim_is_the_latest_arrival():
     assert [r.id for r in FCFSPolicy().order_waiting(reqs)] == ["3", "0", "1", "2"]
 
 
+class Recording(Policy):
+    """Another policy's choices, recording each victim's pending tokens."""
+
+    def __init__(self, inner: Policy) -> None:
+        self.inner = inner
+        self.victim_pending: list[int] = []
+
+    def order_waiting(self, waiting):
+        return self.inner.order_waiting(waiting)
+
+    def pick_victim(self, candidates):
+        victim = self.inner.pick_victim(candidates)
+        self.victim_pending.append(victim.num_pending_tokens)
+        return victim
+
+
+@DEPTHS
 @pytest.mark.parametrize("caching, policy", [(True, FCFSPolicy), (False, FCFSPolicy),
                                              (True, FirstCandidate)])
-def test_preemption_gives_the_same_outputs(caching, policy):
+def test_preemption_gives_the_same_outputs(caching, policy, depth):
     ps = prompts(6, 11, shared=4)
     outs = []
     for num_blocks in (200, 10):
+        recording = Recording(policy())
         h = Harness(num_blocks=num_blocks, block_size=4, budget=24, caching=caching,
-                    policy=policy())
+                    policy=recording, depth=depth)
         for i, p in enumerate(ps):
             h.add(f"r{i}", p, max_tokens=20)
         outs.append(h.run())
         if num_blocks == 10:
             assert h.sched.num_preemptions > 0
+            # at depth 2 some victims have a token in flight, which they keep
+            assert max(recording.victim_pending) == depth - 1
             assert h.sched.stats().num_preemptions == h.sched.num_preemptions
             assert any(c.stats[-1].num_preemptions for c in h.out.values())
             resumed = [n for p in h.worker.plans for n in p.new if len(n.token_ids) > n.prompt_len]
@@ -295,8 +373,9 @@ def test_preemption_gives_the_same_outputs(caching, policy):
     assert all(len(c.tokens) == 20 for c in outs[1].values())
 
 
-def test_prefix_cache_hit_skips_cached_blocks():
-    h = Harness(block_size=4)
+@DEPTHS
+def test_prefix_cache_hit_skips_cached_blocks(depth):
+    h = Harness(block_size=4, depth=depth)
     prompt = list(range(1, 21))                   # 5 full blocks
     h.add("a", prompt)
     h.run()
@@ -311,8 +390,9 @@ def test_prefix_cache_hit_skips_cached_blocks():
     assert stats.prefix_cache_hits == 16 and stats.prefix_cache_queries == 40
 
 
-def test_abort_frees_everything_and_ends_once():
-    h = Harness(max_num_seqs=2, budget=8)
+@DEPTHS
+def test_abort_frees_everything_and_ends_once(depth):
+    h = Harness(max_num_seqs=2, budget=8, depth=depth)
     for i, p in enumerate(prompts(4, 12)):
         h.add(f"r{i}", p, max_tokens=50)
     h.step()
@@ -344,8 +424,9 @@ def test_abort_while_a_step_is_in_flight():
     assert h.out["a"].tokens == [] and h.out["a"].finish_reason == "abort"
 
 
-def test_stop_on_eos():
-    h = Harness(eos=(8,), next_token=plus_one)
+@DEPTHS
+def test_stop_on_eos(depth):
+    h = Harness(eos=(8,), next_token=plus_one, depth=depth)
     h.add("a", [5], max_tokens=10)
     h.add("ignore", [5], max_tokens=5, ignore_eos=True)
     out = h.run()
@@ -354,8 +435,9 @@ def test_stop_on_eos():
     assert out["ignore"].tokens == [6, 7, 8, 9, 0] and out["ignore"].finish_reason == "length"
 
 
-def test_stop_token_ids_and_min_tokens():
-    h = Harness(eos=(8,), next_token=plus_one)
+@DEPTHS
+def test_stop_token_ids_and_min_tokens(depth):
+    h = Harness(eos=(8,), next_token=plus_one, depth=depth)
     h.add("stop_id", [5], max_tokens=10, stop_token_ids=[7])
     h.add("min_ok", [5], max_tokens=10, min_tokens=3)
     h.add("min_skips", [5], max_tokens=20, min_tokens=5, stop_token_ids=[9])
@@ -367,20 +449,22 @@ def test_stop_token_ids_and_min_tokens():
     assert out["min_skips"].finish_reason == "stop"
 
 
-def test_length_limits():
-    h = Harness(next_token=plus_one, max_model_len=8)
+@DEPTHS
+def test_length_limits(depth):
+    h = Harness(next_token=plus_one, max_model_len=8, depth=depth)
     h.add("max_tokens", [1], max_tokens=3)
     h.add("context", [1, 2, 3, 4, 5], max_tokens=None)
     out = h.run()
     assert out["max_tokens"].tokens == [2, 3, 4] and out["max_tokens"].finish_reason == "length"
     assert out["context"].tokens == [6, 7, 8] and out["context"].finish_reason == "length"
-    small_pool = Harness(next_token=plus_one, num_blocks=2, block_size=4)
+    small_pool = Harness(next_token=plus_one, num_blocks=2, block_size=4, depth=depth)
     small_pool.add("a", [1, 2, 3], max_tokens=None)
     assert len(small_pool.run()["a"].tokens) == 5                # the pool holds 8 tokens
 
 
-def test_requests_that_can_never_run_are_rejected():
-    h = Harness(num_blocks=4, block_size=4, max_model_len=20)
+@DEPTHS
+def test_requests_that_can_never_run_are_rejected(depth):
+    h = Harness(num_blocks=4, block_size=4, max_model_len=20, depth=depth)
     h.add("ok", [1, 2, 3])
     h.add("ok", [1, 2])                                           # id in use
     h.add("empty", [])
@@ -394,9 +478,10 @@ def test_requests_that_can_never_run_are_rejected():
     assert out["ok"].finish_reason == "length"
 
 
+@DEPTHS
 @pytest.mark.parametrize("num_blocks, budget", [(200, 8), (12, 8), (200, 3)])
-def test_prompt_logprobs_are_delivered_once(num_blocks, budget):
-    h = Harness(num_blocks=num_blocks, budget=budget, block_size=4)
+def test_prompt_logprobs_are_delivered_once(num_blocks, budget, depth):
+    h = Harness(num_blocks=num_blocks, budget=budget, block_size=4, depth=depth)
     ps = prompts(4, 19, shared=8)
     h.add("plain", ps[0], max_tokens=12)                          # fills the prefix cache
     for i, p in enumerate(ps[1:]):
@@ -443,3 +528,177 @@ def test_integrity_check_catches_a_leak():
     with pytest.raises(IntegrityError):
         h.sched.check_integrity()
     assert not h.sched.stats().integrity_ok
+
+
+# --- two plans in flight (async scheduling) -----------------------------------------------------
+
+def count_frees(h: Harness) -> Counter:
+    """Counts, per request id, the BlockManager.free calls that free blocks, from now on."""
+    counts: Counter[str] = Counter()
+    free = h.sched.blocks.free
+
+    def counting(req):
+        counts[req.id] += bool(req.block_table)
+        free(req)
+    h.sched.blocks.free = counting
+    return counts
+
+
+def test_ends_by_max_tokens_or_length_are_never_planned_past():
+    h = Harness(next_token=plus_one, max_model_len=12, depth=2)
+    h.add("one", [1], max_tokens=1)
+    h.add("five", [1, 2], max_tokens=5)
+    h.add("context", [1, 2, 3, 4, 5, 6, 7], max_tokens=None)      # 12 - 7 = 5 tokens
+    out = h.run()
+    assert h.max_pending == 2                                    # decoded a pending token
+    assert h.worker.draws == {"one": 1, "five": 5, "context": 5}  # not one draw wasted
+    assert out["one"].tokens == [2] and out["five"].tokens == [3, 4, 5, 6, 7]
+    assert out["context"].tokens == [8, 9, 0, 1, 2]
+    assert all(c.finish_reason == "length" for c in out.values())
+
+
+def test_a_stop_seen_late_drops_the_token_planned_after_it():
+    h = Harness(eos=(8,), next_token=plus_one, depth=2)
+    frees = count_frees(h)
+    h.add("eos", [5], max_tokens=10)
+    h.add("stop_id", [1], max_tokens=10, stop_token_ids=[4])
+    h.add("long", [1], max_tokens=12, ignore_eos=True)            # keeps plans coming
+    out = h.run()
+    assert out["eos"].tokens == [6, 7, 8] and out["eos"].finish_reason == "stop"
+    assert out["stop_id"].tokens == [2, 3, 4] and out["stop_id"].stop_reason == 4
+    assert len(out["long"].tokens) == 12
+    # the draw after each stop was planned before the stop was seen, and dropped
+    assert h.worker.draws == {"eos": 4, "stop_id": 4, "long": 12}
+    assert frees == {"eos": 1, "stop_id": 1, "long": 1}
+    freed = [slot for p in h.worker.plans for slot in p.freed]
+    assert sorted(freed) == [0, 1]                               # each slot freed once
+    assert all(c.num_finishes == 1 for c in out.values())
+
+
+def test_abort_with_two_steps_in_flight():
+    h = Harness(depth=2)
+    frees = count_frees(h)
+    h.add("a", [1, 2, 3], max_tokens=5)
+    h.add("b", [4, 5, 6], max_tokens=5)
+    h.add("c", [7, 8, 9], max_tokens=2)
+    for _ in range(2):
+        h.worker.receive(h.sched.schedule())
+    assert h.sched.num_in_flight == 2 and not h.sched.can_schedule()
+    assert all(r.num_pending_tokens == 2 for r in h.sched.running)
+    with pytest.raises(RuntimeError):
+        h.sched.schedule()
+    h.collect(h.sched.abort(["a", "c"]))
+    h.sched.check_integrity()
+    assert frees == {"a": 1, "c": 1}
+    for _ in range(2):                        # both results come back: a and c get nothing
+        h.collect(h.sched.update(h.worker.run_next()))
+        h.sched.check_integrity()
+    assert h.out["a"].tokens == [] and h.out["a"].finish_reason == "abort"
+    assert h.out["c"].tokens == [] and h.out["c"].finish_reason == "abort"
+    assert h.out["b"].tokens == reference([4, 5, 6], 2)
+    assert h.step().freed == [0, 2]
+    out = h.run()
+    assert out["b"].tokens == reference([4, 5, 6], 5)
+    assert frees == {"a": 1, "b": 1, "c": 1}
+
+
+@pytest.mark.parametrize("case", ["kept", "self", "ends", "abort"])
+def test_a_request_preempted_with_a_token_in_flight_keeps_it(case):
+    # 4 blocks of 4: "a" and "b" fill them after one decode each. In the third plan "b" (the
+    # latest arrival) is preempted while its second token is drawn: for the next decode of "a"
+    # ("kept", "ends", "abort"), or for its own when "a" is not planned since its last token is
+    # drawn ("self": nothing is planned; "b" waits for its token before it is readmitted).
+    recording = Recording(FCFSPolicy())
+    h = Harness(num_blocks=4, block_size=4, next_token=plus_one, policy=recording, depth=2)
+    frees = count_frees(h)
+    a, b = [1, 2, 3, 4, 5, 6, 7], [3, 4, 5, 6, 7, 8, 9]
+    b_max = 2 if case == "ends" else 8
+    h.add("a", a, max_tokens=2 if case == "self" else 8)
+    h.add("b", b, max_tokens=b_max)
+    while h.plan() is not None and not h.sched.num_preemptions:
+        if h.sched.num_in_flight == 2:
+            h.apply()
+    req = next(r for r in h.sched.waiting if r.id == "b")
+    assert req.num_pending_tokens == 1 and recording.victim_pending == [1]
+    assert frees["b"] == 1 and len(h.out["b"].tokens) == 1
+    if case == "abort":
+        h.collect(h.sched.abort(["b"]))
+        h.sched.check_integrity()
+    h.apply()                                 # b's second token: kept unless aborted
+    assert len(h.out["b"].tokens) == (1 if case == "abort" else 2)
+    out = h.run()
+    assert out["a"].tokens == reference(a, len(out["a"].tokens), plus_one)
+    assert out["b"].tokens == reference(b, len(out["b"].tokens), plus_one)
+    assert frees["b"] == 1 + (case in ("kept", "self"))
+    if case == "abort":
+        assert out["b"].finish_reason == "abort"
+    else:
+        assert len(out["b"].tokens) == b_max and out["b"].finish_reason == "length"
+        assert out["b"].stats[-1].num_preemptions == 1
+
+
+@DEPTHS
+def test_generated_tokens_are_cached_once_known(depth):
+    h = Harness(block_size=4, next_token=plus_one, depth=depth)
+    h.add("a", [1, 2, 3, 4, 5], max_tokens=10)
+    full = [1, 2, 3, 4, 5] + h.run()["a"].tokens               # 15 tokens
+    h.add("b", full, max_tokens=1)
+    h.run()
+    assert h.out["b"].stats[-1].num_cached_tokens == 12          # all but the last block
+
+
+def test_protocol_misuse_is_rejected_with_two_plans_in_flight():
+    h = Harness(depth=2)
+    h.add("a", [1, 2, 3])
+    first, second = h.sched.schedule(), h.sched.schedule()
+    with pytest.raises(RuntimeError):
+        h.sched.schedule()
+    h.worker.receive(first)
+    h.worker.receive(second)
+    r1, r2 = h.worker.run_next(), h.worker.run_next()
+    with pytest.raises(ValueError):
+        h.sched.update(r2)                    # results come back in plan order
+    h.collect(h.sched.update(r1))
+    h.collect(h.sched.update(r2))
+    assert h.out["a"].tokens == reference([1, 2, 3], 2)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_workloads_give_the_same_outputs_at_depth_1_and_2(seed):
+    """Stops by EOS, stop ids and lengths, min_tokens, prompt logprobs, a shared prefix, chunked
+    prefill, a pool small enough to preempt, and aborts at random points."""
+    rng = random.Random(seed)
+    requests = []
+    for i in range(12):
+        prompt = list(range(500, 508))[:rng.choice([0, 8])] + [rng.randrange(VOCAB)
+                                                              for _ in range(rng.randint(1, 20))]
+        max_tokens = rng.choice([1, 2, 5, 16, None])
+        sampling = dict(max_tokens=max_tokens, min_tokens=min(rng.choice([0, 0, 3]),
+                                                              max_tokens or 3),
+                        stop_token_ids=rng.sample(range(VOCAB), 30) if rng.random() < 0.5 else [],
+                        prompt_logprobs=1 if rng.random() < 0.3 else None)
+        requests.append((f"r{i}", prompt, sampling, rng.randrange(40)))   # arrives at step
+    aborts = {rng.randrange(40): f"r{rng.randrange(12)}" for _ in range(3)}
+    outs = []
+    for depth in (1, 2):
+        h = Harness(num_blocks=14, block_size=4, budget=rng.choice([8, 32]), max_num_seqs=5,
+                    eos=(3, 17, 101), max_model_len=40, depth=depth)
+        for t in range(10_000):
+            for rid, prompt, sampling, at in requests:
+                if at == t:
+                    h.add(rid, prompt, **sampling)
+            if t in aborts:
+                h.collect(h.sched.abort([aborts[t]]))
+            if not h.busy() and t > 40:
+                break
+        out = h.run()
+        assert depth == 1 or h.max_pending == 2
+        outs.append(out)
+    for rid, prompt, _, _ in requests:
+        one, two = outs[0][rid], outs[1][rid]
+        if "abort" in (one.finish_reason, two.finish_reason):
+            continue                          # aborted at another point of its life
+        assert (one.tokens, one.finish_reason, one.stop_reason) == (
+            two.tokens, two.finish_reason, two.stop_reason)
+        assert one.tokens == reference(prompt, len(one.tokens))
+        assert one.prompt_logprobs == two.prompt_logprobs

@@ -46,10 +46,10 @@ def min_over_ranks(value: int, device: torch.device) -> int:
     return int(t.item())
 
 
-def broadcast_from_rank0(values: list[int], device: torch.device) -> list[int]:
-    """Rank 0's `values` on every rank (each rank passes a list of the same length)."""
-    if tp_size() == 1 or not values:
-        return values
-    t = torch.tensor(values, dtype=torch.long, device=device)
-    dist.broadcast(t, src=0)
-    return t.tolist()
+def broadcast_tensor(t: torch.Tensor) -> torch.Tensor:
+    """Rank 0's t on every rank, in place (each rank passes a tensor of the same shape and dtype).
+    On the device it is queued like a kernel (NCCL): the host does not wait for it."""
+    if tp_size() > 1 and t.numel():
+        t = t.contiguous()
+        dist.broadcast(t, src=0)
+    return t
