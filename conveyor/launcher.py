@@ -28,7 +28,13 @@ from conveyor.shared.config import HttpConfig, ModelConfig, ServeConfig
 from conveyor.shared.messages import Drain, Drained, EngineDead, Ready
 from conveyor.shared.model_files import read_model_config, resolve_model
 from conveyor.shared.process import child_main
-from conveyor.shared.sockets import Socket, ipc, make_runtime_dir, remove_runtime_dir, tcp_listener
+from conveyor.shared.sockets import (
+    Socket,
+    ipc,
+    make_runtime_dir,
+    remove_runtime_dir,
+    reserve_shared_port,
+)
 from conveyor.worker.process import worker_main
 
 STOP_GRACE_S = 5.0         # SIGTERM, then SIGKILL after this long
@@ -68,7 +74,7 @@ def serve(engine, http: HttpConfig, *, host: str = "127.0.0.1", zmq_port: int = 
     reserved = None
     if http.port is not None:
         try:
-            reserved = tcp_listener(host, http.port)   # held until exit: the port stays ours
+            reserved = reserve_shared_port(host, http.port)   # held until exit
         except OSError as e:
             raise LaunchError(f"cannot listen on http://{host}:{http.port}: {e}") from None
         http = dataclasses.replace(http, port=reserved.getsockname()[1])

@@ -94,6 +94,9 @@ def served(path: str, tp: int, *args: str, timeout: float = 900):
         with Client(re.search(r"tcp://[\d.]+:\d+", line).group(0), timeout=timeout) as client:
             yield client
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(60)
+        proc.send_signal(signal.SIGTERM)       # the launcher drains, then stops its children
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

@@ -81,22 +81,23 @@ class Frontend:
                           allowed=(Ready, Drain, EngineDead, Shutdown))
         self.core.send = self.scheduler.send
         self.control = control
+        # NOTE: these run as long as the process serves; one that ends takes the process down
         tasks = [asyncio.ensure_future(self._pump(self.scheduler, self._on_scheduler)),
                  asyncio.ensure_future(self._pump(self.clients, self._on_client))]
         info = {"address": self.clients.address}
         if cfg.http.port is not None:
-            tasks.append(asyncio.ensure_future(self._serve_http()))
+            tasks.append(await self._start_http())
             info["http"] = f"http://{cfg.host}:{cfg.http.port}"
         control.send(Ready(self.role, info))
         try:
             while True:
-                _, msg = await commands.recv_async()
+                _, msg = await _first(commands.recv_async(), tasks)
                 if isinstance(msg, Shutdown):
                     return
                 if isinstance(msg, Ready) and self.core.state not in (DRAINING, DEAD):
                     self.core.state = READY
                 elif isinstance(msg, Drain):
-                    tasks.append(asyncio.ensure_future(self._drain(msg.timeout_s)))
+                    self._draining = asyncio.ensure_future(self._drain(msg.timeout_s))
                 elif isinstance(msg, EngineDead):
                     self.core.state = DEAD
                     self.core.fail_all(msg.reason, 503)
@@ -122,7 +123,8 @@ class Frontend:
         self.core.fail_all("the server is shutting down", 503)
         self.control.send(Drained(self.role))
 
-    async def _serve_http(self) -> None:
+    async def _start_http(self) -> asyncio.Task:
+        """uvicorn serving the API, once it listens (a failure to start raises here)."""
         import uvicorn
 
         from conveyor.frontend.guard import Guard
@@ -136,7 +138,14 @@ class Frontend:
         sock = tcp_listener(self.cfg.host, h.port)
         config = uvicorn.Config(app, http="h11", lifespan="off", log_level="warning",
                                 access_log=False, timeout_keep_alive=30)
-        await _Server(config).serve(sockets=[sock])
+        server = _Server(config)
+        task = asyncio.ensure_future(server.serve(sockets=[sock]))
+        while not server.started:
+            if task.done():
+                task.result()
+                raise StartupError(f"the HTTP server on port {h.port} did not start")
+            await asyncio.sleep(0.01)
+        return task
 
     # --- scheduler ----------------------------------------------------------------------------
 
@@ -183,6 +192,18 @@ class Frontend:
         self.clients.send(out, to=peer)
         if out.finished:
             self.by_client.pop(key, None)
+
+
+async def _first(awaitable, tasks: list[asyncio.Task]):
+    """The awaitable's result; raises if one of `tasks` ends first (they should never end)."""
+    wanted = asyncio.ensure_future(awaitable)
+    done, _ = await asyncio.wait([wanted, *tasks], return_when=asyncio.FIRST_COMPLETED)
+    if wanted in done:
+        return wanted.result()
+    wanted.cancel()
+    ended = next(iter(done))
+    ended.result()                               # its exception, if it raised one
+    raise RuntimeError(f"a frontend task stopped: {ended}")
 
 
 class _Server:

@@ -91,19 +91,32 @@ def _request_id(frames: list[bytes]) -> str | None:
         return None
 
 
-def tcp_listener(host: str, port: int) -> socket.socket:
-    """A TCP socket bound with SO_REUSEPORT, so every frontend can listen on one port (the
-    kernel spreads connections over them); port 0 picks a free one. Not yet listening."""
+def tcp_listener(host: str, port: int, reuse_addr: bool = True,
+                 reuse_port: bool = True) -> socket.socket:
+    """A bound TCP socket, not yet listening. With SO_REUSEPORT every frontend can listen on one
+    port (the kernel spreads connections over them)."""
     info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
     sock = socket.socket(info[0], socket.SOCK_STREAM)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, int(reuse_addr))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, int(reuse_port))
         sock.bind(info[4])
     except OSError:
         sock.close()
         raise
     return sock
+
+
+def reserve_shared_port(host: str, port: int) -> socket.socket:
+    """Hold `port` (0: a free one) for this instance's frontends to share; OSError if in use.
+
+    NOTE: SO_REUSEPORT lets any socket of the same user that sets it join a port. So the port is
+    first probed without it (SO_REUSEADDR only, so old TIME_WAIT connections don't matter): that
+    fails if anyone holds the port, this reservation included, which has SO_REUSEPORT but not
+    SO_REUSEADDR; and port 0 then gets a port nobody holds, never another group's."""
+    with tcp_listener(host, port, reuse_port=False) as probe:
+        port = probe.getsockname()[1]
+    return tcp_listener(host, port, reuse_addr=False)
 
 
 def make_runtime_dir() -> Path:

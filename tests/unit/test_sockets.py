@@ -55,3 +55,26 @@ def test_runtime_dir_is_private_and_removed():
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o700
     remove_runtime_dir(path)
     assert not path.exists()
+
+
+def test_a_shared_http_port_is_never_shared_between_instances():
+    import socket
+
+    from conveyor.shared.sockets import reserve_shared_port, tcp_listener
+
+    first = reserve_shared_port("127.0.0.1", 0)
+    try:
+        port = first.getsockname()[1]
+        with pytest.raises(OSError):
+            reserve_shared_port("127.0.0.1", port)          # a second instance: refused
+        others = [reserve_shared_port("127.0.0.1", 0) for _ in range(20)]
+        assert port not in {s.getsockname()[1] for s in others}
+        for s in others:
+            s.close()
+        frontend = tcp_listener("127.0.0.1", port)           # this instance's frontends join
+        frontend.listen()
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass
+        frontend.close()
+    finally:
+        first.close()
