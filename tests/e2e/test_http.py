@@ -274,11 +274,11 @@ def test_rate_limit_gives_429(limited):
 
 def test_sigterm_drains_then_exits_0(limited):
     time.sleep(6)                                      # refill the rate-limit bucket
-    cm, resp = _stream(limited, tokens=20, key=None)
+    cm, resp = _stream(limited, tokens=150, key=None)
     lines = resp.iter_lines()
     assert next(lines).startswith("data:")
     limited.proc.send_signal(15)
-    time.sleep(1.0)
+    time.sleep(0.3)
     assert httpx.get(limited.http + "/health").status_code == 503
     _error(_post(limited, "/v1/completions", {"prompt": "x"}, key=None), 503)
     rest = [line for line in lines if line]
