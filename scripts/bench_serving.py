@@ -175,12 +175,16 @@ class SSEDecoder:
 
 
 def chunk_text(obj: dict, endpoint: str) -> str:
-    """The generated text in one streamed chunk ("" for a usage-only chunk)."""
+    """The generated text in one streamed chunk ("" for a usage-only chunk). A server without a
+    tokenizer streams token ids instead (vLLM's and conveyor's `token_ids`): they count too."""
     choices = obj.get("choices") or [{}]
+    ids = choices[0].get("token_ids")
     if endpoint == "chat":
         delta = choices[0].get("delta") or {}
-        return "".join(delta.get(k) or "" for k in ("content", "reasoning_content", "reasoning"))
-    return choices[0].get("text") or ""
+        text = "".join(delta.get(k) or "" for k in ("content", "reasoning_content", "reasoning"))
+    else:
+        text = choices[0].get("text") or ""
+    return text or (" ".join(map(str, ids)) if ids else "")
 
 
 def error_message(obj) -> str:

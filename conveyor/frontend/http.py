@@ -90,6 +90,7 @@ def build_app(core: FrontendCore, model_names: tuple[str, ...], max_n: int,
                                    {"prompt_token_ids": p})) for i, p in enumerate(prompts)]
         run = _Run(core, request, gens)
         shape = _CompletionShape(f"cmpl-{uuid.uuid4().hex}", model, req, core.tokenizer)
+        shape.token_ids = req.return_token_ids or core.tokenizer is None
         return await run.respond(shape, req.stream, req.stream_options)
 
     @app.post("/v1/chat/completions")
@@ -104,6 +105,7 @@ def build_app(core: FrontendCore, model_names: tuple[str, ...], max_n: int,
                               priority=req.priority)
         run = _Run(core, request, [gen])
         shape = _ChatShape(f"chatcmpl-{uuid.uuid4().hex}", model, req.n, req.top_logprobs or 0)
+        shape.token_ids = req.return_token_ids
         return await run.respond(shape, req.stream, req.stream_options)
 
     @app.get("/v1/models")
@@ -328,6 +330,7 @@ def _sse(events: list[dict]) -> bytes:
 class _Shape:
     """The bodies of one response; the stream adds up its token counts as chunks pass by."""
     object_name = chunk_object = ""
+    token_ids = False                        # add each choice's token ids (vLLM's extra)
 
     def __init__(self, id: str, model: str, n: int):
         self.id, self.model, self.n = id, model, n
@@ -377,9 +380,12 @@ class _CompletionShape(_Shape):
         return self.tokenizer.decode(prompt)
 
     def choice(self, index: int, c: Completion) -> dict:
-        return {"index": index, "text": self._prefix(index) + c.text,
-                "logprobs": None if c.logprobs is None else oai.completion_logprobs(c.logprobs, 0),
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        out = {"index": index, "text": self._prefix(index) + c.text,
+               "logprobs": None if c.logprobs is None else oai.completion_logprobs(c.logprobs, 0),
+               "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        if self.token_ids:
+            out["token_ids"] = c.token_ids
+        return out
 
     def chunk(self, prompt_index: int, c: Completion) -> dict:
         return self.base([self.choice(prompt_index * self.n + c.index, c)], chunk=True)
@@ -401,12 +407,17 @@ class _ChatShape(_Shape):
                 for i in range(self.n)]
 
     def choice(self, index: int, c: Completion) -> dict:
-        return {"index": index, "message": {"role": "assistant", "content": c.text},
-                "logprobs": self._logprobs(c),
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        out = {"index": index, "message": {"role": "assistant", "content": c.text},
+               "logprobs": self._logprobs(c),
+               "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        if self.token_ids:
+            out["token_ids"] = c.token_ids
+        return out
 
     def chunk(self, prompt_index: int, c: Completion) -> dict:
         choice = {"index": c.index, "delta": {"content": c.text},
                   "logprobs": self._logprobs(c),
                   "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        if self.token_ids:
+            choice["token_ids"] = c.token_ids
         return self.base([choice], chunk=True)

@@ -42,6 +42,7 @@ class _Common(msgspec.Struct, kw_only=True):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0
+    return_token_ids: bool = False           # each choice also carries its token ids
 
 
 class CompletionRequest(_Common, kw_only=True):

@@ -122,6 +122,14 @@ def test_n_seed_and_logprobs(oai):
     assert content[0].logprob == pytest.approx(content[0].top_logprobs[0].logprob, abs=1e-4)
 
 
+def test_return_token_ids(server):
+    body = {"prompt": "1, 2, 3,", "max_tokens": 5, "temperature": 0, "return_token_ids": True}
+    choice = _post(server, "/v1/completions", body).json()["choices"][0]
+    assert len(choice["token_ids"]) == 5
+    detok = _post(server, "/detokenize", {"tokens": choice["token_ids"]}).json()["prompt"]
+    assert detok == choice["text"]
+
+
 def test_api_keys(server, oai):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.http + "/v1", api_key="wrong", max_retries=0).models.list()
