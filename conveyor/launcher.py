@@ -3,7 +3,8 @@
 Checks what it can before spawning (model files, tensor-parallel split, the HTTP port, which it
 keeps reserved so every frontend can share it), spawns every child with the 'spawn' start
 method, waits for each one's Ready, tells the frontends to serve, prints where it listens, and
-then supervises. SIGINT/SIGTERM drain: the frontends refuse new requests and finish open ones
+then supervises (a dead frontend is reaped and its requests aborted while another serves).
+SIGINT/SIGTERM drain: the frontends refuse new requests and finish open ones
 (up to --shutdown-timeout), then everything stops (exit 0); a second signal stops at once. A
 child that dies fails every open request (EngineDead to the frontends) and ends the launch
 (exit 1). Start-up failures print one line.
@@ -25,7 +26,7 @@ from conveyor.engine import max_model_len
 from conveyor.frontend.server import frontend_main
 from conveyor.scheduler.process import scheduler_main
 from conveyor.shared.config import HttpConfig, ModelConfig, ServeConfig
-from conveyor.shared.messages import Drain, Drained, EngineDead, Ready
+from conveyor.shared.messages import Drain, Drained, EngineDead, FrontendDead, Ready
 from conveyor.shared.model_files import read_model_config, resolve_model
 from conveyor.shared.process import child_main
 from conveyor.shared.sockets import (
@@ -100,6 +101,7 @@ class Launcher:
                               allowed=(Ready, EngineDead, Drained))
         self.procs: dict[str, mp.process.BaseProcess] = {}
         self.dead: set[str] = set()          # children whose exit was seen
+        self.scheduler: Socket | None = None  # to tell it about a dead frontend
 
     def run(self, startup_timeout: float) -> int:
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -130,6 +132,8 @@ class Launcher:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             self._stop_all()
+            if self.scheduler is not None:
+                self.scheduler.close()
             self.control.close()
             self.ctx.destroy(linger=0)
             for s, handler in previous.items():
@@ -189,12 +193,39 @@ class Launcher:
         return [addresses[k] for k in sorted(addresses)]
 
     def _supervise(self) -> str:
-        """Block until a child dies; fail every open request; return what died."""
+        """Block until the engine fails; fail every open request; return what died. A frontend
+        that dies while another one serves only loses its own requests."""
         while True:
-            reason = self._death(*self._poll(None))
+            msg, exited = self._poll(None)
+            role = exited or (msg.role if isinstance(msg, EngineDead) else "")
+            if role.startswith("frontend-") and any(
+                    n.startswith("frontend-") and n != role and n not in self.dead
+                    for n in self.procs):
+                self._lose_frontend(role)
+                continue
+            reason = self._death(msg, exited)
             if reason is not None:
                 self._fail_requests(reason)
                 return reason
+
+    def _lose_frontend(self, role: str) -> None:
+        """Reap a dead frontend; the scheduler aborts its requests (nobody can receive them)."""
+        from conveyor.frontend.metrics import mark_process_dead
+
+        proc = self.procs[role]
+        proc.join(STOP_GRACE_S)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+        self.dead.add(role)
+        mark_process_dead(proc.pid)
+        if self.scheduler is None:
+            self.scheduler = Socket(self.ctx, zmq.DEALER, ipc(self.cfg.runtime_dir, "scheduler"),
+                                    bind=False, identity=b"launcher")
+        self.scheduler.send(FrontendDead(role))
+        alive = sum(n.startswith("frontend-") and n not in self.dead for n in self.procs)
+        print(f"conveyor: warning: {role} (pid {proc.pid}) died with exit code {proc.exitcode}; "
+              f"{alive} frontend(s) still serving", file=sys.stderr, flush=True)
 
     def _death(self, msg, exited: str | None) -> str | None:
         """What died, if this poll result says a child died."""

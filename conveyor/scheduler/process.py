@@ -1,10 +1,11 @@
 """The scheduler process: the Scheduler behind sockets, between the frontends and the workers.
 
 Frontends (DEALERs, one identity each) send AddRequest, Abort and StatsRequest to its ROUTER; each
-request's outputs go back only to the frontend that added it. Every StepPlan is encoded once and
-pushed to every worker rank; rank 0 pushes back the StepResult. With async scheduling it plans
-the next step as soon as one is sent, so up to two are in flight and the workers never wait for it.
-With nothing to do it blocks in poll, so an idle server spins no core.
+request's outputs go back only to the frontend that added it. The launcher sends FrontendDead
+there when a frontend died: its requests are aborted, which frees their blocks. Every StepPlan is
+encoded once and pushed to every worker rank; rank 0 pushes back the StepResult. With async
+scheduling it plans the next step as soon as one is sent, so up to two are in flight and the
+workers never wait for it. With nothing to do it blocks in poll, so an idle server spins no core.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from conveyor.shared.messages import (
     Abort,
     AddRequest,
     ErrorReply,
+    FrontendDead,
     Ready,
     StatsRequest,
     StepResult,
@@ -35,7 +37,7 @@ from conveyor.shared.sockets import Socket, ipc
 def scheduler_main(ctx: zmq.Context, control: Socket, cfg: ServeConfig) -> None:
     model = read_model_config(resolve_model(cfg.engine.model))
     frontends = Socket(ctx, zmq.ROUTER, ipc(cfg.runtime_dir, "scheduler"), bind=True,
-                       allowed=(AddRequest, Abort, StatsRequest))
+                       allowed=(AddRequest, Abort, StatsRequest, FrontendDead))
     results = Socket(ctx, zmq.PULL, ipc(cfg.runtime_dir, "results"), bind=True,
                      allowed=(StepResult, Ready))
     workers = [Socket(ctx, zmq.PUSH, ipc(cfg.runtime_dir, f"worker-{r}"), bind=True)
@@ -95,6 +97,9 @@ class SchedulerLoop:
             return self.scheduler.add(msg)
         if isinstance(msg, Abort):
             return self.scheduler.abort(msg.ids, msg.reason)
+        if isinstance(msg, FrontendDead):
+            dead = msg.role.encode()
+            return self.scheduler.abort([i for i, p in self.owner.items() if p == dead])
         if isinstance(msg, StatsRequest):
             try:
                 self.scheduler.check_integrity()

@@ -12,6 +12,7 @@ Flow (see docs/ARCHITECTURE.md; the client protocol is in docs/PROTOCOL.md):
   scheduler -> workers   : StepPlan (deltas: a sequence is sent whole once, then only what changed)
   worker 0  -> scheduler : StepResult
   launcher <-> children  : Ready, EngineDead, Shutdown, Drain, Drained (control)
+  launcher  -> scheduler : FrontendDead
 """
 from __future__ import annotations
 
@@ -114,6 +115,7 @@ class Shutdown(msgspec.Struct):
 
 class EngineDead(msgspec.Struct):
     reason: str
+    role: str = ""                           # the child that failed, when a child reports it
 
 
 class Drain(msgspec.Struct):
@@ -123,6 +125,11 @@ class Drain(msgspec.Struct):
 
 class Drained(msgspec.Struct):
     """frontend -> launcher: no open request is left (after Drain or EngineDead)."""
+    role: str
+
+
+class FrontendDead(msgspec.Struct):
+    """launcher -> scheduler: this frontend died; abort its requests (nobody can get them)."""
     role: str
 
 
@@ -200,6 +207,7 @@ class ErrorReply(msgspec.Struct):
 MESSAGE_TYPES: tuple[type, ...] = (
     AddRequest, Abort, TokenOutputs, StepPlan, StepResult, Ready, Shutdown, EngineDead, Stats,
     GenerateRequest, CancelRequest, StatsRequest, GenerateOutput, ErrorReply, Drain, Drained,
+    FrontendDead,
 )
 _TAG = {cls: bytes([i + 1]) for i, cls in enumerate(MESSAGE_TYPES)}
 _DECODERS = {bytes([i + 1]): msgspec.msgpack.Decoder(cls) for i, cls in enumerate(MESSAGE_TYPES)}

@@ -80,7 +80,7 @@ def child_main(name: str, role_main, cfg: ServeConfig, *args) -> None:
     except BaseException as e:
         if not isinstance(e, StartupError):
             log.exception("%s failed", name)
-        control.send(EngineDead(f"{name}: {e}"))
+        control.send(EngineDead(f"{name}: {e}", role=name))
         code = 1
     finally:
         control.close(linger_ms=1000)
