@@ -105,7 +105,8 @@ def http_config(args) -> HttpConfig:
         rate_limit=args.rate_limit, rate_limit_burst=args.rate_limit_burst,
         max_concurrent_requests=args.max_concurrent_requests,
         request_timeout=args.request_timeout, max_body_bytes=args.max_request_body_bytes,
-        max_n=args.max_n, shutdown_timeout=args.shutdown_timeout)
+        max_n=args.max_n, shutdown_timeout=args.shutdown_timeout,
+        cache_salt_per_api_key=args.cache_salt_per_api_key)
 
 
 def cmd_serve(args) -> int:
@@ -168,6 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-n", type=int, default=64, help="largest n a request may ask for")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                      help="on SIGTERM, how long in-flight requests get to finish")
+    srv.add_argument("--cache-salt-per-api-key", action="store_true",
+                     help="requests of different API keys never share prefix-cache blocks")
     srv.add_argument("--zmq-port", type=int, default=5555,
                      help="frontend i listens on ZMQ_PORT + i (0: any free port)")
     srv.add_argument("--frontends", type=int, default=1, help="number of frontend processes")

@@ -92,7 +92,8 @@ class FrontendCore:
         except ValueError as e:
             raise RequestError(str(e)) from None
         rid = f"{self.id_prefix}{next(self._ids)}"
-        adds = self.tracker.add(rid, text, token_ids, params, msg.priority)
+        adds = self.tracker.add(rid, text, token_ids, params, msg.priority,
+                                cache_salt=msg.cache_salt)
         o = _Open(msg.id, msg.stream, deliver, [0] * len(adds))
         if self.timeout_s is not None:
             o.timer = asyncio.get_running_loop().call_later(

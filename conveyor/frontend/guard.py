@@ -106,11 +106,13 @@ class Guard:
         if self.key_digests and path not in OPEN_PATHS:
             key = _bearer(headers.get(b"authorization", b""))
             digest = hashlib.sha256(key.encode(errors="replace")).digest()
-            ok = False
-            for known in self.key_digests:       # NOTE: no early exit: every key is compared
-                ok |= hmac.compare_digest(digest, known)
-            if not ok:
+            match = -1
+            for i, known in enumerate(self.key_digests):   # NOTE: no early exit: all compared
+                if hmac.compare_digest(digest, known):
+                    match = i
+            if match < 0:
                 return 401, "a valid API key is required (Authorization: Bearer KEY)"
+            scope.setdefault("state", {})["api_key_index"] = match    # the tenant
         if self.rate is not None and path not in OPEN_PATHS:
             client = key or (scope.get("client") or ("?",))[0]
             if not self._bucket(client).take():

@@ -43,7 +43,7 @@ def error_response(status: int, message: str) -> Response:
 
 
 def build_app(core: FrontendCore, model_names: tuple[str, ...], max_n: int,
-              metrics=None) -> FastAPI:
+              metrics=None, salt_per_key: bool = False) -> FastAPI:
     app = FastAPI(title="conveyor", version=__version__, docs_url=None, redoc_url=None,
                   openapi_url=None)
     created = int(time.time())
@@ -67,6 +67,13 @@ def build_app(core: FrontendCore, model_names: tuple[str, ...], max_n: int,
                                 f"{', '.join(model_names)}")
         return name or model_names[0]
 
+    def cache_salt(request: Request, given: str | None) -> str | None:
+        """The request's salt; with salt_per_key, inside its API key's own namespace."""
+        if not salt_per_key:
+            return given
+        tenant = request.scope.get("state", {}).get("api_key_index", "none")
+        return f"key-{tenant}" + ("" if given is None else f"/{given}")
+
     async def parse(request: Request, kind: type):
         try:
             req = oai.decode_request(await request.body(), kind)
@@ -84,8 +91,9 @@ def build_app(core: FrontendCore, model_names: tuple[str, ...], max_n: int,
             prompts = oai.completion_prompts(req)
         except ValueError as e:
             raise ApiError(400, str(e)) from None
+        salt = cache_salt(request, req.cache_salt)
         gens = [GenerateRequest(id=str(i), sampling=params, stream=req.stream,
-                                priority=req.priority,
+                                priority=req.priority, cache_salt=salt,
                                 **({"prompt": p} if isinstance(p, str) else
                                    {"prompt_token_ids": p})) for i, p in enumerate(prompts)]
         run = _Run(core, request, gens)
@@ -102,7 +110,7 @@ def build_app(core: FrontendCore, model_names: tuple[str, ...], max_n: int,
         except ValueError as e:
             raise ApiError(400, str(e)) from None
         gen = GenerateRequest(id="0", messages=messages, sampling=params, stream=req.stream,
-                              priority=req.priority)
+                              priority=req.priority, cache_salt=cache_salt(request, req.cache_salt))
         run = _Run(core, request, [gen])
         shape = _ChatShape(f"chatcmpl-{uuid.uuid4().hex}", model, req.n, req.top_logprobs or 0)
         shape.token_ids = req.return_token_ids

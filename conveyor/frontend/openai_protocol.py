@@ -43,6 +43,7 @@ class _Common(msgspec.Struct, kw_only=True):
     include_stop_str_in_output: bool = False
     priority: int = 0
     return_token_ids: bool = False           # each choice also carries its token ids
+    cache_salt: str | None = None            # prefix-cache blocks are shared only within a salt
 
 
 class CompletionRequest(_Common, kw_only=True):

@@ -132,7 +132,8 @@ class Frontend:
 
         h = self.cfg.http
         names = h.served_model_names or (self.cfg.engine.model or DEFAULT_MODEL_NAME,)
-        app = Guard(build_app(self.core, names, h.max_n, self.metrics), h.api_keys,
+        app = Guard(build_app(self.core, names, h.max_n, self.metrics, h.cache_salt_per_api_key),
+                    h.api_keys,
                     None if h.rate_limit is None else h.rate_limit / self.cfg.num_frontends,
                     h.rate_limit_burst, h.max_body_bytes, self.metrics)
         sock = tcp_listener(self.cfg.host, h.port)

@@ -45,8 +45,8 @@ class RequestTracker:
         self.requests: dict[str, _Request] = {}
 
     def add(self, request_id: str, prompt: str | None, prompt_ids: list[int],
-            params: SamplingParams, priority: int = 0,
-            arrival: float | None = None) -> list[AddRequest]:
+            params: SamplingParams, priority: int = 0, arrival: float | None = None,
+            cache_salt: str | None = None) -> list[AddRequest]:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         arrival = time.time() if arrival is None else arrival
@@ -64,7 +64,8 @@ class RequestTracker:
             out.outputs.append(comp)
             sub = _sub_params(params, i)
             msgs.append(AddRequest(id=sub_id(request_id, i), token_ids=list(prompt_ids),
-                                   sampling=sub, priority=priority, arrival=arrival))
+                                   sampling=sub, priority=priority, arrival=arrival,
+                                   cache_salt=cache_salt))
         self.requests[request_id] = req
         return msgs
 

@@ -1,12 +1,16 @@
 """Paged KV block allocation with ref counts and a prefix cache.
 
 Blocks are handed out from a free queue; a full block whose KV is computed is registered under a
-chained sha256 of (parent hash, its token ids, salt), so a later request with the same prefix
-reuses it. Freed cached blocks stay findable until the free queue hands them out again (LRU).
+chained sha256 of (parent hash, its token ids), so a later request with the same prefix reuses
+it; a hit is confirmed by comparing the tokens. The chain starts at a root made from the
+instance's salt and the request's cache_salt, so requests with different salts (tenants) never
+share a block. With a hash key the hashes are HMAC-SHA256 under it, unpredictable from outside.
+Freed cached blocks stay findable until the free queue hands them out again (LRU).
 """
 from __future__ import annotations
 
 import hashlib
+import hmac
 import struct
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
@@ -18,9 +22,10 @@ class IntegrityError(AssertionError):
     """The block or request bookkeeping broke an invariant (a bug, never a user error)."""
 
 
-def block_hash(parent: bytes, token_ids: Sequence[int], extra: bytes = b"") -> bytes:
+def block_hash(parent: bytes, token_ids: Sequence[int], extra: bytes = b"",
+               key: bytes | None = None) -> bytes:
     """The chained hash of one full block; `parent` is the previous block's hash (or a root)."""
-    h = hashlib.sha256(parent)
+    h = hashlib.sha256(parent) if key is None else hmac.new(key, parent, hashlib.sha256)
     h.update(struct.pack("<I", len(extra)))
     h.update(extra)
     h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
@@ -39,7 +44,7 @@ class Block:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 salt: bytes = b"") -> None:
+                 salt: bytes = b"", hash_key: bytes | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
         if block_size < 1:
@@ -48,7 +53,9 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.salt = salt
-        self._root = hashlib.sha256(b"conveyor-prefix-cache" + salt).digest()
+        self.hash_key = hash_key
+        self._root = block_hash(b"conveyor-prefix-cache", (), salt, hash_key)
+        self._salted_roots: dict[str, bytes] = {}        # cache_salt -> its chain's root
         self.blocks = [Block(i) for i in range(num_blocks)]
         # NOTE: holds exactly the blocks with ref_count 0; the front is handed out first.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
@@ -196,8 +203,19 @@ class BlockManager:
         """Extend req.block_hashes to its first num_blocks full blocks."""
         hashes = req.block_hashes
         for i in range(len(hashes), num_blocks):
-            parent = hashes[i - 1] if i else self._root
-            hashes.append(block_hash(parent, self._tokens(req, i)))
+            parent = hashes[i - 1] if i else self._root_of(req.cache_salt)
+            hashes.append(block_hash(parent, self._tokens(req, i), key=self.hash_key))
+
+    def _root_of(self, cache_salt: str | None) -> bytes:
+        if cache_salt is None:
+            return self._root
+        root = self._salted_roots.get(cache_salt)
+        if root is None:
+            if len(self._salted_roots) >= 4096:         # a bounded memo, not a registry
+                self._salted_roots.clear()
+            root = block_hash(self._root, (), cache_salt.encode(), self.hash_key)
+            self._salted_roots[cache_salt] = root
+        return root
 
     def _tokens(self, req: Request, i: int) -> tuple[int, ...]:
         return tuple(req.token_ids[i * self.block_size:(i + 1) * self.block_size])

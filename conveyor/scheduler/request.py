@@ -28,6 +28,7 @@ class Request:
     deadline: float | None = None
     arrival: float = 0.0
     arrival_index: int = 0                   # order of `add` calls, breaks ties between arrivals
+    cache_salt: str | None = None            # its prefix-cache blocks match only this salt's
     status: RequestStatus = RequestStatus.WAITING
     # NOTE: the first num_computed_tokens tokens have their KV in the blocks of block_table, or
     # will have once the planned steps have run (it advances when a step is planned).
@@ -49,7 +50,7 @@ class Request:
         return cls(
             id=msg.id, token_ids=list(msg.token_ids), prompt_len=len(msg.token_ids),
             sampling=msg.sampling, priority=msg.priority, deadline=msg.deadline,
-            arrival=msg.arrival, arrival_index=arrival_index,
+            arrival=msg.arrival, arrival_index=arrival_index, cache_salt=msg.cache_salt,
             stats=RequestStats(arrival=msg.arrival),
         )
 

@@ -15,6 +15,7 @@ it is dropped.
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
@@ -63,7 +64,9 @@ class Scheduler:
         self.max_model_len = max_model_len
         # NOTE: no request outgrows the pool: it ends with "length" where the pool would overflow.
         self.max_len = min(max_model_len, num_blocks * config.block_size)
-        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        key = os.urandom(32) if config.prefix_caching_hash_algo == "sha256-keyed" else None
+        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                   hash_key=key)
         self._watermark = int(WATERMARK * num_blocks)
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []

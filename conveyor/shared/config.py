@@ -23,6 +23,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_queued_requests: int | None = None   # more waiting requests are refused (None: no cap)
     enable_prefix_caching: bool = True
+    # "sha256", or "sha256-keyed": HMAC-SHA256 under a random key per instance (unpredictable)
+    prefix_caching_hash_algo: str = "sha256"
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int = 1 << 30     # KV pool budget on CPU
     num_kv_blocks: int | None = None         # overrides the sizing (tests use tiny pools)
@@ -46,6 +48,8 @@ class EngineConfig:
               "max_queued_requests", "must be non-negative")
         check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len",
               "must be at least 1")
+        check(self.prefix_caching_hash_algo in ("sha256", "sha256-keyed"),
+              "prefix_caching_hash_algo", "must be 'sha256' or 'sha256-keyed'")
         check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "must be in (0, 1]")
         check(self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes", "must be positive")
         check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks",
@@ -142,6 +146,7 @@ class HttpConfig:
     max_body_bytes: int = 8 << 20
     max_n: int = 64
     shutdown_timeout: float = 30.0           # SIGTERM: seconds in-flight requests get to finish
+    cache_salt_per_api_key: bool = False     # each API key (tenant) gets its own prefix cache
 
     def __post_init__(self) -> None:
         if self.port is not None and not 0 <= self.port <= 65535:

@@ -29,6 +29,7 @@ class AddRequest(msgspec.Struct, kw_only=True):
     priority: int = 0
     deadline: float | None = None            # absolute time.time() by which the first token is due
     arrival: float = 0.0                     # time.time() when the frontend accepted it
+    cache_salt: str | None = None            # prefix-cache blocks are shared only with this salt
 
 
 class Abort(msgspec.Struct, kw_only=True):
@@ -159,6 +160,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
     stream: bool = False                     # True: a GenerateOutput per step with the new text
     priority: int = 0
+    cache_salt: str | None = None            # share prefix-cache blocks only with this salt
 
 
 class CancelRequest(msgspec.Struct):

@@ -28,7 +28,8 @@ CHAT = [{"role": "user", "content": "Name the three primary colors."}]
 def server():
     s = start_server("--api-key", KEYS[0], "--api-key", KEYS[1], "--served-model-name", "smol",
                      "--max-n", "4", "--max-request-body-bytes", "65536",
-                     "--max-concurrent-requests", "3")
+                     "--max-concurrent-requests", "3", "--cache-salt-per-api-key",
+                     "--prefix-caching-hash-algo", "sha256-keyed")
     yield s
     s.kill_all()
 
@@ -128,6 +129,24 @@ def test_return_token_ids(server):
     assert len(choice["token_ids"]) == 5
     detok = _post(server, "/detokenize", {"tokens": choice["token_ids"]}).json()["prompt"]
     assert detok == choice["text"]
+
+
+def test_tenants_never_share_prefix_cache_blocks(server):
+    """With --cache-salt-per-api-key each key hits only its own cached prefixes."""
+    prompt = "Shared system prompt. " * 12 + "Question:"
+    body = {"prompt": prompt, "max_tokens": 1}
+    with Client(server.addresses[0], timeout=30) as c:
+        def hits_after(key: str) -> int:
+            assert _post(server, "/v1/completions", body, key=key).status_code == 200
+            return c.stats().prefix_cache_hits
+
+        start = c.stats().prefix_cache_hits
+        first = hits_after(KEYS[0])                   # tenant one: computes the prompt
+        again = hits_after(KEYS[0])                   # tenant one again: hits its blocks
+        other = hits_after(KEYS[1])                   # tenant two: must not hit tenant one's
+        other_again = hits_after(KEYS[1])
+    assert first == start and again > first
+    assert other == again and other_again > other
 
 
 def test_api_keys(server, oai):

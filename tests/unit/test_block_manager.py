@@ -182,6 +182,38 @@ def test_hashes_are_chained_and_salted():
     assert len(a.block_hashes) == 1 and a.block_hashes != b.block_hashes
 
 
+def test_keyed_hashes_are_unpredictable_and_per_instance():
+    assert block_hash(b"p", [1, 2], key=b"k1") != block_hash(b"p", [1, 2])
+    assert block_hash(b"p", [1, 2], key=b"k1") != block_hash(b"p", [1, 2], key=b"k2")
+    a, b, c = req(range(8), "a"), req(range(8), "b"), req(range(8), "c")
+    BlockManager(4, 4).lookup(a)
+    BlockManager(4, 4, hash_key=b"x" * 32).lookup(b)
+    BlockManager(4, 4, hash_key=b"y" * 32).lookup(c)
+    assert len({a.block_hashes[0], b.block_hashes[0], c.block_hashes[0]}) == 3
+
+
+@pytest.mark.parametrize("key", [None, b"k" * 32])
+def test_cache_salts_never_share_blocks(key):
+    """Tenants (cache salts) share blocks only within a salt; no salt is a tenant of its own."""
+    bm = Checked(BlockManager(16, 4, hash_key=key))
+    prompt = list(range(13))                                   # 3 full blocks + 1 token
+    first = {}
+    for salt in (None, "tenant-a", "tenant-b"):
+        r = req(prompt, f"{salt}-1")
+        r.cache_salt = salt
+        assert admit(bm, r) == 0                               # nobody else's blocks
+        compute(bm, r, 13)
+        first[salt] = list(r.block_table)
+        bm.free(r)
+    for salt in (None, "tenant-a", "tenant-b"):
+        r = req(prompt, f"{salt}-2")
+        r.cache_salt = salt
+        assert admit(bm, r) == 12                              # its own three blocks
+        assert r.block_table == first[salt][:3]
+        bm.free(r)
+    assert len({tuple(t[:3]) for t in first.values()}) == 3
+
+
 def test_can_allocate_counts_revived_cached_blocks(make_bm):
     bm = make_bm(num_blocks=3, block_size=4)
     a = req(range(9), "a")
