@@ -134,6 +134,18 @@ def _socket(ctx: zmq.Context, address: str, server_public_key) -> zmq.Socket:
     return sock
 
 
+def _drop(client) -> None:
+    """Close a client that was dropped without close()."""
+    # NOTE: its socket monitor must be stopped, else the garbage collector's Context.term()
+    # waits forever, in whatever thread the collection runs
+    sock = getattr(client, "_sock", None)
+    if sock is not None and not sock.closed:
+        sock.disable_monitor()
+        client._monitor.close(0)
+        sock.close(linger=0)
+        client._ctx.term()
+
+
 def _decode_reply(frames: list[bytes]):
     try:
         return decode(frames, _REPLIES)
@@ -202,6 +214,9 @@ class Client:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def __del__(self) -> None:
+        _drop(self)
 
     def _send(self, prompt, params, stream: bool) -> str:
         rid = f"r{next(self._ids)}"
@@ -302,6 +317,9 @@ class AsyncClient:
         self._sock.disable_monitor()
         self._monitor.close(0)
         self._sock.close(linger=500)
+
+    def __del__(self) -> None:
+        _drop(self)
 
     async def __aenter__(self) -> AsyncClient:
         return self

@@ -44,6 +44,8 @@ def test_killing_an_engine_child_fails_requests_and_stops_everything(victim):
         errors = [_fails(s) for s in streams]
         assert time.monotonic() - start < 10
         assert all(victim in e for e in errors), errors
+        for c in clients:
+            c.close()
         assert server.proc.wait(20) != 0
         assert victim in server.proc.stderr.read()
         time.sleep(0.5)
@@ -69,6 +71,8 @@ def test_a_dead_frontend_loses_only_its_own_requests():
             assert time.monotonic() < deadline, s              # the dead one's blocks are freed
             time.sleep(0.1)
         assert s.integrity_ok and server.proc.poll() is None
+        survivor.close()
+        victim.close()
         server.proc.send_signal(signal.SIGTERM)
         assert server.proc.wait(30) == 0
         assert "frontend-1" in server.proc.stderr.read()
