@@ -305,8 +305,10 @@ def test_sigterm_drains_then_exits_0(limited):
     lines = resp.iter_lines()
     assert next(lines).startswith("data:")
     limited.proc.send_signal(15)
-    time.sleep(0.3)
-    assert httpx.get(limited.http + "/health").status_code == 503
+    deadline = time.monotonic() + 10                   # the launcher tells the frontends
+    while httpx.get(limited.http + "/health").status_code != 503:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
     _error(_post(limited, "/v1/completions", {"prompt": "x"}, key=None), 503)
     rest = [line for line in lines if line]
     cm.__exit__(None, None, None)
