@@ -10,6 +10,7 @@ cancels its request, which frees its KV blocks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -35,6 +36,15 @@ class ApiError(Exception):
     def __init__(self, status: int, message: str):
         super().__init__(message)
         self.status = status
+
+
+@contextlib.contextmanager
+def _bad_request():
+    """A ValueError inside is the client's mistake: a 400 saying what is wrong."""
+    try:
+        yield
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None
 
 
 def error_response(status: int, message: str) -> Response:
@@ -75,10 +85,7 @@ def build_app(core: FrontendCore, model_names: tuple[str, ...], max_n: int,
         return f"key-{tenant}" + ("" if given is None else f"/{given}")
 
     async def parse(request: Request, kind: type):
-        try:
-            req = oai.decode_request(await request.body(), kind)
-        except ValueError as e:
-            raise ApiError(400, str(e)) from None
+        req = _decode(await request.body(), kind)
         if core.state != READY:
             raise ApiError(503, f"the server is {core.state}")
         return req, check_model(req.model)
@@ -86,33 +93,29 @@ def build_app(core: FrontendCore, model_names: tuple[str, ...], max_n: int,
     @app.post("/v1/completions")
     async def completions(request: Request):
         req, model = await parse(request, oai.CompletionRequest)
-        try:
+        with _bad_request():
             params = oai.sampling_params(req, max_n)
             prompts = oai.completion_prompts(req)
-        except ValueError as e:
-            raise ApiError(400, str(e)) from None
         salt = cache_salt(request, req.cache_salt)
         gens = [GenerateRequest(id=str(i), sampling=params, stream=req.stream,
                                 priority=req.priority, cache_salt=salt,
                                 **({"prompt": p} if isinstance(p, str) else
                                    {"prompt_token_ids": p})) for i, p in enumerate(prompts)]
         run = _Run(core, request, gens)
-        shape = _CompletionShape(f"cmpl-{uuid.uuid4().hex}", model, req, core.tokenizer)
+        shape = oai.CompletionShape(f"cmpl-{uuid.uuid4().hex}", model, req, core.tokenizer)
         shape.token_ids = req.return_token_ids or core.tokenizer is None
         return await run.respond(shape, req.stream, req.stream_options)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req, model = await parse(request, oai.ChatRequest)
-        try:
+        with _bad_request():
             params = oai.sampling_params(req, max_n)
             messages = oai.chat_messages(req)
-        except ValueError as e:
-            raise ApiError(400, str(e)) from None
         gen = GenerateRequest(id="0", messages=messages, sampling=params, stream=req.stream,
                               priority=req.priority, cache_salt=cache_salt(request, req.cache_salt))
         run = _Run(core, request, [gen])
-        shape = _ChatShape(f"chatcmpl-{uuid.uuid4().hex}", model, req.n, req.top_logprobs or 0)
+        shape = oai.ChatShape(f"chatcmpl-{uuid.uuid4().hex}", model, req.n, req.top_logprobs or 0)
         shape.token_ids = req.return_token_ids
         return await run.respond(shape, req.stream, req.stream_options)
 
@@ -151,7 +154,7 @@ def build_app(core: FrontendCore, model_names: tuple[str, ...], max_n: int,
         check_model(req.model)
         if core.tokenizer is None:
             raise ApiError(400, "this server has no tokenizer")
-        try:
+        with _bad_request():
             if (req.prompt is None) == (req.messages is None):
                 raise ValueError("set exactly one of prompt and messages")
             if req.messages is not None:
@@ -159,8 +162,6 @@ def build_app(core: FrontendCore, model_names: tuple[str, ...], max_n: int,
                                           req.add_generation_prompt)
             else:
                 ids = core.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-        except ValueError as e:
-            raise ApiError(400, str(e)) from None
         return {"count": len(ids), "max_model_len": core.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
@@ -169,10 +170,8 @@ def build_app(core: FrontendCore, model_names: tuple[str, ...], max_n: int,
         check_model(req.model)
         if core.tokenizer is None:
             raise ApiError(400, "this server has no tokenizer")
-        try:
+        with _bad_request():
             check_token_ids(req.tokens, core.vocab_size)
-        except ValueError as e:
-            raise ApiError(400, str(e)) from None
         return {"prompt": core.tokenizer.decode(req.tokens)}
 
     return app
@@ -192,10 +191,8 @@ class _DetokenizeRequest(msgspec.Struct, kw_only=True):
 
 
 def _decode(body: bytes, kind: type):
-    try:
+    with _bad_request():
         return oai.decode_request(body, kind)
-    except ValueError as e:
-        raise ApiError(400, str(e)) from None
 
 
 # --- one generation request -------------------------------------------------------------------
@@ -331,101 +328,3 @@ class _EventStream(Response):
 
 def _sse(events: list[dict]) -> bytes:
     return b"".join(b"data: " + _JSON.encode(e) + b"\n\n" for e in events)
-
-
-# --- response shapes --------------------------------------------------------------------------
-
-class _Shape:
-    """The bodies of one response; the stream adds up its token counts as chunks pass by."""
-    object_name = chunk_object = ""
-    token_ids = False                        # add each choice's token ids (vLLM's extra)
-
-    def __init__(self, id: str, model: str, n: int):
-        self.id, self.model, self.n = id, model, n
-        self.created = int(time.time())
-        self.prompt_tokens = 0
-        self.completion_tokens = 0
-
-    def base(self, choices: list[dict], chunk: bool = False) -> dict:
-        return {"id": self.id, "object": self.chunk_object if chunk else self.object_name,
-                "created": self.created, "model": self.model, "choices": choices}
-
-    def opening(self) -> list[dict]:
-        return []
-
-    def usage_chunk(self) -> dict:
-        return {**self.base([], chunk=True),
-                "usage": oai.usage(self.prompt_tokens, self.completion_tokens)}
-
-    def whole(self, finals: list[GenerateOutput]) -> dict:
-        choices = []
-        for out in finals:
-            self.prompt_tokens += len(out.prompt_token_ids or [])
-            for c in sorted(out.outputs, key=lambda c: c.index):
-                self.completion_tokens += len(c.token_ids)
-                choices.append(self.choice(int(out.id) * self.n + c.index, c))
-        return {**self.base(choices),
-                "usage": oai.usage(self.prompt_tokens, self.completion_tokens)}
-
-
-class _CompletionShape(_Shape):
-    object_name = chunk_object = "text_completion"
-
-    def __init__(self, id: str, model: str, req: oai.CompletionRequest, tokenizer):
-        super().__init__(id, model, req.n)
-        self.echo, self.tokenizer = req.echo, tokenizer
-        self.prompts = req.prompt if isinstance(req.prompt, list) and not isinstance(
-            req.prompt[0], int) else [req.prompt]
-        self.echoed: set[int] = set()
-
-    def _prefix(self, index: int) -> str:
-        if not self.echo or index in self.echoed:
-            return ""
-        self.echoed.add(index)
-        prompt = self.prompts[index // self.n]
-        if isinstance(prompt, str) or self.tokenizer is None:
-            return prompt if isinstance(prompt, str) else ""
-        return self.tokenizer.decode(prompt)
-
-    def choice(self, index: int, c: Completion) -> dict:
-        out = {"index": index, "text": self._prefix(index) + c.text,
-               "logprobs": None if c.logprobs is None else oai.completion_logprobs(c.logprobs, 0),
-               "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-        if self.token_ids:
-            out["token_ids"] = c.token_ids
-        return out
-
-    def chunk(self, prompt_index: int, c: Completion) -> dict:
-        return self.base([self.choice(prompt_index * self.n + c.index, c)], chunk=True)
-
-
-class _ChatShape(_Shape):
-    object_name, chunk_object = "chat.completion", "chat.completion.chunk"
-
-    def __init__(self, id: str, model: str, n: int, top_logprobs: int):
-        super().__init__(id, model, n)
-        self.top = top_logprobs
-
-    def _logprobs(self, c: Completion) -> dict | None:
-        return None if c.logprobs is None else oai.chat_logprobs(c.logprobs, self.top)
-
-    def opening(self) -> list[dict]:
-        return [self.base([{"index": i, "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None, "finish_reason": None}], chunk=True)
-                for i in range(self.n)]
-
-    def choice(self, index: int, c: Completion) -> dict:
-        out = {"index": index, "message": {"role": "assistant", "content": c.text},
-               "logprobs": self._logprobs(c),
-               "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-        if self.token_ids:
-            out["token_ids"] = c.token_ids
-        return out
-
-    def chunk(self, prompt_index: int, c: Completion) -> dict:
-        choice = {"index": c.index, "delta": {"content": c.text},
-                  "logprobs": self._logprobs(c),
-                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-        if self.token_ids:
-            choice["token_ids"] = c.token_ids
-        return self.base([choice], chunk=True)

@@ -7,9 +7,11 @@ turn the engine's Completions into response bodies and stream chunks (plain dict
 """
 from __future__ import annotations
 
+import time
+
 import msgspec
 
-from conveyor.shared.messages import Logprob
+from conveyor.shared.messages import Completion, GenerateOutput, Logprob
 from conveyor.shared.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
@@ -191,3 +193,100 @@ def chat_logprobs(entries: list[list[Logprob]], top: int) -> dict:
     return {"content": [{**one(e[0]), "top_logprobs": [
         one(lp) for lp in sorted(e, key=lambda lp: lp.rank)[:top]]} for e in entries]}
 
+
+# --- response shapes --------------------------------------------------------------------------
+
+class ResponseShape:
+    """The bodies of one response; the stream adds up its token counts as chunks pass by."""
+    object_name = chunk_object = ""
+    token_ids = False                        # add each choice's token ids (vLLM's extra)
+
+    def __init__(self, id: str, model: str, n: int):
+        self.id, self.model, self.n = id, model, n
+        self.created = int(time.time())
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+
+    def base(self, choices: list[dict], chunk: bool = False) -> dict:
+        return {"id": self.id, "object": self.chunk_object if chunk else self.object_name,
+                "created": self.created, "model": self.model, "choices": choices}
+
+    def opening(self) -> list[dict]:
+        return []
+
+    def usage_chunk(self) -> dict:
+        return {**self.base([], chunk=True),
+                "usage": usage(self.prompt_tokens, self.completion_tokens)}
+
+    def whole(self, finals: list[GenerateOutput]) -> dict:
+        choices = []
+        for out in finals:
+            self.prompt_tokens += len(out.prompt_token_ids or [])
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                self.completion_tokens += len(c.token_ids)
+                choices.append(self.choice(int(out.id) * self.n + c.index, c))
+        return {**self.base(choices),
+                "usage": usage(self.prompt_tokens, self.completion_tokens)}
+
+
+class CompletionShape(ResponseShape):
+    object_name = chunk_object = "text_completion"
+
+    def __init__(self, id: str, model: str, req: CompletionRequest, tokenizer):
+        super().__init__(id, model, req.n)
+        self.echo, self.tokenizer = req.echo, tokenizer
+        self.prompts = req.prompt if isinstance(req.prompt, list) and not isinstance(
+            req.prompt[0], int) else [req.prompt]
+        self.echoed: set[int] = set()
+
+    def _prefix(self, index: int) -> str:
+        if not self.echo or index in self.echoed:
+            return ""
+        self.echoed.add(index)
+        prompt = self.prompts[index // self.n]
+        if isinstance(prompt, str) or self.tokenizer is None:
+            return prompt if isinstance(prompt, str) else ""
+        return self.tokenizer.decode(prompt)
+
+    def choice(self, index: int, c: Completion) -> dict:
+        out = {"index": index, "text": self._prefix(index) + c.text,
+               "logprobs": None if c.logprobs is None else completion_logprobs(c.logprobs, 0),
+               "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        if self.token_ids:
+            out["token_ids"] = c.token_ids
+        return out
+
+    def chunk(self, prompt_index: int, c: Completion) -> dict:
+        return self.base([self.choice(prompt_index * self.n + c.index, c)], chunk=True)
+
+
+class ChatShape(ResponseShape):
+    object_name, chunk_object = "chat.completion", "chat.completion.chunk"
+
+    def __init__(self, id: str, model: str, n: int, top_logprobs: int):
+        super().__init__(id, model, n)
+        self.top = top_logprobs
+
+    def _logprobs(self, c: Completion) -> dict | None:
+        return None if c.logprobs is None else chat_logprobs(c.logprobs, self.top)
+
+    def opening(self) -> list[dict]:
+        return [self.base([{"index": i, "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None, "finish_reason": None}], chunk=True)
+                for i in range(self.n)]
+
+    def choice(self, index: int, c: Completion) -> dict:
+        out = {"index": index, "message": {"role": "assistant", "content": c.text},
+               "logprobs": self._logprobs(c),
+               "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        if self.token_ids:
+            out["token_ids"] = c.token_ids
+        return out
+
+    def chunk(self, prompt_index: int, c: Completion) -> dict:
+        choice = {"index": c.index, "delta": {"content": c.text},
+                  "logprobs": self._logprobs(c),
+                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        if self.token_ids:
+            choice["token_ids"] = c.token_ids
+        return self.base([choice], chunk=True)

@@ -139,7 +139,7 @@ class Frontend:
         sock = tcp_listener(self.cfg.host, h.port)
         config = uvicorn.Config(app, http="h11", lifespan="off", log_level="warning",
                                 access_log=False, timeout_keep_alive=30)
-        server = _Server(config)
+        server = _uvicorn_server(config)
         task = asyncio.ensure_future(server.serve(sockets=[sock]))
         while not server.started:
             if task.done():
@@ -207,15 +207,13 @@ async def _first(awaitable, tasks: list[asyncio.Task]):
     raise RuntimeError(f"a frontend task stopped: {ended}")
 
 
-class _Server:
+def _uvicorn_server(config):
     """uvicorn's server without its signal handlers: the launcher owns this process's life."""
+    import uvicorn
 
-    def __new__(cls, config):
-        import uvicorn
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            yield
 
-        class Server(uvicorn.Server):
-            @contextlib.contextmanager
-            def capture_signals(self):
-                yield
-
-        return Server(config)
+    return Server(config)
