@@ -36,6 +36,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false")
+    ap.add_argument("--top", type=int, default=0, help="also list the N costliest kernels")
     args = ap.parse_args()
     path = model_path(args, ap)
 
@@ -69,8 +70,8 @@ def main() -> None:
             core.step()
         sync()
         wall = time.perf_counter() - t0
-    kernels = [(e.time_range.start, e.time_range.end) for e in prof.events()
-               if e.device_type == DeviceType.CUDA]
+    events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    kernels = [(e.time_range.start, e.time_range.end) for e in events]
     print(f"batch {args.batch}, async scheduling {'on' if args.async_scheduling else 'off'}: "
           f"{wall / args.steps * 1e3:.2f} ms per decode step (profiled)")
     if not kernels:
@@ -81,6 +82,20 @@ def main() -> None:
     idle = (window - busy) / window
     print(f"GPU busy {busy / args.steps / 1e3:.2f} ms per step, idle {idle:.1%} of the "
           f"{window / 1e3:.1f} ms window ({len(kernels)} kernels)")
+    if args.top:
+        print_top(events, args.steps, args.top)
+
+
+def print_top(events: list, steps: int, top: int) -> None:
+    """The kernels that take most GPU time, per decode step."""
+    total: dict[str, float] = {}
+    count: dict[str, int] = {}
+    for e in events:
+        total[e.name] = total.get(e.name, 0.0) + e.time_range.elapsed_us()
+        count[e.name] = count.get(e.name, 0) + 1
+    print(f"{'us/step':>9} {'calls/step':>10}  kernel")
+    for name in sorted(total, key=total.get, reverse=True)[:top]:
+        print(f"{total[name] / steps:9.1f} {count[name] / steps:10.1f}  {name[:110]}")
 
 
 if __name__ == "__main__":
