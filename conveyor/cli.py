@@ -105,7 +105,8 @@ def http_config(args) -> HttpConfig:
         rate_limit=args.rate_limit, rate_limit_burst=args.rate_limit_burst,
         max_concurrent_requests=args.max_concurrent_requests,
         request_timeout=args.request_timeout, max_body_bytes=args.max_request_body_bytes,
-        max_n=args.max_n, shutdown_timeout=args.shutdown_timeout,
+        max_n=args.max_n, read_timeout=args.http_read_timeout,
+        shutdown_timeout=args.shutdown_timeout,
         cache_salt_per_api_key=args.cache_salt_per_api_key)
 
 
@@ -166,7 +167,11 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
                      help="abort requests running longer than this")
     srv.add_argument("--max-request-body-bytes", type=int, default=8 << 20, metavar="BYTES")
-    srv.add_argument("--max-n", type=int, default=64, help="largest n a request may ask for")
+    srv.add_argument("--max-n", type=int, default=64,
+                     help="most sequences one request may ask for (n, times the prompts)")
+    srv.add_argument("--http-read-timeout", type=float, default=30.0, metavar="SECONDS",
+                     help="close a connection whose request (headers and body) takes longer "
+                          "to arrive")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                      help="on SIGTERM, how long in-flight requests get to finish")
     srv.add_argument("--cache-salt-per-api-key", action="store_true",

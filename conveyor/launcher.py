@@ -15,7 +15,6 @@ import dataclasses
 import multiprocessing as mp
 import os
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -60,12 +59,6 @@ def check_tensor_parallel(model: ModelConfig, tp: int) -> None:
                           f"multiple of them")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def serve(engine, http: HttpConfig, *, host: str = "127.0.0.1", zmq_port: int = 0,
           num_frontends: int = 1, curve_keys: str | None = None,
           startup_timeout: float = 600.0, skip_tokenizer_init: bool = False) -> int:
@@ -85,7 +78,7 @@ def serve(engine, http: HttpConfig, *, host: str = "127.0.0.1", zmq_port: int = 
             from conveyor.frontend.metrics import setup_multiprocess_dir
             setup_multiprocess_dir(Path(runtime_dir) / "metrics")
         cfg = ServeConfig(engine, str(runtime_dir), os.getpid(), host, zmq_port, num_frontends,
-                          curve_keys, free_port(), http, skip_tokenizer_init)
+                          curve_keys, http, skip_tokenizer_init)
         return Launcher(cfg).run(startup_timeout)
     finally:
         remove_runtime_dir(runtime_dir)
@@ -102,13 +95,16 @@ class Launcher:
         self.procs: dict[str, mp.process.BaseProcess] = {}
         self.dead: set[str] = set()          # children whose exit was seen
         self.scheduler: Socket | None = None  # to tell it about a dead frontend
+        self._unread: list = []              # control messages read early, for _poll to return
 
     def run(self, startup_timeout: float) -> int:
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             self._spawn()
             addresses = self._wait_ready(startup_timeout)
-            self._tell_frontends(Ready("launcher"))
+            # NOTE: "serving on" waits until every frontend has taken the Ready: a client that
+            # reads it and connects at once must not meet "the server is starting"
+            self._await_frontends(self._tell_frontends(Ready("launcher")), Ready)
             http = self.cfg.http
             where = ([f"http://{self.cfg.host}:{http.port} (HTTP)"] if http.port is not None
                      else []) + [f"{', '.join(addresses)} (ZMQ)"]
@@ -156,6 +152,8 @@ class Launcher:
 
     def _poll(self, timeout_s: float | None) -> tuple[object | None, str | None]:
         """(a control message, or the name of a child that exited), either may be None."""
+        if self._unread:
+            return self._unread.pop(0), None
         poller = zmq.Poller()
         poller.register(self.control.sock, zmq.POLLIN)
         sentinels = {p.sentinel: name for name, p in self.procs.items() if name not in self.dead}
@@ -258,14 +256,23 @@ class Launcher:
 
     def _fail_requests(self, reason: str) -> None:
         """EngineDead to the frontends; wait (a little) until each has failed its requests."""
-        waiting = self._tell_frontends(EngineDead(f"the engine failed: {reason}"))
+        self._await_frontends(self._tell_frontends(EngineDead(f"the engine failed: {reason}")),
+                              Drained)
+
+    def _await_frontends(self, waiting: set[str], reply: type) -> None:
+        """Wait (a little) until each frontend in `waiting` answered with a `reply` message or
+        exited; a death is left for _supervise to find."""
         deadline = time.monotonic() + DRAIN_S
+        other = []
         while waiting and time.monotonic() < deadline:
             msg, exited = self._poll(deadline - time.monotonic())
-            if isinstance(msg, Drained):
+            if isinstance(msg, reply):
                 waiting.discard(msg.role)
+            elif msg is not None:
+                other.append(msg)
             elif exited is not None:
                 waiting.discard(exited)
+        self._unread += other                    # for _supervise
 
     def _tell_frontends(self, msg) -> set[str]:
         """Send msg to every live frontend; returns their names."""

@@ -31,6 +31,7 @@ from conveyor.shared.messages import (
     StatsRequest,
     TokenOutputs,
 )
+from conveyor.shared.sampling_params import INT64_MAX, INT64_MIN
 
 STARTING, READY, DRAINING, DEAD = "starting", "ready", "draining", "dead"
 
@@ -63,6 +64,7 @@ class FrontendCore:
     max_open: int | None = None              # open requests beyond this are refused (429)
     timeout_s: float | None = None           # a request open longer than this fails (408)
     metrics: object | None = None            # ServerMetrics, or None
+    max_n: int | None = None                 # a request's n beyond this is refused (400)
     state: str = STARTING
     open: dict[str, _Open] = field(default_factory=dict)
     _stats_waiters: deque = field(default_factory=deque)
@@ -85,6 +87,10 @@ class FrontendCore:
         if self.max_open is not None and len(self.open) >= self.max_open:
             raise RequestError(f"the server is at its cap of {self.max_open} open requests", 429)
         try:
+            if self.max_n is not None and msg.sampling.n > self.max_n:
+                raise ValueError(f"n must be at most {self.max_n}, got {msg.sampling.n}")
+            if not INT64_MIN <= msg.priority <= INT64_MAX:
+                raise ValueError(f"priority must fit in 64 bits, got {msg.priority}")
             text, token_ids = self.tokenize(msg)
             params = self._fit(msg.sampling, len(token_ids)) if fit_context else msg.sampling
             if params.stop and self.tokenizer is None:

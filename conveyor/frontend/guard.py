@@ -6,6 +6,9 @@ shows in the timing. The rate limit is a token bucket per API key (per client ad
 are set). A body over the cap is refused with 413 whether or not it declares its length (an
 undeclared one as it is read, through the app's HTTPException handler). Every
 response's status is counted for the metrics under its route.
+
+Below the ASGI layer, `read_deadline_protocol` gives each request a deadline to arrive whole
+(headers and body), so clients that trickle bytes (slowloris) cannot hold connections forever.
 """
 from __future__ import annotations
 
@@ -143,3 +146,46 @@ async def _send_error(send, status: int, message: str) -> None:
                 "headers": [(b"content-type", b"application/json"),
                             (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})
+
+
+def read_deadline_protocol(timeout_s: float) -> type:
+    """uvicorn's h11 protocol, closing a connection whose request (headers and body) is not all
+    in within timeout_s of its first byte (or of the connection, for the first request).
+
+    NOTE: uvicorn's own timeouts cover only an idle keep-alive connection; nothing bounds the
+    time a request takes to arrive.
+    """
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class ReadDeadline(H11Protocol):
+        _deadline = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            if self._deadline is None and (self.cycle is None or self.cycle.response_complete):
+                self._arm()                  # the first bytes of the next request
+            super().data_received(data)
+            if self.cycle is not None and not self.cycle.more_body:
+                self._disarm()               # the request is all in
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            self._deadline = self.loop.call_later(timeout_s, self._expire)
+
+        def _disarm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def _expire(self) -> None:
+            self._deadline = None
+            if not self.transport.is_closing():
+                self.transport.close()
+
+    return ReadDeadline

@@ -94,8 +94,11 @@ def build_app(core: FrontendCore, model_names: tuple[str, ...], max_n: int,
     async def completions(request: Request):
         req, model = await parse(request, oai.CompletionRequest)
         with _bad_request():
-            params = oai.sampling_params(req, max_n)
+            params = oai.sampling_params(req)
             prompts = oai.completion_prompts(req)
+            if len(prompts) * params.n > max_n:
+                raise ValueError(f"n times the number of prompts must be at most {max_n} "
+                                 f"(--max-n), got {params.n} x {len(prompts)}")
         salt = cache_salt(request, req.cache_salt)
         gens = [GenerateRequest(id=str(i), sampling=params, stream=req.stream,
                                 priority=req.priority, cache_salt=salt,
@@ -110,7 +113,7 @@ def build_app(core: FrontendCore, model_names: tuple[str, ...], max_n: int,
     async def chat_completions(request: Request):
         req, model = await parse(request, oai.ChatRequest)
         with _bad_request():
-            params = oai.sampling_params(req, max_n)
+            params = oai.sampling_params(req)
             messages = oai.chat_messages(req)
         gen = GenerateRequest(id="0", messages=messages, sampling=params, stream=req.stream,
                               priority=req.priority, cache_salt=cache_salt(request, req.cache_salt))

@@ -82,12 +82,12 @@ def decode_request(body: bytes, kind: type):
         raise ValueError(f"invalid request: {e}") from None
     except msgspec.DecodeError as e:
         raise ValueError(f"the body is not valid JSON: {e}") from None
+    except RecursionError:  # msgspec skips unknown fields by recursion: a deep one exhausts it
+        raise ValueError("the body is nested too deeply") from None
 
 
-def sampling_params(req: CompletionRequest | ChatRequest, max_n: int) -> SamplingParams:
+def sampling_params(req: CompletionRequest | ChatRequest) -> SamplingParams:
     """SamplingParams for a request, or ValueError for what the engine cannot do."""
-    if req.n > max_n:
-        raise ValueError(f"n must be at most {max_n}, got {req.n}")
     if req.logit_bias:
         raise ValueError("logit_bias is not supported")
     if req.stream_options is not None and not req.stream:

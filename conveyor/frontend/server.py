@@ -39,6 +39,7 @@ from conveyor.shared.sockets import Socket, ipc, load_curve_keys, tcp_listener
 
 log = logging.getLogger(__name__)
 _DRAIN_POLL_S = 0.05
+_FLUSH_S = 2.0     # how long ended HTTP responses get to write their last bytes
 
 
 def frontend_main(ctx: zmq.Context, control: Socket, cfg: ServeConfig, index: int) -> None:
@@ -54,7 +55,7 @@ def frontend_main(ctx: zmq.Context, control: Socket, cfg: ServeConfig, index: in
     core = FrontendCore(tokenizer, model.vocab_size, max_model_len(cfg.engine, model),
                         f"f{index}-", lambda msg: None,
                         None if share is None else -(-share // cfg.num_frontends),
-                        cfg.http.request_timeout, metrics)
+                        cfg.http.request_timeout, metrics, cfg.http.max_n)
     asyncio.run(Frontend(cfg, index, core, metrics).run(ctx, control))
 
 
@@ -62,6 +63,7 @@ class Frontend:
     def __init__(self, cfg: ServeConfig, index: int, core: FrontendCore, metrics):
         self.cfg, self.index, self.core, self.metrics = cfg, index, core, metrics
         self.role = f"frontend-{index}"
+        self._http = None                    # the uvicorn server, if HTTP is on
         self.by_client: dict[tuple[bytes, str], str] = {}   # (peer, client's id) -> request id
 
     async def run(self, ctx: zmq.Context, control: Socket) -> None:
@@ -94,14 +96,16 @@ class Frontend:
                 _, msg = await _first(commands.recv_async(), tasks)
                 if isinstance(msg, Shutdown):
                     return
-                if isinstance(msg, Ready) and self.core.state not in (DRAINING, DEAD):
-                    self.core.state = READY
+                if isinstance(msg, Ready):
+                    if self.core.state not in (DRAINING, DEAD):
+                        self.core.state = READY
+                    control.send(Ready(self.role, {}))
                 elif isinstance(msg, Drain):
                     self._draining = asyncio.ensure_future(self._drain(msg.timeout_s))
                 elif isinstance(msg, EngineDead):
                     self.core.state = DEAD
                     self.core.fail_all(msg.reason, 503)
-                    control.send(Drained(self.role))
+                    self._draining = asyncio.ensure_future(self._drained())
         finally:
             for task in tasks:
                 task.cancel()
@@ -121,13 +125,22 @@ class Frontend:
         while self.core.open and loop.time() < deadline:
             await asyncio.sleep(_DRAIN_POLL_S)
         self.core.fail_all("the server is shutting down", 503)
+        await self._drained()
+
+    async def _drained(self) -> None:
+        """Tell the launcher once the HTTP responses in progress have written their last bytes
+        (their requests have all ended), so that stopping this process cuts no stream short."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + _FLUSH_S
+        while self._http is not None and self._http.server_state.tasks and loop.time() < deadline:
+            await asyncio.sleep(_DRAIN_POLL_S)
         self.control.send(Drained(self.role))
 
     async def _start_http(self) -> asyncio.Task:
         """uvicorn serving the API, once it listens (a failure to start raises here)."""
         import uvicorn
 
-        from conveyor.frontend.guard import Guard
+        from conveyor.frontend.guard import Guard, read_deadline_protocol
         from conveyor.frontend.http import build_app
 
         h = self.cfg.http
@@ -137,9 +150,10 @@ class Frontend:
                     None if h.rate_limit is None else h.rate_limit / self.cfg.num_frontends,
                     h.rate_limit_burst, h.max_body_bytes, self.metrics)
         sock = tcp_listener(self.cfg.host, h.port)
-        config = uvicorn.Config(app, http="h11", lifespan="off", log_level="warning",
-                                access_log=False, timeout_keep_alive=30)
-        server = _uvicorn_server(config)
+        config = uvicorn.Config(app, http=read_deadline_protocol(h.read_timeout),
+                                lifespan="off", log_level="warning", access_log=False,
+                                timeout_keep_alive=30)
+        server = self._http = _uvicorn_server(config)
         task = asyncio.ensure_future(server.serve(sockets=[sock]))
         while not server.started:
             if task.done():

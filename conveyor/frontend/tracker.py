@@ -14,7 +14,7 @@ import msgspec
 from conveyor.frontend.detokenizer import IncrementalDetokenizer
 from conveyor.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from conveyor.shared.messages import AddRequest, TokenLogprobs, TokenOutput
-from conveyor.shared.sampling_params import SamplingParams
+from conveyor.shared.sampling_params import INT64_MIN, SamplingParams
 
 
 @dataclass
@@ -130,8 +130,8 @@ class RequestTracker:
 def _sub_params(params: SamplingParams, index: int) -> SamplingParams:
     """The i-th of n samples: its own seed, and prompt logprobs computed once."""
     changes = {"n": 1}
-    if params.seed is not None:
-        changes["seed"] = params.seed + index
+    if params.seed is not None:   # seed + index, wrapped to stay in 64 bits
+        changes["seed"] = (params.seed + index - INT64_MIN) % (1 << 64) + INT64_MIN
     if index > 0:
         changes["prompt_logprobs"] = None
     return msgspec.structs.replace(params, **changes)

@@ -144,14 +144,15 @@ class HttpConfig:
     max_concurrent_requests: int | None = None   # open requests per server; more get 429
     request_timeout: float | None = None     # seconds; a request running longer is aborted
     max_body_bytes: int = 8 << 20
-    max_n: int = 64
+    max_n: int = 64                          # sequences per request (n, times the prompts)
+    read_timeout: float = 30.0               # seconds to receive a request's headers and body
     shutdown_timeout: float = 30.0           # SIGTERM: seconds in-flight requests get to finish
     cache_salt_per_api_key: bool = False     # each API key (tenant) gets its own prefix cache
 
     def __post_init__(self) -> None:
         if self.port is not None and not 0 <= self.port <= 65535:
             raise ValueError(f"port must be a TCP port, got {self.port}")
-        for name in ("rate_limit", "request_timeout"):
+        for name in ("rate_limit", "request_timeout", "read_timeout"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
@@ -175,7 +176,6 @@ class ServeConfig:
     zmq_port: int = 0                        # frontend i listens on zmq_port + i (0: any port)
     num_frontends: int = 1
     zmq_curve_keys: str | None = None        # folder with the CurveZMQ server keypair
-    dist_port: int = 0                       # torch.distributed rendezvous on 127.0.0.1
     http: HttpConfig = field(default_factory=HttpConfig)
     skip_tokenizer_init: bool = False        # no tokenizer: clients send and get token ids
 

@@ -239,3 +239,5 @@ def decode(frames: list[bytes], allowed: tuple[type, ...] = MESSAGE_TYPES,
         return decoder.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
         raise MessageError(f"malformed {decoder.type.__name__}: {e}") from None
+    except RecursionError:  # msgspec skips unknown fields by recursion: a deep one exhausts it
+        raise MessageError(f"malformed {decoder.type.__name__}: nested too deeply") from None

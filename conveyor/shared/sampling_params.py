@@ -33,6 +33,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             self.stop = [self.stop]
         if self.top_k == -1:
             self.top_k = 0
+        for name in ("n", "top_k", "seed", "max_tokens", "min_tokens"):
+            _check(_fits_int64(getattr(self, name)), name, "must fit in 64 bits",
+                   getattr(self, name))
+        _check(all(_fits_int64(t) for t in self.stop_token_ids), "stop_token_ids",
+               "must fit in 64 bits", self.stop_token_ids)
         _check(self.n >= 1, "n", "must be at least 1", self.n)
         _check(self.temperature >= 0, "temperature", "must be non-negative", self.temperature)
         _check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
@@ -62,6 +67,13 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
 
 
 MAX_LOGPROBS = 20
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def _fits_int64(value: int | None) -> bool:
+    """msgpack and torch take integers of at most 64 bits; a bigger one must fail here, where the
+    error names the field, not when a message is encoded."""
+    return value is None or INT64_MIN <= value <= INT64_MAX
 
 
 def _check(ok: bool, field: str, rule: str, value) -> None:

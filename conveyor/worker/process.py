@@ -34,8 +34,13 @@ def worker_main(ctx: zmq.Context, control: Socket, cfg: ServeConfig, rank: int) 
         device = torch.device("cpu")
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
     if tp > 1:
+        # NOTE: a tcp:// rendezvous listens on every interface whatever host it is given; a file
+        # in the private runtime folder does not listen at all, and the collectives' own
+        # sockets stay on loopback (all ranks are on this host)
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                init_method=f"tcp://127.0.0.1:{cfg.dist_port}",
+                                init_method=f"file://{cfg.runtime_dir}/distributed",
                                 rank=rank, world_size=tp)
     files = resolve_model(cfg.engine.model)
     model = read_model_config(files)

@@ -3,6 +3,7 @@ client and raw HTTP: results equal the offline API's, every error status comes f
 request with OpenAI's error shape, a client that disconnects frees its blocks, /metrics parses
 and moves, and limits (rate, concurrency, queue, timeout) answer with their status."""
 import json
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -168,7 +169,12 @@ def test_api_keys(server, oai):
     ({"prompt": ""}, "empty"),
     ({"prompt": [1, 2, 10 ** 9]}, "vocabulary"),
     ({"prompt": "x", "model": "gpt-4"}, "gpt-4"),
-    ({"prompt": "x", "n": 5}, "n must be at most 4"),
+    ({"prompt": "x", "n": 5}, "must be at most 4"),
+    ({"prompt": ["x", "y", "z"], "n": 2}, "must be at most 4 (--max-n), got 2 x 3"),
+    ({"prompt": "x", "seed": 2 ** 64}, "seed must fit in 64 bits"),
+    ({"prompt": "x", "priority": -2 ** 63 - 1}, "priority must fit in 64 bits"),
+    ({"prompt": "x", "stop_token_ids": [2 ** 64]}, "stop_token_ids must fit in 64 bits"),
+    (b'{"prompt": "x", "unknown": ' + b"[" * 1000 + b"]" * 1000 + b"}", "nested too deeply"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream"),
     ({"max_tokens": 3}, "prompt"),
     (b"{not json", "JSON"),
@@ -257,9 +263,38 @@ def test_disconnect_mid_stream_frees_blocks_and_metrics_move(server):
 def limited():
     s = start_server("--max-num-seqs", "2", "--max-queued-requests", "1",
                      "--max-concurrent-requests", "4", "--rate-limit", "5",
-                     "--rate-limit-burst", "30", "--shutdown-timeout", "60")
+                     "--rate-limit-burst", "30", "--shutdown-timeout", "60",
+                     "--http-read-timeout", "1.5")
     yield s
     s.kill_all()
+
+
+def _trickle(server, parts: list[bytes], pause: float) -> bytes:
+    """Send parts with pauses between them; what the server answered before it closed."""
+    host, port = server.http.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        try:
+            for part in parts:
+                s.sendall(part)
+                time.sleep(pause)
+            s.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass                             # closed by the server meanwhile
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    return answer
+
+
+def test_a_request_that_trickles_in_is_cut_off_and_a_prompt_one_is_served(limited):
+    body = json.dumps({"prompt": "x", "max_tokens": 1}).encode()
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body))
+    # the whole request, sent in 2 s: cut off at 1.5 s with no answer
+    assert _trickle(limited, [head[:20], head[20:40], head[40:] + body], 1.0) == b""
+    assert _trickle(limited, [head, body[:5], body[5:]], 1.0) == b""
+    # the same in 0.6 s: answered
+    assert _trickle(limited, [head, body[:5], body[5:]], 0.3).startswith(b"HTTP/1.1 200")
 
 
 def test_queue_cap_gives_429(limited):
