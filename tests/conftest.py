@@ -1,5 +1,12 @@
+"""GPU tests skip where there is no CUDA device; scripts/ is importable (the benchmarks and
+stresskit, whose scenarios the reliability tests run in small form)."""
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 
 def pytest_collection_modifyitems(config, items):

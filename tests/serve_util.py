@@ -10,6 +10,9 @@ import sys
 import time
 from dataclasses import dataclass
 
+from stresskit.harness import child_pids
+from stresskit.harness import pid_alive as alive  # noqa: F401  (for the tests)
+
 SMALL = ["--max-num-seqs", "64", "--kv-cache-memory-bytes", str(64 << 20),
          "--max-model-len", "512"]
 
@@ -27,31 +30,6 @@ class Server:
         except ProcessLookupError:
             pass
         self.proc.wait(30)
-
-
-def child_pids(parent: int) -> dict[str, int]:
-    found = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmd = f.read().split(b"\0")[0].decode(errors="replace").strip()
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == parent:
-            found[cmd] = int(entry)
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def run_serve(*args: str, timeout: float = 240) -> subprocess.Popen:

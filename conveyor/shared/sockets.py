@@ -87,7 +87,7 @@ def _request_id(frames: list[bytes]) -> str | None:
         return None
     try:
         return msgspec.msgpack.decode(frames[1], type=_WithId).id
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         return None
 
 

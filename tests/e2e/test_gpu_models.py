@@ -3,15 +3,11 @@ tokens against transformers' on the same GPU, with and without async scheduling.
 first divergence each side's token is in the other's top-5 (vLLM's check_logprobs_close). Seeded
 sampling gives the same tokens with async scheduling on and off."""
 import gc
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
 PROMPTS = [[5, 100, 2000, 31, 7, 999, 4242, 17, 256, 3000],
            list(range(300, 341)), [9] * 3 + list(range(1000, 1150))]

@@ -2,16 +2,12 @@
 Llama-3.1-8B-shaped model (every layer, bf16). The two sum partial results in a different order,
 so bf16 rounding differs: greedy tokens must be equal, or at the first divergence each side's
 token must be in the other's top-5 (STYLE.md's rule; a random 32-layer model has near-ties)."""
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")]
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
 PROMPTS = [[5, 100, 2000, 31, 7, 999, 4242, 17, 256, 3000], list(range(300, 341)),
            [9] * 3 + list(range(1000, 1150)), list(range(7000, 7600, 3))]

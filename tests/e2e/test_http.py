@@ -367,10 +367,6 @@ def test_disconnect_while_waiting_for_a_whole_response_frees_blocks(server):
 
 
 def test_bench_serving_against_the_server(server, tmp_path):
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
     import bench_serving as bench
     out = tmp_path / "serving.json"
     [report] = bench.main(["--base-url", server.http, "--api-key", KEYS[0], "--num-prompts", "6",
