@@ -1,0 +1,48 @@
+"""Kernel tests run on CUDA; those marked `interpreter` also on CPU tensors under Triton's
+interpreter (TRITON_INTERPRET=1, see tests/conftest.py), with the fixes below."""
+import pytest
+import torch
+
+from conveyor.kernels import interpreting
+
+
+@pytest.fixture
+def device() -> str:
+    """Where the kernels run: CUDA, or the CPU under the interpreter."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _fix_interpreter() -> None:
+    """Works around two bugs of Triton 3.5's interpreter that these kernels meet:
+    - `range` over a scalar tensor (a loop with runtime bounds) calls int() on a one-element
+      array, which NumPy 2.4 refuses;
+    - tl.dot multiplies bfloat16 operands as their raw uint16 bits.
+    """
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patch_lang_tensor(tensor):
+        patch_tensor(tensor)
+        tensor.__index__ = lambda self: int(self.handle.data.reshape(-1)[0])
+
+    interpreter._patch_lang_tensor = patch_lang_tensor
+    create_dot = interpreter.InterpreterBuilder.create_dot
+
+    def as_float(h):
+        if h.dtype.scalar != tl.bfloat16:
+            return h
+        data = interpreter._convert_float(h.data, tl.bfloat16, tl.float32, None)
+        return interpreter.TensorHandle(data.view(np.float32), tl.float32)
+
+    def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return create_dot(self, as_float(a), as_float(b), d, input_precision,
+                          max_num_imprecise_acc)
+
+    interpreter.InterpreterBuilder.create_dot = dot
+
+
+if interpreting() and not torch.cuda.is_available():
+    _fix_interpreter()
