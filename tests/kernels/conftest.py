@@ -13,10 +13,11 @@ def device() -> str:
 
 
 def _fix_interpreter() -> None:
-    """Works around two bugs of Triton 3.5's interpreter that these kernels meet:
+    """Works around three bugs of Triton 3.5's interpreter that these kernels meet:
     - `range` over a scalar tensor (a loop with runtime bounds) calls int() on a one-element
       array, which NumPy 2.4 refuses;
-    - tl.dot multiplies bfloat16 operands as their raw uint16 bits.
+    - tl.dot multiplies bfloat16 operands as their raw uint16 bits;
+    - float32 -> bfloat16 casts truncate, where the GPU rounds to nearest even.
     """
     import numpy as np
     import triton.language as tl
@@ -42,6 +43,15 @@ def _fix_interpreter() -> None:
                           max_num_imprecise_acc)
 
     interpreter.InterpreterBuilder.create_dot = dot
+    cast = interpreter.InterpreterBuilder.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            data = torch.from_numpy(src.data).to(torch.bfloat16).view(torch.int16).numpy()
+            return interpreter.TensorHandle(data.view(np.uint16), tl.bfloat16)
+        return cast(self, src, dst_type)
+
+    interpreter.InterpreterBuilder.cast_impl = cast_impl
 
 
 if interpreting() and not torch.cuda.is_available():
