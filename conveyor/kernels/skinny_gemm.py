@@ -12,8 +12,8 @@ flight. Each split writes a float32 partial to [SPLIT, M, N]; the last split of 
 launch, and the same result whichever split finishes last.
 
 M_MAX = 16: one tensor-core tile of rows holds the whole batch, so W is read exactly once. Past
-16 rows a second tile would read W again (or need bigger tiles); cuBLAS's GEMMs are efficient
-there. Decode CUDA graphs at batch 1, 2, 4, 8 and 16 take this kernel; 24 and up take cuBLAS.
+16 rows a second tile would read W again (or the tiles would grow); cuBLAS takes over there.
+Decode CUDA graphs at batch 1, 2, 4, 8 and 16 take this kernel; 24 and up take cuBLAS.
 """
 import functools
 

@@ -77,3 +77,22 @@ def test_tiling_of_the_benchmark_shapes():
         block_n, split, k_per_split = tiling(n, k, 132)
         assert -(-n // block_n) * split >= 256
         assert split * k_per_split == k                      # whole blocks: no masks along K
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs")
+def test_replays_in_a_cuda_graph():
+    """As the decode graphs run it: a split-K and a plain shape captured once, replayed on new
+    inputs."""
+    cases = [inputs(8, n, k, torch.bfloat16, "cuda")[:2] for n, k in [(1024, 3072), (8192, 128)]]
+    assert [tiling(w.shape[0], w.shape[1], 132)[1] > 1 for _, w in cases] == [True, False]
+    for x, w in cases:
+        skinny_gemm(x, w)                                    # warm-up: compiles, counters
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [skinny_gemm(x, w) for x, w in cases]
+    for _ in range(3):
+        for x, _ in cases:
+            x.copy_(torch.randn_like(x))
+        graph.replay()
+        for out, (x, w) in zip(outs, cases):
+            torch.testing.assert_close(out, skinny_gemm_ref(x, w), **TOL[torch.bfloat16])
