@@ -124,16 +124,20 @@ def main() -> None:
     totals = []
     for shape in args.shapes:
         for m in args.batches:
-            step = {}                       # name -> (ours, torch) us
+            step = {}                       # label -> (ours us, torch us)
             for name, (n, k) in SHAPES[shape].items():
-                for label, fused in [(name, False)] + [("silu+down", True)] * (name == "down"):
+                variants = [(name, False)]
+                if name == "down":
+                    variants.append(("silu+down", True))
+                for label, fused in variants:
                     ours, theirs, nbytes = bench_gemm(n, k, m, fused)
                     print(row(f"{shape} {label} [{n}x{k}] M={m}", ours, theirs, nbytes),
                           flush=True)
                     step[label] = (ours, theirs)
-            layer = [step[name] for name in ("qkv", "o", "gate_up", "silu+down")]
-            totals.append((shape, m, *(LAYERS[shape] * sum(t[i] for t in layer)
-                                       + step["lm_head"][i] for i in (0, 1))))
+            layer = ("qkv", "o", "gate_up", "silu+down")
+            ours = LAYERS[shape] * sum(step[name][0] for name in layer) + step["lm_head"][0]
+            theirs = LAYERS[shape] * sum(step[name][1] for name in layer) + step["lm_head"][1]
+            totals.append((shape, m, ours, theirs))
     for n in (1, 256):
         for greedy in (True, False):
             ours, theirs, nbytes = bench_sample(n, greedy)
