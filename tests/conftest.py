@@ -1,10 +1,18 @@
-"""GPU tests skip where there is no CUDA device; scripts/ is importable (the benchmarks and
-stresskit, whose scenarios the reliability tests run in small form)."""
+"""Suite-wide hooks. scripts/ is importable (the benchmarks, and stresskit, whose scenarios the
+reliability tests run in small form). Tests marked `gpu` are skipped without a CUDA GPU, except
+those also marked `interpreter`, which run on CPU tensors through Triton's interpreter when
+TRITON_INTERPRET=1 is set and Triton is installed (slow: seconds per test):
+
+    TRITON_INTERPRET=1 pytest -m interpreter tests/kernels
+"""
+import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from conveyor.kernels import interpreting
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
@@ -12,7 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    interpret = interpreting() and importlib.util.find_spec("triton") is not None
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (tests marked interpreter: or "
+                                   "TRITON_INTERPRET=1)")
     for item in items:
-        if "gpu" in item.keywords:
+        if "gpu" in item.keywords and not (interpret and "interpreter" in item.keywords):
             item.add_marker(skip)

@@ -6,6 +6,7 @@ Importing this package never imports Triton, so the CPU install and test suite r
 from __future__ import annotations
 
 import functools
+import os
 
 
 @functools.cache
@@ -17,3 +18,9 @@ def triton_available() -> bool:
     except ImportError:
         return False
     return torch.cuda.is_available()
+
+
+def interpreting() -> bool:
+    """Kernels run on CPU tensors through Triton's interpreter (TRITON_INTERPRET=1); it has no
+    libdevice, so kernels that call it take a constexpr flag from this."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")

@@ -1,10 +1,14 @@
 """Triton, or stand-ins that let the kernel files import (and their torch references run) where
 Triton is not installed. Launching a kernel there raises."""
+from conveyor.kernels import interpreting
+
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
 except ImportError:  # CPU-only install
     triton = None
+    libdevice = None
 
     class _NoTriton:
         constexpr = int          # signatures name tl.constexpr at definition time
@@ -21,4 +25,4 @@ def require_triton() -> None:
         raise RuntimeError("this kernel needs Triton (and a CUDA GPU)")
 
 
-__all__ = ["jit", "require_triton", "tl", "triton"]
+__all__ = ["interpreting", "jit", "libdevice", "require_triton", "tl", "triton"]

@@ -299,8 +299,8 @@ class ModelRunner:
                 kv_caches=self.kv_caches, query_lens_cpu=query_lens, seq_lens_cpu=seq_lens,
                 num_decodes=num_decodes)
             hidden = self.model(tokens3[0], tokens3[1], ctx)
-        if logits_rows:  # profiling: the largest logits tensor a step can make
-            self.model.compute_logits(hidden[-1:].expand(logits_rows, -1))
+        if logits_rows:  # profiling: the largest logits a step can make, and their float32 copy
+            self.model.compute_logits(hidden[-1:].expand(logits_rows, -1)).float()
             return _Launched(step, [], None, [])
         # NOTE: the logits are taken now: the next step's graph replay overwrites `hidden`.
         logits = self.model.compute_logits(hidden[dev["rows"]]) if rows else None

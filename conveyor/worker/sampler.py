@@ -4,6 +4,11 @@ Order per row: penalties and min_tokens masking, then greedy argmax, or temperat
 min-p and an exponential-race draw. Returned logprobs come from the raw logits (vLLM's default).
 Each filter runs batched over only the rows that use it. `sample_tensors` never syncs the device
 (its results stay there until the caller reads them); `sample` is it plus the read.
+
+On CUDA with Triton, greedy and temperature-only rows are drawn by one fused kernel
+(conveyor/kernels/sample.py) from the logits in the model's dtype; rows with top-k, top-p or
+min-p keep the torch path. The kernel's noise is Philox keyed per row (`_row_keys`), so those
+draws differ from the CPU's torch.Generator ones (same distribution); CPU runs are unchanged.
 """
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from conveyor.kernels import triton_available
 from conveyor.shared.messages import TokenLogprobs
 from conveyor.shared.sampling_params import SamplingParams
 
@@ -92,6 +98,8 @@ class Sampler:
         self.eos_token_ids = eos_token_ids
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self.seed = seed
+        self.num_fused_draws = 0             # calls of the fused kernel: its noise streams
 
     def sample(self, logits: torch.Tensor, states: list[SeqSamplingState]) -> SampleOutput:
         """logits: [N, >= vocab_size], row i for states[i]; columns past vocab_size are ignored."""
@@ -100,15 +108,20 @@ class Sampler:
     def sample_tensors(self, logits: torch.Tensor,
                        states: list[SeqSamplingState]) -> SampledTensors:
         """`sample` without reading the result: nothing here waits for the device."""
-        logits = logits[:, : self.vocab_size].float()  # [N, V]
+        logits = logits[:, : self.vocab_size]  # [N, V]
+        fused = _fused(logits)
+        if not fused:
+            logits = logits.float()
         params = [s.params for s in states]
         penalised = [i for i, p in enumerate(params) if _uses_penalty(p)]
         banned_rows, banned_ids = self._min_tokens_bans(states)
         wants_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
-        if all(p.greedy for p in params) and not (penalised or banned_rows or wants_logprobs):
+        if (not fused and all(p.greedy for p in params)
+                and not (penalised or banned_rows or wants_logprobs)):
             return SampledTensors(logits.argmax(-1), [], None)
 
-        x = logits.clone() if penalised or banned_rows else logits  # [N, V]
+        # [N, V]; float32 once edited
+        x = logits.to(torch.float32, copy=True) if penalised or banned_rows else logits
         if penalised:
             x = _on_rows(x, penalised, lambda sub: self._apply_penalties(
                 sub, [states[i] for i in penalised]))
@@ -116,7 +129,9 @@ class Sampler:
             x[_tensor(banned_rows, x.device), _tensor(banned_ids, x.device)] = float("-inf")
 
         random = [i for i, p in enumerate(params) if not p.greedy]
-        if not random:
+        if fused:
+            token_ids = self._sample_fused(x, states)
+        elif not random:
             token_ids = x.argmax(-1)  # [N]
         elif len(random) == len(states):
             token_ids = self._sample_random(x, states)
@@ -129,9 +144,51 @@ class Sampler:
         if wants_logprobs:
             idx = _tensor(wants_logprobs, x.device)
             raw = logits if len(wants_logprobs) == len(states) else logits[idx]
-            logprobs = _gather_logprobs(raw.log_softmax(-1), token_ids[idx],
+            logprobs = _gather_logprobs(raw.float().log_softmax(-1), token_ids[idx],
                                         [params[i].logprobs for i in wants_logprobs])
         return SampledTensors(token_ids, wants_logprobs, logprobs)
+
+    def _sample_fused(self, x: torch.Tensor, states: list[SeqSamplingState]) -> torch.Tensor:
+        """x: [N, V] logits (any float dtype, rows may be strided). Greedy and temperature-only
+        rows in one kernel; rows with top-k, top-p or min-p on the torch path."""
+        from conveyor.kernels.sample import sample
+
+        params = [s.params for s in states]
+        if all(p.greedy for p in params):
+            return sample(x)
+        filtered = [i for i, p in enumerate(params) if not p.greedy and self._filters(p)]
+        temperature = [p.temperature for p in params]
+        for i in filtered:
+            temperature[i] = -1.0   # the kernel skips the row (token -1); the torch path fills it
+        token_ids = sample(x, _tensor(temperature, x.device, torch.float32),
+                           _tensor(self._row_keys(states), x.device))
+        self.num_fused_draws += 1
+        if filtered:
+            idx = _tensor(filtered, x.device)
+            token_ids[idx] = self._sample_random(x[idx].float(), [states[i] for i in filtered])
+        return token_ids
+
+    def _filters(self, p: SamplingParams) -> bool:
+        """Whether p needs top-k, top-p or min-p (the fused kernel does none of them)."""
+        return 0 < p.top_k < self.vocab_size or p.top_p < 1 or p.min_p > 0
+
+    def _row_keys(self, states: list[SeqSamplingState]) -> np.ndarray:
+        """The fused kernel's Philox key per row, [N] int64 (64 bits of a hash).
+
+        Unseeded rows: a hash of (sampler seed, number of fused calls so far, row): fresh noise
+        every call, reproducible for a given seed and sequence of batches. Seeded rows (seed s):
+        a hash of (s, output tokens so far), so a seeded request's draws depend on neither the
+        batch nor the engine's seed (its torch.Generator is not used).
+        """
+        seed = _mix64(np.array([self.seed & _MASK64], dtype=np.uint64))
+        call = _mix64(seed + np.uint64(self.num_fused_draws))
+        keys = _mix64(call + np.arange(len(states), dtype=np.uint64))
+        seeded = [i for i, s in enumerate(states) if s.params.seed is not None]
+        if seeded:
+            seeds = np.array([states[i].params.seed & _MASK64 for i in seeded], dtype=np.uint64)
+            done = np.array([states[i].num_output_tokens for i in seeded], dtype=np.uint64)
+            keys[seeded] = _mix64(_mix64(seeds ^ _SEEDED) + done)
+        return keys.view(np.int64)
 
     def prompt_logprobs(self, logits: torch.Tensor, target_ids: list[int],
                         k: int) -> list[TokenLogprobs]:
@@ -265,6 +322,22 @@ class Sampler:
         if temperature is None:
             return (x - noise).argmax(-1)
         return torch.addcmul(x, temperature, noise, value=-1).argmax(-1)
+
+
+def _fused(logits: torch.Tensor) -> bool:
+    """Whether the fused sampling kernel takes these logits (CUDA with Triton)."""
+    return logits.is_cuda and triton_available()
+
+
+_MASK64 = (1 << 64) - 1
+_SEEDED = np.uint64(0x5EEDED5EEDED5EED)  # keeps seeded rows' keys apart from the shared ones
+
+
+def _mix64(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: a bijection of uint64 arrays that scrambles every bit."""
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
 
 
 def _tensor(values: list | np.ndarray, device: torch.device,

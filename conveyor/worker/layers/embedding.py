@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from conveyor.worker.layers.linear import linear
 from conveyor.worker.layers.parallel import all_gather_last_dim, all_reduce, tp_rank, tp_size
 
 
@@ -45,5 +46,5 @@ class ParallelLMHead(VocabParallelEmbedding):
     """hidden -> logits over the full vocabulary; `weight` may be the embedding's (tied)."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = all_gather_last_dim(F.linear(hidden, self.weight))   # [N, rows_per_rank * tp]
+        logits = all_gather_last_dim(linear(hidden, self.weight))   # [N, rows_per_rank * tp]
         return logits[..., :self.num_embeddings]

@@ -1,0 +1,152 @@
+"""Microbenchmark of the decode kernels against what they replace, on CUDA.
+
+GEMMs: the skinny GEMM against F.linear (cuBLAS) on the Qwen3-0.6B and Llama-3.1-8B decode
+shapes at M = 1 and 8; the down projection also with SiLU-and-mul fused against the
+silu_and_mul kernel followed by F.linear. Sampling: the fused kernel against the torch math it
+replaces (float32 copy, exponential_, log_, addcmul, argmax), at N = 1 and 256 x 151,936.
+
+Each figure is GPU time per call: CALLS calls captured in one CUDA graph (as decode runs), each
+on its own copy of the weights or logits so that they come from HBM as in a model, not from the
+L2 (60 MB on an H200); median of REPS replays. GB/s counts the weight (or logits) bytes read once.
+The last lines add up one decode step's GEMMs (per layer qkv, o, gate_up, silu+down; LM head).
+
+    python scripts/bench_kernels.py
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+from conveyor.kernels.sample import sample
+from conveyor.kernels.silu_and_mul import silu_and_mul
+from conveyor.kernels.skinny_gemm import skinny_gemm
+
+# (N, K) of each weight: [out_features, in_features]
+SHAPES = {
+    "qwen3-0.6b": {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024),
+                   "down": (1024, 3072), "lm_head": (151936, 1024)},
+    "llama3.1-8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
+                    "down": (4096, 14336), "lm_head": (128256, 4096)},
+}
+LAYERS = {"qwen3-0.6b": 28, "llama3.1-8b": 32}
+VOCAB = 151936
+CALLS = 100
+REPS = 7
+
+
+def graph_us(calls: list) -> float:
+    """Median GPU microseconds per call of `calls`, captured in one CUDA graph and replayed."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):            # warm-up: compiles, allocates, tunes nothing
+        for fn in calls[:2]:
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in calls:
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(REPS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(calls))
+    return statistics.median(times)
+
+
+def copies(nbytes: int) -> int:
+    """How many copies of an operand of nbytes make a working set of 4x the L2."""
+    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 60 << 20)
+    return max(1, min(CALLS, -(-4 * l2 // nbytes)))
+
+
+def bench_gemm(n: int, k: int, m: int, fused_silu: bool) -> tuple[float, float, int]:
+    """(skinny us, torch us, weight bytes) for [m, k] x [n, k]^T (x [m, 2k] with fused_silu)."""
+    dt = torch.bfloat16
+    weights = [torch.randn(n, k, device="cuda", dtype=dt) / k ** 0.5
+               for _ in range(copies(n * k * 2))]
+    x = torch.randn(m, 2 * k if fused_silu else k, device="cuda", dtype=dt)
+    pick = [weights[i % len(weights)] for i in range(CALLS)]
+    if fused_silu:
+        ours = [lambda w=w: skinny_gemm(x, w, silu_mul=True) for w in pick]
+        theirs = [lambda w=w: F.linear(silu_and_mul(x), w) for w in pick]
+    else:
+        ours = [lambda w=w: skinny_gemm(x, w) for w in pick]
+        theirs = [lambda w=w: F.linear(x, w) for w in pick]
+    return graph_us(ours), graph_us(theirs), n * k * 2
+
+
+def torch_sample(x: torch.Tensor, temperature: torch.Tensor | None) -> torch.Tensor:
+    """The torch sampler's math for greedy or temperature-only rows (before the fused kernel:
+    the model's logits upcast, then an exponential race)."""
+    x = x.float()
+    if temperature is None:
+        return x.argmax(-1)
+    noise = torch.empty_like(x).exponential_()
+    noise.log_()
+    return torch.addcmul(x, temperature[:, None], noise, value=-1).argmax(-1)
+
+
+def bench_sample(n: int, greedy: bool) -> tuple[float, float, int]:
+    logits = [torch.randn(n, VOCAB, device="cuda").to(torch.bfloat16)
+              for _ in range(copies(n * VOCAB * 2))]
+    pick = [logits[i % len(logits)] for i in range(CALLS)]
+    temperature = None if greedy else torch.full((n,), 0.6, device="cuda")
+    seeds = None if greedy else torch.arange(n, device="cuda")
+    ours = [lambda x=x: sample(x, temperature, seeds) for x in pick]
+    theirs = [lambda x=x: torch_sample(x, temperature) for x in pick]
+    return graph_us(ours), graph_us(theirs), n * VOCAB * 2
+
+
+def row(name: str, ours: float, theirs: float, nbytes: int) -> str:
+    return (f"| {name} | {ours:8.1f} | {nbytes / ours / 1e3:6.0f} | {theirs:8.1f} | "
+            f"{nbytes / theirs / 1e3:6.0f} | {theirs / ours:5.2f}x |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; GPU us per call, "
+          f"{CALLS} calls per CUDA graph, median of {REPS}")
+    print("| kernel | ours us | GB/s | torch us | GB/s | speedup |")
+    print("|---|---:|---:|---:|---:|---:|")
+    totals = []
+    for shape in args.shapes:
+        for m in args.batches:
+            step = {}                       # label -> (ours us, torch us)
+            for name, (n, k) in SHAPES[shape].items():
+                variants = [(name, False)]
+                if name == "down":
+                    variants.append(("silu+down", True))
+                for label, fused in variants:
+                    ours, theirs, nbytes = bench_gemm(n, k, m, fused)
+                    print(row(f"{shape} {label} [{n}x{k}] M={m}", ours, theirs, nbytes),
+                          flush=True)
+                    step[label] = (ours, theirs)
+            layer = ("qkv", "o", "gate_up", "silu+down")
+            ours = LAYERS[shape] * sum(step[name][0] for name in layer) + step["lm_head"][0]
+            theirs = LAYERS[shape] * sum(step[name][1] for name in layer) + step["lm_head"][1]
+            totals.append((shape, m, ours, theirs))
+    for n in (1, 256):
+        for greedy in (True, False):
+            ours, theirs, nbytes = bench_sample(n, greedy)
+            kind = "greedy" if greedy else "temperature 0.6"
+            print(row(f"sample {kind} [{n}x{VOCAB}] bf16", ours, theirs, nbytes), flush=True)
+    print("\nGEMMs of one decode step (layers x (qkv, o, gate_up, silu+down) + lm_head):")
+    for shape, m, ours, theirs in totals:
+        print(f"  {shape} M={m}: skinny {ours / 1e3:.3f} ms, torch {theirs / 1e3:.3f} ms")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""Kernel tests run on CUDA; those marked `interpreter` also on CPU tensors under Triton's
+interpreter (TRITON_INTERPRET=1, see tests/conftest.py), with the fixes below."""
+import pytest
+import torch
+
+from conveyor.kernels import interpreting
+
+
+@pytest.fixture
+def device() -> str:
+    """Where the kernels run: CUDA, or the CPU under the interpreter."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _fix_interpreter() -> None:
+    """Works around three bugs of Triton 3.5's interpreter that these kernels meet:
+    - `range` over a scalar tensor (a loop with runtime bounds) calls int() on a one-element
+      array, which NumPy 2.4 refuses;
+    - tl.dot multiplies bfloat16 operands as their raw uint16 bits;
+    - float32 -> bfloat16 casts truncate, where the GPU rounds to nearest even.
+    """
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patch_lang_tensor(tensor):
+        patch_tensor(tensor)
+        tensor.__index__ = lambda self: int(self.handle.data.reshape(-1)[0])
+
+    interpreter._patch_lang_tensor = patch_lang_tensor
+    create_dot = interpreter.InterpreterBuilder.create_dot
+
+    def as_float(h):
+        if h.dtype.scalar != tl.bfloat16:
+            return h
+        data = interpreter._convert_float(h.data, tl.bfloat16, tl.float32, None)
+        return interpreter.TensorHandle(data.view(np.float32), tl.float32)
+
+    def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return create_dot(self, as_float(a), as_float(b), d, input_precision,
+                          max_num_imprecise_acc)
+
+    interpreter.InterpreterBuilder.create_dot = dot
+    cast = interpreter.InterpreterBuilder.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            data = torch.from_numpy(src.data).to(torch.bfloat16).view(torch.int16).numpy()
+            return interpreter.TensorHandle(data.view(np.uint16), tl.bfloat16)
+        return cast(self, src, dst_type)
+
+    interpreter.InterpreterBuilder.cast_impl = cast_impl
+
+
+if interpreting() and not torch.cuda.is_available():
+    _fix_interpreter()
