@@ -7,7 +7,8 @@ Row r of temperature T scores its columns c < V with
     T > 0:   x[r, c] * log2(e) / T - log2(E[r, c])      E ~ Exp(1), in units of ln 2
 and picks the first column of the highest score (torch.argmax's rule for ties). argmax over c of
 x / T - ln E is a draw from softmax(x / T) (the exponential race); scaled by log2(e), the logs
-are the hardware's log2 with no multiplications. Rows with T < 0 are left to the caller: their token is -1.
+are the hardware's log2 with no multiplications. Rows with T < 0 are left to the caller: their
+token is -1.
 
 Noise: Philox4x32-10 (`tl.randint4x`) keyed by the row's 64-bit seed, so a row's draws depend
 only on its seed, never on the rest of the batch. A tile of 4 * SUB columns takes one Philox call
@@ -157,8 +158,10 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor | None = None,
     num_chunks = -(-tiles // tiles_per_chunk)
     part_score = torch.empty(n, num_chunks, dtype=torch.float32, device=logits.device)
     part_col = torch.empty(n, num_chunks, dtype=torch.int32, device=logits.device)
-    temperature = logits if greedy_only else temperature   # unread when greedy_only
-    seeds = logits if greedy_only else seeds
+    # NOTE: unread when greedy_only, but Triton 3.6 still compiles the random branch, whose
+    # Philox needs an integer seed: hence `out` (int64) as the stand-in for the seeds
+    temperature = logits if greedy_only else temperature
+    seeds = out if greedy_only else seeds
     _sample_chunk_kernel[(n, num_chunks)](
         logits, temperature, seeds, part_score, part_col, v, logits.stride(0), tiles_per_chunk,
         num_chunks, SUB=SUB, GREEDY_ONLY=greedy_only, FAST=not interpreting(), num_warps=4)

@@ -1,169 +1,105 @@
-"""y = x W^T (+ bias) for a few rows of x (decode): x [M, K] with M <= M_MAX, W [N, K] as
-nn.Linear stores it, bf16 or fp16, float32 accumulation. Optionally x is a fused gate/up
-projection [M, 2K] and silu(gate) * up is computed while loading it (the MLP's down projection).
+"""y = x W^T (+ bias) for one row of x (single-stream decode): x [1, K], W [N, K] as nn.Linear
+stores it, bf16 or fp16, float32 accumulation. Optionally x is a fused gate/up projection
+[1, 2K] and silu(gate) * up is computed while loading it (the MLP's down projection).
 
-Memory-bound: W is read once and x (a few rows) stays in cache, so the kernel is a stream of W.
-Program (n, s) computes the [BLOCK_M, BLOCK_N] tile of y at columns n * BLOCK_N over the K range
-of split s, BLOCK_K at a time: tl.dot of x's rows (padded to 16, the smallest tensor-core tile)
-with W's tile, the loads pipelined num_stages deep.
-Split-K: when N alone makes fewer than two tiles per SM, K is split so that enough loads are in
-flight. Each split writes a float32 partial to [SPLIT, M, N]; the last split of a tile to finish
-(an atomic counter per tile) sums the partials in split order, adds the bias and writes y: one
-launch, and the same result whichever split finishes last.
+Memory-bound: the kernel is a stream of W. Program n reduces BLOCK_N rows of W against x,
+BLOCK_K columns at a time, into a [BLOCK_N, BLOCK_K] float32 accumulator summed once at the end
+(no tensor cores: with one row of x they would be 1/16 busy). Tiles of about 4,096 elements keep
+enough loads in flight: few rows per program where N is small (hundreds of programs even for
+N = 1,024), more where N is large.
 
-M_MAX = 16: one tensor-core tile of rows holds the whole batch, so W is read exactly once. Past
-16 rows a second tile would read W again (or the tiles would grow); cuBLAS takes over there.
-Decode CUDA graphs at batch 1, 2, 4, 8 and 16 take this kernel; 24 and up take cuBLAS.
+Why not cuBLAS: at one row its kernels for these shapes reach 0.3-2.2 TB/s on an H200 (the
+Qwen3-0.6B o and down projections worst), this kernel 1.2-4.4 TB/s (scripts/bench_kernels.py,
+docs/BENCHMARKS.md). At more rows cuBLAS's tensor-core kernels read W once for all of them, so
+they keep those.
 """
-import functools
-
 import torch
 
 from conveyor.kernels._triton import jit, require_triton, tl
 from conveyor.kernels._util import check
 
-M_MAX = 16
-_BLOCK_M = 16
-_BLOCK_K = 128
-_MAX_SPLIT = 8
-_MAX_TILES = 1024        # per-tile counters kept per device (split-K is for few tiles only)
+M_MAX = 1
+_TILE = 4096             # elements of W per program and step
+_NUM_WARPS = 4
+_NUM_STAGES = 3
 
 
 @jit
-def _load_x(x_ptrs, ks, K, mask, SILU_MUL: tl.constexpr, dtype: tl.constexpr):
-    """x's [BLOCK_M, BLOCK_K] tile; with SILU_MUL silu(gate) * up of a [M, 2K] gate/up row,
-    rounded to the activation dtype as the separate silu_and_mul kernel rounds it."""
+def _load_x(x_ptr, ks, K, mask, SILU_MUL: tl.constexpr, dtype: tl.constexpr):
+    """x's columns ks; with SILU_MUL silu(gate) * up of a [1, 2K] gate/up row, rounded to the
+    activation dtype as the separate silu_and_mul kernel rounds it."""
     if SILU_MUL:
-        gate = tl.load(x_ptrs + ks[None, :], mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(x_ptrs + K + ks[None, :], mask=mask, other=0.0).to(tl.float32)
+        gate = tl.load(x_ptr + ks, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + K + ks, mask=mask, other=0.0).to(tl.float32)
         return (gate / (1.0 + tl.exp(-gate)) * up).to(dtype)
-    return tl.load(x_ptrs + ks[None, :], mask=mask, other=0.0)
+    return tl.load(x_ptr + ks, mask=mask, other=0.0)
 
 
 @jit
-def _skinny_gemm_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, count_ptr,
-                        M, N, K, stride_xm, stride_wn, stride_ym, k_per_split,
+def _skinny_gemm_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, N, K, stride_wn,
                         HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr,
-                        SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr):
-    tile = tl.program_id(0)
-    split = tl.program_id(1)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    m_ok = offs_m < M
-    n_ok = offs_n < N
-    x_ptrs = x_ptr + offs_m[:, None] * stride_xm
-    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
-    k_lo = split * k_per_split
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k in tl.range(k_lo, k_lo + k_per_split, BLOCK_K):
-        ks = k + offs_k
-        if EVEN_K:                    # K splits into whole blocks: no masks along K
-            x = _load_x(x_ptrs, ks, K, m_ok[:, None], SILU_MUL, w_ptr.dtype.element_ty)
-            w = tl.load(w_ptrs + ks[None, :], mask=n_ok[:, None], other=0.0)
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_K)
+    row_ok = rows[:, None] < N
+    w_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wn + cols[None, :]
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k in tl.range(0, K, BLOCK_K):
+        ks = k + cols
+        k_ok = ks < K                 # x is a few KB from L2: masked always; W only if it must
+        if EVEN_K:
+            w = tl.load(w_ptrs + k, mask=row_ok, other=0.0)
         else:
-            k_ok = ks < K
-            x = _load_x(x_ptrs, ks, K, m_ok[:, None] & k_ok[None, :], SILU_MUL,
-                        w_ptr.dtype.element_ty)
-            w = tl.load(w_ptrs + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += tl.dot(x, tl.trans(w))                                  # [BLOCK_M, BLOCK_N]
-    out_mask = m_ok[:, None] & n_ok[None, :]
-    if SPLIT > 1:
-        tl.store(part_ptr + (split * M + offs_m[:, None]) * N + offs_n[None, :], acc,
-                 mask=out_mask)
-        # NOTE: CUTLASS's serial split-K pattern: a CTA barrier, then one release/acquire atomic
-        # by the CTA, orders every thread's partial before the count the last split reads.
-        tl.debug_barrier()
-        if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") != SPLIT - 1:
-            return
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for s in tl.static_range(SPLIT):                               # fixed order
-            acc += tl.load(part_ptr + (s * M + offs_m[:, None]) * N + offs_n[None, :],
-                           mask=out_mask, other=0.0, cache_modifier=".cg")
-        tl.store(count_ptr + tile, 0)                                  # ready for the next launch
+            w = tl.load(w_ptrs + k, mask=row_ok & k_ok[None, :], other=0.0)
+        x = _load_x(x_ptr, ks, K, k_ok, SILU_MUL, w_ptr.dtype.element_ty)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    y = tl.sum(acc, 1)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
-             acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+        y += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132           # the interpreter: an H100/H200's count, for the same tilings
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def _tile_counters(device: torch.device) -> torch.Tensor:
-    """Zeroed int32 counters, one per tile, that every split-K launch leaves zeroed again.
-
-    NOTE: shared by all launches on the device, which must therefore not run concurrently
-    (one stream, as the engine runs). Made on the first split-K call, which the decode graphs'
-    warm-up makes before capture.
-    """
-    if device not in _counters:
-        _counters[device] = torch.zeros(_MAX_TILES, dtype=torch.int32, device=device)
-    return _counters[device]
-
-
-def tiling(n: int, k: int, num_sms: int) -> tuple[int, int, int]:
-    """(BLOCK_N, SPLIT, k_per_split) for an [N, K] weight: tiles of 32 columns (64 for LM-head
-    sized N), and K split in 2, 4 or 8 until there are two programs per SM, each split at least
-    two K blocks."""
-    block_n = 64 if n >= 64 * 8 * num_sms else 32
-    tiles = -(-n // block_n)
-    split = 1
-    while (tiles * split < 2 * num_sms and split < _MAX_SPLIT
-           and k >= 2 * split * 2 * _BLOCK_K):
-        split *= 2
-    k_per_split = -(-k // (split * _BLOCK_K)) * _BLOCK_K
-    return block_n, split, k_per_split
+def tiling(n: int, k: int) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K) for an [N, K] weight: 4 rows per program up to N = 4,096 (at least
+    256 programs there), 8 up to 16,384, then 16; BLOCK_K fills the tile (less for a small K).
+    Chosen from a sweep on the H200 of 4-32 rows x 256-1,024 columns x 2-8 warps x 2-4 stages
+    over the Qwen3-0.6B and Llama-3.1-8B shapes, where it is within a few percent of the best."""
+    block_n = 4 if n <= 4096 else 8 if n <= 16384 else 16
+    block_k = min(_TILE // block_n, max(16, 1 << (k - 1).bit_length()))
+    return block_n, block_k
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether skinny_gemm takes this product (the caller falls back to F.linear otherwise)."""
-    return (x.dim() == 2 and x.shape[0] <= M_MAX and x.dtype == weight.dtype
+    return (x.dim() == 2 and x.shape[0] == 1 and x.dtype == weight.dtype
             and x.dtype in (torch.float16, torch.bfloat16) and x.stride(-1) == 1
             and weight.dim() == 2 and weight.stride(1) == 1)
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 silu_mul: bool = False) -> torch.Tensor:
-    """x [M, K] (M <= 16; rows may be strided) @ weight [N, K]^T + bias [N] -> y [M, N], new.
+    """x [1, K] @ weight [N, K]^T + bias [N] -> y [1, N], new.
 
-    silu_mul: x is [M, 2K], gate then up, and y = (silu(gate) * up) @ weight^T + bias.
-    No host sync; allocates y and, with split-K, an [SPLIT, M, N] float32 workspace (both
-    fine under CUDA graph capture).
+    silu_mul: x is [1, 2K], gate then up, and y = (silu(gate) * up) @ weight^T + bias.
+    No host sync; allocates only y (fine under CUDA graph capture).
     """
     require_triton()
-    check(takes(x, weight), f"skinny_gemm takes x [M <= {M_MAX}, K] and weight [N, K] of one "
-          f"dtype (fp16/bf16), unit column stride; got {tuple(x.shape)} {x.dtype} strides "
+    check(takes(x, weight), f"skinny_gemm takes x [1, K] and weight [N, K] of one dtype "
+          f"(fp16/bf16), unit column stride; got {tuple(x.shape)} {x.dtype} strides "
           f"{x.stride()}, {tuple(weight.shape)} {weight.dtype} strides {weight.stride()}")
-    m = x.shape[0]
     n, k = weight.shape
     check(x.shape[1] == (2 * k if silu_mul else k), f"x {tuple(x.shape)} for weight "
           f"{tuple(weight.shape)}{' with silu_mul' if silu_mul else ''}")
     if bias is not None:
         check(bias.shape == (n,) and bias.is_contiguous(), f"bias {tuple(bias.shape)}")
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m == 0 or n == 0:
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    if n == 0:
         return y
-    block_n, split, k_per_split = tiling(n, k, _num_sms(x.device))
-    tiles = -(-n // block_n)
-    part = counters = y                                   # unused without split-K
-    if split > 1:
-        check(tiles <= _MAX_TILES, f"{tiles} tiles")
-        part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-        counters = _tile_counters(x.device)
-    _skinny_gemm_kernel[(tiles, split)](
-        x, weight, bias if bias is not None else y, y, part, counters, m, n, k, x.stride(0),
-        weight.stride(0), y.stride(0), k_per_split, HAS_BIAS=bias is not None,
-        SILU_MUL=silu_mul, EVEN_K=k == split * k_per_split, SPLIT=split, BLOCK_M=_BLOCK_M,
-        BLOCK_N=block_n, BLOCK_K=_BLOCK_K, num_warps=4, num_stages=4)
+    block_n, block_k = tiling(n, k)
+    _skinny_gemm_kernel[(-(-n // block_n),)](
+        x, weight, bias if bias is not None else y, y, n, k, weight.stride(0),
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, EVEN_K=k % block_k == 0,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES)
     return y
 
 
