@@ -20,7 +20,6 @@ from conveyor.kernels._util import check
 
 M_MAX = 1
 _TILE = 4096             # elements of W per program and step
-_NUM_WARPS = 4
 _NUM_STAGES = 3
 
 
@@ -59,14 +58,22 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, N, K, stride_wn,
     tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
 
 
-def tiling(n: int, k: int) -> tuple[int, int]:
-    """(BLOCK_N, BLOCK_K) for an [N, K] weight: 4 rows per program up to N = 4,096 (at least
-    256 programs there), 8 up to 16,384, then 16; BLOCK_K fills the tile (less for a small K).
-    Chosen from a sweep on the H200 of 4-32 rows x 256-1,024 columns x 2-8 warps x 2-4 stages
-    over the Qwen3-0.6B and Llama-3.1-8B shapes, where it is within a few percent of the best."""
+def tiling(n: int, k: int, silu_mul: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) for an [N, K] weight: 4 rows per program up to N = 4,096
+    (at least 256 programs there), 8 up to 16,384, then 16; BLOCK_K fills the tile (less for a
+    small K). With silu_mul over a long K, 8 rows: every program reloads the gate and up rows,
+    and fewer programs reload them less. Warps: 8 for 4-row tiles over a short K, 2 over a long
+    one, else 4. From two sweeps on the H200 (4-32 rows, 256-1,024 columns, 2-8 warps, 2-5
+    stages) over the Qwen3-0.6B and Llama-3.1-8B shapes: stages mattered least."""
     block_n = 4 if n <= 4096 else 8 if n <= 16384 else 16
+    if silu_mul and k >= 8192:
+        block_n = max(block_n, 8)
     block_k = min(_TILE // block_n, max(16, 1 << (k - 1).bit_length()))
-    return block_n, block_k
+    if block_n == 4:
+        num_warps = 8 if k < 4096 else 2
+    else:
+        num_warps = 8 if silu_mul else 4
+    return block_n, block_k, num_warps
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -95,11 +102,11 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     if n == 0:
         return y
-    block_n, block_k = tiling(n, k)
+    block_n, block_k, num_warps = tiling(n, k, silu_mul)
     _skinny_gemm_kernel[(-(-n // block_n),)](
         x, weight, bias if bias is not None else y, y, n, k, weight.stride(0),
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, EVEN_K=k % block_k == 0,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES)
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=_NUM_STAGES)
     return y
 
 

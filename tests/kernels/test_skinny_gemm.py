@@ -57,7 +57,7 @@ def test_tiling_of_the_benchmark_shapes():
     """At least 256 programs on every decode shape, tiles of 4,096 elements, whole K blocks."""
     for n, k in [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024),
                  (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]:
-        block_n, block_k = tiling(n, k)
+        block_n, block_k, _ = tiling(n, k)
         assert -(-n // block_n) >= 256 and block_n * block_k == 4096 and k % block_k == 0
 
 
