@@ -272,30 +272,31 @@ class Scheduler:
         return budget, preempted
 
     def _admit_waiting(self, batch: list, new: list[NewSeq], budget: int, now: float) -> None:
+        if not self.waiting:
+            return
         ctx = SchedulingContext(now, self.step_time_s, self.config.max_num_batched_tokens,
                                 len(self.running))
-        overdue = [r for r in self.waiting if self._overdue(r, now)]
+        cutoff = now - self.config.max_wait_s
+        overdue = [r for r in self.waiting if r.arrival < cutoff]
         order = sorted(overdue, key=lambda r: (r.arrival, r.arrival_index)) + \
-            self.policy.order_waiting([r for r in self.waiting if not self._overdue(r, now)], ctx)
-        # blocks the running requests are expected to take yet (admission.py)
-        growth = sum(self.admission.expected_growth(r) for r in self.running)
+            self.policy.order_waiting([r for r in self.waiting if r.arrival >= cutoff], ctx)
+        growth: int | None = None            # see _victims
         admitted: list[Request] = []
         for req in order:
             # NOTE: a request preempted with a sampled token in flight waits for that token: a
             # NewSeq carries every token.
             if budget == 0 or req.num_pending_tokens:
                 break
-            if not self._overdue(req, now) and not self.policy.admit(req, admitted, ctx):
+            if req.arrival >= cutoff and not self.policy.admit(req, admitted, ctx):
                 continue
             use_cache = req.sampling.prompt_logprobs is None   # every position must be computed
             prefix = self.blocks.lookup(req) if use_cache else []
             start = len(prefix) * self.blocks.block_size
             num = min(req.num_tokens - start, budget)
-            victims = self._victims(req, num, prefix, growth, admitted, ctx)
+            victims, growth = self._victims(req, num, prefix, growth, admitted, ctx)
             if victims is None:
                 break
             for victim in victims:
-                growth -= self.admission.expected_growth(victim)
                 budget += self._unplan(victim, batch)
                 self._preempt(victim)
             num_cached = self.blocks.allocate_prefix(req, prefix)
@@ -309,7 +310,8 @@ class Scheduler:
                               list(req.block_table), num_cached))
             batch.append(self._plan(req, num, []))
             budget -= num
-            growth += self.admission.expected_growth(req)
+            if growth is not None:
+                growth += self.admission.expected_growth(req)
             admitted.append(req)
             # NOTE: only the last running request may be part-way through its prefill (see
             # _schedule_running), even when preempting gave budget back
@@ -318,38 +320,47 @@ class Scheduler:
         if admitted:
             self.waiting = [r for r in self.waiting if r.status is WAITING]
 
-    def _victims(self, req: Request, num: int, prefix: list[int], growth: int,
-                 admitted: list[Request], ctx: SchedulingContext) -> list[Request] | None:
+    def _victims(self, req: Request, num: int, prefix: list[int], growth: int | None,
+                 admitted: list[Request], ctx: SchedulingContext
+                 ) -> tuple[list[Request] | None, int | None]:
         """The running requests to preempt so that `req` fits with num tokens after `prefix`
-        ([] if it fits as it is), or None if it cannot be made to fit.
+        ([] if it fits as it is; None if it cannot be made to fit), and `growth`.
 
         It fits with a free slot and, while anything runs, blocks for its expected length beyond
-        those for everyone's expected growth (at least the watermark): admission.py.
+        the expected growth of the running requests (at least the watermark): admission.py.
+        `growth` is that growth in blocks, or None until needed: it takes a pass over the running
+        requests, which a step with no free slot (the common case under load) skips.
         """
         expected = max(num, self.admission.expected_len(req) - len(prefix) * self.blocks.block_size)
         victims: list[Request] = []
         candidates = None
         free_slots, free_blocks = self.slots.num_free, self.blocks.num_free_blocks
         while True:
-            running = len(self.running) > len(victims)
-            reserve = max(self._watermark, growth) if running else 0
-            needed = self.blocks.num_needed(req, expected if running else num, prefix)
-            if free_slots and needed + reserve <= free_blocks:
-                return victims
+            if free_slots:
+                if len(self.running) == len(victims):
+                    needed, reserve = self.blocks.num_needed(req, num, prefix), 0
+                else:
+                    if growth is None:
+                        growth = sum(self.admission.expected_growth(r) for r in self.running
+                                     if r not in victims)
+                    needed = self.blocks.num_needed(req, expected, prefix)
+                    reserve = max(self._watermark, growth)
+                if needed + reserve <= free_blocks:
+                    return victims, growth
             if candidates is None:
                 taken = set(admitted)
                 candidates = [r for r in self.running
-                              if r not in taken and not self._overdue(r, ctx.now)
-                              and not self._ends_in_flight(r)
-                              and self.policy.may_preempt(req, r, ctx)]
+                              if self.policy.may_preempt(req, r, ctx) and r not in taken
+                              and not self._overdue(r, ctx.now) and not self._ends_in_flight(r)]
             if not candidates:
-                return None
+                return None, growth
             victim = self.policy.pick_victim(candidates)
             candidates.remove(victim)
             victims.append(victim)
             free_slots += 1
             free_blocks += self.blocks.num_exclusive(victim)
-            growth -= self.admission.expected_growth(victim)
+            if growth is not None:
+                growth -= self.admission.expected_growth(victim)
 
     def _unplan(self, req: Request, batch: list[_Planned]) -> int:
         """Take the part of `req` out of the step being planned (its blocks go when it is
@@ -363,7 +374,7 @@ class Scheduler:
 
     def _overdue(self, req: Request, now: float) -> bool:
         """Whether the fairness guard holds for `req`: it arrived more than max_wait_s ago."""
-        return now - req.arrival > self.config.max_wait_s
+        return req.arrival < now - self.config.max_wait_s
 
     def _plan(self, req: Request, num: int, new_block_ids: list[int]) -> _Planned:
         """The step computing the next num tokens of `req` (blocks allocated). Advances its
