@@ -46,8 +46,9 @@ from conveyor.shared.messages import (
     TokenOutput,
 )
 
-# NOTE: a waiting request is admitted only if this share of the pool stays free afterwards (unless
-# nothing is running), so admitting it does not at once preempt the running decodes.
+# NOTE: a waiting request is admitted only if this share of the pool stays free afterwards (or
+# the running requests' expected growth, if more: admission.py), unless nothing is running, so
+# admitting it does not at once preempt the running decodes.
 WATERMARK = 0.01
 STEP_TIME_EMA = 0.2                          # weight of the latest step in the step time estimate
 
