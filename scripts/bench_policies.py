@@ -27,6 +27,9 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
 sys.path.insert(0, str(Path(__file__).parent))
 import bench_serving  # noqa: E402
 
@@ -51,6 +54,13 @@ def served(policy: str, model: str | None, server_args: list[str], timeout: floa
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def preemptions(base_url: str) -> float:
+    """The server's count of preempted sequences so far (GET /metrics)."""
+    text = httpx.get(f"{base_url}/metrics", timeout=30).text
+    return next(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name == "conveyor_num_preemptions_total")
 
 
 def workload_args(args, base_url: str, rate: float, seed: int, warmup: int) -> list[str]:
@@ -126,7 +136,9 @@ def main(argv: list[str] | None = None) -> dict:
     policies, loads = args.policies.split(","), [float(x) for x in args.loads.split(",")]
 
     def run(url: str, rate: float, seed: int, warmup: int) -> dict:
+        before = preemptions(url)
         [report] = bench_serving.main(workload_args(args, url, rate, seed, warmup))
+        report["preemptions"] = preemptions(url) - before     # warm-up included
         return report
 
     with served("fcfs", model, server_args) as url:
@@ -144,14 +156,16 @@ def main(argv: list[str] | None = None) -> dict:
               "git_revision": bench_serving.git_revision(), "command": sys.argv,
               "model": saturated["model"], "server_args": server_args,
               "capacity_req_s": capacity, "capacity_run": saturated, "runs": runs}
-    print(f"{'policy':>10} {'load':>5} {'attained':>9} {'TTFT p50':>9} {'out tok/s':>10} "
-          f"{'failed':>7}")
+    print(f"{'policy':>10} {'load':>5} {'attained':>9} {'TTFT p50':>9} {'batch p50':>10} "
+          f"{'out tok/s':>10} {'preempted':>10} {'failed':>7}")
     for r in runs:
-        inter = r["report"]["classes"]["interactive"]
-        p50 = inter["ttft_ms"]["p50"]
+        rep = r["report"]
+        inter, batch = rep["classes"]["interactive"], rep["classes"]["batch"]
+        cells = ["-" if c["ttft_ms"]["p50"] is None else f"{c['ttft_ms']['p50']:.0f} ms"
+                 for c in (inter, batch)]
         print(f"{r['policy']:>10} {r['load']:>5g} {inter['slo_attainment'] or 0:>9.0%} "
-              f"{'-' if p50 is None else f'{p50:.0f} ms':>9} "
-              f"{r['report']['output_throughput']:>10.1f} {r['report']['failed']:>7}")
+              f"{cells[0]:>9} {cells[1]:>10} {rep['output_throughput']:>10.1f} "
+              f"{rep['preemptions']:>10.0f} {rep['failed']:>7}")
     if args.output:
         Path(args.output).write_text(json.dumps(result, indent=1))
     if args.plot:
