@@ -106,6 +106,8 @@ def plot(runs: list[dict], capacity: float, slo: float, title: str, path: str) -
 
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
+    # NOTE: a SIGTERM (timeout, a batch system) unwinds, so the server of the run is stopped too
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     ours, server_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv \
         else (argv, [])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
