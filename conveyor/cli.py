@@ -185,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--skip-tokenizer-init", action="store_true",
                      help="load no tokenizer: prompts and outputs are token ids only")
     add_engine_args(srv)
-    srv.set_defaults(func=cmd_serve, max_queued_requests=1024)
+    srv.set_defaults(func=cmd_serve)
 
     fetch = sub.add_parser("fetch-default-model", help="download the default model into the cache")
     fetch.set_defaults(func=cmd_fetch)

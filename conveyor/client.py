@@ -2,6 +2,7 @@
 
     with Client("tcp://127.0.0.1:5555") as c:
         print(c.generate("Hello", SamplingParams(max_tokens=20)).text)
+        c.generate("Hi", priority=-1, ttft_slo=0.5)     # scheduling options (docs/SCHEDULING.md)
 
 A prompt is text, token ids, or chat messages ([{"role": ..., "content": ...}]). Breaking out of a
 stream, closing the client or cancelling a task aborts the request on the server, which frees its
@@ -89,9 +90,21 @@ class GenerateResult:
         return self.outputs[0].error
 
 
-def build_request(request_id: str, prompt, params: SamplingParams | None,
-                  stream: bool) -> GenerateRequest:
-    req = GenerateRequest(id=request_id, sampling=params or SamplingParams(), stream=stream)
+@dataclass(frozen=True)
+class Scheduling:
+    """A request's scheduling options: priority (lower runs first) and latency objectives in
+    seconds (time to first token, mean time per output token after it)."""
+    priority: int = 0
+    ttft_slo: float | None = None
+    tpot_slo: float | None = None
+
+
+def build_request(request_id: str, prompt, params: SamplingParams | None, stream: bool,
+                  scheduling: Scheduling = Scheduling()) -> GenerateRequest:
+    """ValueError for an objective that is not a positive number of seconds."""
+    req = GenerateRequest(id=request_id, sampling=params or SamplingParams(), stream=stream,
+                          priority=scheduling.priority, ttft_slo=scheduling.ttft_slo,
+                          tpot_slo=scheduling.tpot_slo)
     if isinstance(prompt, str):
         req.prompt = prompt
     elif prompt and all(isinstance(m, dict) for m in prompt):
@@ -170,20 +183,24 @@ class Client:
         self._inbox: dict[str, deque] = {}      # request id -> replies not yet read
         self._stats: deque = deque()
 
-    def generate(self, prompts, sampling_params: SamplingParams | None = None):
+    def generate(self, prompts, sampling_params: SamplingParams | None = None, *,
+                 priority: int = 0, ttft_slo: float | None = None,
+                 tpot_slo: float | None = None):
         """One prompt -> GenerateResult; a list of prompts -> a list, run concurrently."""
         batch = prompts if is_batch(prompts) else [prompts]
-        ids = [self._send(p, sampling_params, stream=False) for p in batch]
+        scheduling = Scheduling(priority, ttft_slo, tpot_slo)
+        ids = [self._send(p, sampling_params, False, scheduling) for p in batch]
         try:
             results = [result_of(self._next(i)) for i in ids]
         finally:
             self._cancel([i for i in ids if i in self._inbox])
         return results if is_batch(prompts) else results[0]
 
-    def stream(self, prompt, sampling_params: SamplingParams | None = None
-               ) -> Iterator[StreamDelta]:
+    def stream(self, prompt, sampling_params: SamplingParams | None = None, *,
+               priority: int = 0, ttft_slo: float | None = None,
+               tpot_slo: float | None = None) -> Iterator[StreamDelta]:
         """Yield deltas as the server produces them; leaving early cancels the request."""
-        rid = self._send(prompt, sampling_params, stream=True)
+        rid = self._send(prompt, sampling_params, True, Scheduling(priority, ttft_slo, tpot_slo))
         try:
             while True:
                 msg = self._next(rid, remove=False)
@@ -218,10 +235,11 @@ class Client:
     def __del__(self) -> None:
         _drop(self)
 
-    def _send(self, prompt, params, stream: bool) -> str:
+    def _send(self, prompt, params, stream: bool, scheduling: Scheduling) -> str:
         rid = f"r{next(self._ids)}"
+        msg = build_request(rid, prompt, params, stream, scheduling)
         self._inbox[rid] = deque()
-        self._sock.send_multipart(encode(build_request(rid, prompt, params, stream)))
+        self._sock.send_multipart(encode(msg))
         return rid
 
     def _cancel(self, ids: list[str]) -> None:
@@ -275,20 +293,26 @@ class AsyncClient:
         self._reader: asyncio.Task | None = None
         self._lost: str | None = None
 
-    async def generate(self, prompts, sampling_params: SamplingParams | None = None):
+    async def generate(self, prompts, sampling_params: SamplingParams | None = None, *,
+                       priority: int = 0, ttft_slo: float | None = None,
+                       tpot_slo: float | None = None):
         if is_batch(prompts):
-            return list(await asyncio.gather(*(self.generate(p, sampling_params)
-                                               for p in prompts)))
-        rid, queue = self._send(prompts, sampling_params, stream=False)
+            return list(await asyncio.gather(*(
+                self.generate(p, sampling_params, priority=priority, ttft_slo=ttft_slo,
+                              tpot_slo=tpot_slo) for p in prompts)))
+        rid, queue = self._send(prompts, sampling_params, False,
+                                Scheduling(priority, ttft_slo, tpot_slo))
         try:
             return result_of(self._check(await queue.get()))
         finally:
             self._finish(rid)
 
-    async def stream(self, prompt, sampling_params: SamplingParams | None = None
-                     ) -> AsyncIterator[StreamDelta]:
+    async def stream(self, prompt, sampling_params: SamplingParams | None = None, *,
+                     priority: int = 0, ttft_slo: float | None = None,
+                     tpot_slo: float | None = None) -> AsyncIterator[StreamDelta]:
         """Leaving early cancels the request (wrap in contextlib.aclosing to do it at once)."""
-        rid, queue = self._send(prompt, sampling_params, stream=True)
+        rid, queue = self._send(prompt, sampling_params, True,
+                                Scheduling(priority, ttft_slo, tpot_slo))
         try:
             while True:
                 msg = self._check(await queue.get())
@@ -327,13 +351,15 @@ class AsyncClient:
     async def __aexit__(self, *exc) -> None:
         self.close()
 
-    def _send(self, prompt, params, stream: bool) -> tuple[str, asyncio.Queue]:
+    def _send(self, prompt, params, stream: bool,
+              scheduling: Scheduling) -> tuple[str, asyncio.Queue]:
         if self._lost:
             raise ServerError(self._lost)
-        self._start_reader()
         rid = f"r{next(self._ids)}"
+        msg = build_request(rid, prompt, params, stream, scheduling)
+        self._start_reader()
         queue = self._queues[rid] = asyncio.Queue()
-        self._sock.send_multipart(encode(build_request(rid, prompt, params, stream)))
+        self._sock.send_multipart(encode(msg))
         return rid, queue
 
     def _finish(self, rid: str) -> None:

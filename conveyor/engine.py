@@ -6,6 +6,7 @@ scheduling a step queues the next plan on the device before it takes the previou
 """
 from __future__ import annotations
 
+from conveyor.scheduler.policy import make_policy
 from conveyor.scheduler.scheduler import Scheduler
 from conveyor.shared.config import EngineConfig, ModelConfig
 from conveyor.shared.messages import AddRequest, StepPlan, StepResult, TokenOutput, decode, encode
@@ -25,12 +26,13 @@ class EngineCore:
         from conveyor.worker.model_runner import ModelRunner
 
         self.config = config
+        policy = make_policy(config.scheduling_policy)   # a bad name fails before the model loads
         self.files = files or resolve_model(config.model)
         self.model_config = read_model_config(self.files)
         self.max_model_len = max_model_len(config, self.model_config)
         self.runner = ModelRunner(config, self.model_config, self.files, self.max_model_len)
         self.scheduler = Scheduler(config, self.runner.num_blocks, self.model_config.eos_token_ids,
-                                   self.max_model_len)
+                                   self.max_model_len, policy)
 
     def add(self, msg: AddRequest) -> list[TokenOutput]:
         return self.scheduler.add(decode(encode(msg), (AddRequest,)))

@@ -23,6 +23,7 @@ import zmq
 
 from conveyor.engine import max_model_len
 from conveyor.frontend.server import frontend_main
+from conveyor.scheduler.policy import make_policy
 from conveyor.scheduler.process import scheduler_main
 from conveyor.shared.config import HttpConfig, ModelConfig, ServeConfig
 from conveyor.shared.messages import Drain, Drained, EngineDead, FrontendDead, Ready
@@ -65,6 +66,10 @@ def serve(engine, http: HttpConfig, *, host: str = "127.0.0.1", zmq_port: int = 
     model = read_model_config(resolve_model(engine.model))
     check_tensor_parallel(model, engine.tensor_parallel_size)
     max_model_len(engine, model)
+    try:
+        make_policy(engine.scheduling_policy)    # the scheduler process loads it again
+    except ValueError as e:
+        raise LaunchError(str(e)) from None
     reserved = None
     if http.port is not None:
         try:

@@ -9,6 +9,12 @@ Failed requests are counted, not fatal; Ctrl-C reports what was measured so far.
     python scripts/bench_serving.py --num-prompts 200 --request-rate 4 --random-input-len 1024
     python scripts/bench_serving.py --sweep 1,2,4,8,inf --output runs.jsonl --plot latency.png
 
+A mixed workload (--interactive-share) makes that share of the requests interactive: their own
+lengths, a time-to-first-token objective sent as `ttft_slo` (conveyor's extra field) and
+optionally a `priority`; the report then gives each class's TTFT and the share of its requests
+that met the objective (failed ones count as misses). scripts/bench_policies.py sweeps loads and
+scheduling policies with it.
+
 NOTE: in a sweep the random dataset is redrawn for each rate (seed + k), so no rate gains from
 prefix-cache hits on the prompts of the previous one.
 """
@@ -43,6 +49,7 @@ class Request:
     prompt: str | list[int] | None = None      # completions: text or token ids
     messages: list[dict] | None = None         # chat
     max_tokens: int | None = None
+    interactive: bool = False                  # of the mixed workload's interactive class
 
 
 @dataclass
@@ -56,6 +63,7 @@ class Result:
     output_tokens: int | None = None           # from usage, when the server sent it
     prompt_tokens: int | None = None
     error: str | None = None
+    interactive: bool = False
 
     @property
     def ok(self) -> bool:
@@ -128,6 +136,19 @@ def random_requests(n: int, input_len: int, output_len: int, ratio: float, endpo
             requests.append(Request(prompt=[rng.randint(min_id, max_id) for _ in range(k)],
                                     max_tokens=max_tokens))
     return requests
+
+
+def mix_interactive(requests: list[Request], share: float, seed: int | str,
+                    replacements: list[Request] | None = None) -> list[Request]:
+    """`requests` with round(share * len) of them, at seeded positions, made interactive:
+    replaced in turn by `replacements` if given, else as they are."""
+    rng = random.Random(f"mix-{seed}")
+    chosen = sorted(rng.sample(range(len(requests)), round(share * len(requests))))
+    out = list(requests)
+    for j, i in enumerate(chosen):
+        req = replacements[j] if replacements is not None else requests[i]
+        out[i] = Request(req.prompt, req.messages, req.max_tokens, interactive=True)
+    return out
 
 
 def load_jsonl(path: str, default_max_tokens: int | None = None) -> list[Request]:
@@ -218,6 +239,10 @@ def payload(req: Request, endpoint: str, model: str, args) -> dict:
         del body["max_tokens"]
     if args.ignore_eos:
         body["ignore_eos"] = True
+    if req.interactive and args.interactive_ttft_slo is not None:
+        body["ttft_slo"] = args.interactive_ttft_slo
+    if req.interactive and args.interactive_priority is not None:
+        body["priority"] = args.interactive_priority
     return body
 
 
@@ -254,26 +279,30 @@ async def send(client: httpx.AsyncClient, url: str, body: dict, endpoint: str) -
 
 async def benchmark(client, url: str, bodies: list[dict], endpoint: str, rate: float,
                     max_concurrency: int | None, seed: int, timeout: float,
-                    results: list[Result]) -> None:
-    """Send `bodies` on the arrival schedule; append each finished Result to `results`."""
+                    results: list[Result], interactive: list[bool] | None = None) -> None:
+    """Send `bodies` on the arrival schedule; append each finished Result to `results`
+    (marked interactive where `interactive` says so)."""
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     offsets = arrival_times(len(bodies), rate, seed)
     t0 = time.perf_counter()
 
-    async def one(offset: float, body: dict) -> None:
+    async def one(offset: float, body: dict, kind: bool) -> None:
         await asyncio.sleep(max(0.0, t0 + offset - time.perf_counter()))
         if limit:
             await limit.acquire()
         try:
-            results.append(await asyncio.wait_for(send(client, url, body, endpoint), timeout))
+            r = await asyncio.wait_for(send(client, url, body, endpoint), timeout)
         except asyncio.TimeoutError:
-            results.append(Result(start=time.perf_counter() - timeout, end=time.perf_counter(),
-                                  error=f"timeout after {timeout} s"))
+            r = Result(start=time.perf_counter() - timeout, end=time.perf_counter(),
+                       error=f"timeout after {timeout} s")
         finally:
             if limit:
                 limit.release()
+        r.interactive = kind
+        results.append(r)
 
-    await asyncio.gather(*(one(o, b) for o, b in zip(offsets, bodies)))
+    kinds = interactive or [False] * len(bodies)
+    await asyncio.gather(*(one(o, b, k) for o, b, k in zip(offsets, bodies, kinds)))
 
 
 def make_report(results: list[Result], settings: dict, interrupted: bool) -> dict:
@@ -289,16 +318,32 @@ def make_report(results: list[Result], settings: dict, interrupted: bool) -> dic
     def per_s(x: float) -> float:
         return x / duration if duration > 0 else 0.0
 
-    return {**settings, "interrupted": interrupted, "duration_s": duration,
-            "completed": len(ok), "failed": len(results) - len(ok),
-            "errors": dict(sorted(errors.items(), key=lambda kv: -kv[1])[:5]),
-            "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
-            "request_throughput": per_s(len(ok)), "output_throughput": per_s(out_tokens),
-            "total_token_throughput": per_s(in_tokens + out_tokens),
-            "ttft_ms": summarize([r.ttft for r in ok]),
-            "tpot_ms": summarize([r.tpot for r in ok if r.tpot is not None]),
-            "itl_ms": summarize([g for r in ok for g in r.itl]),
-            "e2e_ms": summarize([r.end - r.start for r in ok])}
+    report = {**settings, "interrupted": interrupted, "duration_s": duration,
+              "completed": len(ok), "failed": len(results) - len(ok),
+              "errors": dict(sorted(errors.items(), key=lambda kv: -kv[1])[:5]),
+              "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
+              "request_throughput": per_s(len(ok)), "output_throughput": per_s(out_tokens),
+              "total_token_throughput": per_s(in_tokens + out_tokens),
+              "ttft_ms": summarize([r.ttft for r in ok]),
+              "tpot_ms": summarize([r.tpot for r in ok if r.tpot is not None]),
+              "itl_ms": summarize([g for r in ok for g in r.itl]),
+              "e2e_ms": summarize([r.end - r.start for r in ok])}
+    if settings.get("interactive_share"):
+        slo = settings.get("interactive_ttft_slo")
+        report["classes"] = {
+            "interactive": class_report([r for r in results if r.interactive], slo),
+            "batch": class_report([r for r in results if not r.interactive], None)}
+    return report
+
+
+def class_report(results: list[Result], slo: float | None) -> dict:
+    """One class of a mixed workload: its TTFT, and the share of its requests whose first token
+    came within `slo` seconds (a failed request missed it)."""
+    ok = [r for r in results if r.ok]
+    met = sum(r.ttft is not None and r.ttft <= slo for r in ok) if slo is not None else None
+    return {"requests": len(results), "completed": len(ok), "ttft_ms": summarize(
+        [r.ttft for r in ok]), "slo_attainment": (met / len(results)
+                                                  if met is not None and results else None)}
 
 
 def print_report(rep: dict) -> None:
@@ -316,6 +361,14 @@ def print_report(rep: dict) -> None:
     for name in ("ttft", "tpot", "itl", "e2e"):
         cells = ["-" if v is None else f"{v:.1f}" for v in rep[f"{name}_ms"].values()]
         print(f"{name.upper():10}" + "".join(f"{c:>10}" for c in cells))
+    for kind, c in rep.get("classes", {}).items():
+        ttft = c["ttft_ms"]
+        met = ("" if c["slo_attainment"] is None else
+               f", TTFT <= {rep['interactive_ttft_slo']:g} s: {c['slo_attainment']:.0%}")
+        p50 = "-" if ttft["p50"] is None else f"{ttft['p50']:.0f}"
+        p99 = "-" if ttft["p99"] is None else f"{ttft['p99']:.0f}"
+        print(f"{kind:12} {c['completed']}/{c['requests']} completed, TTFT p50 {p50} ms, "
+              f"p99 {p99} ms{met}")
 
 
 def plot(reports: list[dict], path: str) -> None:
@@ -391,7 +444,8 @@ async def run_all(args, base: str, headers: dict, model: str, rates: list[float]
             if not r.ok:
                 print(f"warm-up request failed: {r.error}", file=sys.stderr)
         for k, rate in enumerate(rates):
-            bodies = [payload(req, args.endpoint, model, args) for req in dataset(args, k)]
+            requests = dataset(args, k)
+            bodies = [payload(req, args.endpoint, model, args) for req in requests]
             settings = {
                 "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 "git_revision": revision, "base_url": base, "model": model,
@@ -401,13 +455,19 @@ async def run_all(args, base: str, headers: dict, model: str, rates: list[float]
                 "random_input_len": args.random_input_len,
                 "random_output_len": args.random_output_len,
                 "random_range_ratio": args.random_range_ratio, "ignore_eos": args.ignore_eos,
-                "temperature": args.temperature, "seed": args.seed + k}
+                "temperature": args.temperature, "seed": args.seed + k,
+                "interactive_share": args.interactive_share,
+                "interactive_ttft_slo": args.interactive_ttft_slo,
+                "interactive_priority": args.interactive_priority,
+                "interactive_input_len": args.interactive_input_len,
+                "interactive_output_len": args.interactive_output_len}
             print(f"rate {settings['request_rate']}: {len(bodies)} requests", flush=True)
             results: list[Result] = []
             finished = False
             try:
                 await benchmark(client, url, bodies, args.endpoint, rate, args.max_concurrency,
-                                args.seed + k, args.timeout, results)
+                                args.seed + k, args.timeout, results,
+                                [req.interactive for req in requests])
                 finished = True
             finally:                                # also on Ctrl-C: report the partial run
                 reports.append(make_report(results, settings, interrupted=not finished))
@@ -418,11 +478,18 @@ async def run_all(args, base: str, headers: dict, model: str, rates: list[float]
 
 
 def dataset(args, k: int) -> list[Request]:
-    if args.dataset == "random":
-        return random_requests(args.num_prompts, args.random_input_len, args.random_output_len,
-                               args.random_range_ratio, args.endpoint, args.seed + k,
-                               args.random_min_id, args.random_max_id)
-    return load_jsonl(args.dataset, args.random_output_len)[:args.num_prompts]
+    seed = args.seed + k
+    if args.dataset != "random":
+        requests = load_jsonl(args.dataset, args.random_output_len)[:args.num_prompts]
+        return mix_interactive(requests, args.interactive_share, seed)
+    requests = random_requests(args.num_prompts, args.random_input_len, args.random_output_len,
+                               args.random_range_ratio, args.endpoint, seed, args.random_min_id,
+                               args.random_max_id)
+    interactive = random_requests(
+        round(args.interactive_share * len(requests)), args.interactive_input_len,
+        args.interactive_output_len, args.random_range_ratio, args.endpoint, f"interactive-{seed}",
+        args.random_min_id, args.random_max_id)
+    return mix_interactive(requests, args.interactive_share, seed, interactive)
 
 
 def warmup_requests(args) -> list[Request]:
@@ -458,7 +525,20 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--warmup", type=int, default=1, help="warm-up requests, not counted")
     ap.add_argument("--output", help="append each run's result as a JSON line to this file")
     ap.add_argument("--plot", help="write a latency-vs-load PNG here")
+    mix = ap.add_argument_group("mixed workload")
+    mix.add_argument("--interactive-share", type=float, default=0.0,
+                     help="share of interactive requests (0: one class)")
+    mix.add_argument("--interactive-ttft-slo", type=float, default=1.0, metavar="SECONDS",
+                     help="their time-to-first-token objective, sent as ttft_slo")
+    mix.add_argument("--interactive-priority", type=int, default=None,
+                     help="their priority (sent only if given; batch requests send none)")
+    mix.add_argument("--interactive-input-len", type=int, default=None,
+                     help="random dataset: their prompt length (default: --random-input-len)")
+    mix.add_argument("--interactive-output-len", type=int, default=None,
+                     help="random dataset: their max_tokens (default: --random-output-len)")
     args = ap.parse_args(argv)
+    args.interactive_input_len = args.interactive_input_len or args.random_input_len
+    args.interactive_output_len = args.interactive_output_len or args.random_output_len
     try:
         args.rates = ([float(x) for x in args.sweep.split(",")] if args.sweep
                       else [args.request_rate])
@@ -470,6 +550,8 @@ def parse_args(argv: list[str] | None = None):
         ap.error("--num-prompts and --max-concurrency must be >= 1")
     if not 0 <= args.random_range_ratio < 1 or args.random_min_id > args.random_max_id:
         ap.error("need 0 <= --random-range-ratio < 1 and --random-min-id <= --random-max-id")
+    if not 0 <= args.interactive_share <= 1 or not args.interactive_ttft_slo > 0:
+        ap.error("need 0 <= --interactive-share <= 1 and --interactive-ttft-slo > 0")
     return args
 
 

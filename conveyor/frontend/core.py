@@ -99,7 +99,8 @@ class FrontendCore:
             raise RequestError(str(e)) from None
         rid = f"{self.id_prefix}{next(self._ids)}"
         adds = self.tracker.add(rid, text, token_ids, params, msg.priority,
-                                cache_salt=msg.cache_salt)
+                                cache_salt=msg.cache_salt, ttft_slo=msg.ttft_slo,
+                                tpot_slo=msg.tpot_slo)
         o = _Open(msg.id, msg.stream, deliver, [0] * len(adds))
         if self.timeout_s is not None:
             o.timer = asyncio.get_running_loop().call_later(

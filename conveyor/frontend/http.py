@@ -100,10 +100,12 @@ def build_app(core: FrontendCore, model_names: tuple[str, ...], max_n: int,
                 raise ValueError(f"n times the number of prompts must be at most {max_n} "
                                  f"(--max-n), got {params.n} x {len(prompts)}")
         salt = cache_salt(request, req.cache_salt)
-        gens = [GenerateRequest(id=str(i), sampling=params, stream=req.stream,
-                                priority=req.priority, cache_salt=salt,
-                                **({"prompt": p} if isinstance(p, str) else
-                                   {"prompt_token_ids": p})) for i, p in enumerate(prompts)]
+        with _bad_request():
+            gens = [GenerateRequest(id=str(i), sampling=params, stream=req.stream,
+                                    priority=req.priority, cache_salt=salt,
+                                    ttft_slo=req.ttft_slo, tpot_slo=req.tpot_slo,
+                                    **({"prompt": p} if isinstance(p, str) else
+                                       {"prompt_token_ids": p})) for i, p in enumerate(prompts)]
         run = _Run(core, request, gens)
         shape = oai.CompletionShape(f"cmpl-{uuid.uuid4().hex}", model, req, core.tokenizer)
         shape.token_ids = req.return_token_ids or core.tokenizer is None
@@ -114,9 +116,10 @@ def build_app(core: FrontendCore, model_names: tuple[str, ...], max_n: int,
         req, model = await parse(request, oai.ChatRequest)
         with _bad_request():
             params = oai.sampling_params(req)
-            messages = oai.chat_messages(req)
-        gen = GenerateRequest(id="0", messages=messages, sampling=params, stream=req.stream,
-                              priority=req.priority, cache_salt=cache_salt(request, req.cache_salt))
+            gen = GenerateRequest(id="0", messages=oai.chat_messages(req), sampling=params,
+                                  stream=req.stream, priority=req.priority,
+                                  cache_salt=cache_salt(request, req.cache_salt),
+                                  ttft_slo=req.ttft_slo, tpot_slo=req.tpot_slo)
         run = _Run(core, request, [gen])
         shape = oai.ChatShape(f"chatcmpl-{uuid.uuid4().hex}", model, req.n, req.top_logprobs or 0)
         shape.token_ids = req.return_token_ids

@@ -160,6 +160,21 @@ def _stats_families(s: Stats):
     yield counter("conveyor_num_preemptions_total", "Sequences preempted.", s.num_preemptions)
     yield gauge("conveyor_engine_integrity_ok", "1 when the block manager's check passes.",
                 1 if s.integrity_ok else 0)
+    yield gauge("conveyor_longest_wait_seconds", "Age of the oldest waiting sequence.",
+                s.longest_wait_s)
+    if s.queue_cap is not None:
+        yield gauge("conveyor_queue_cap_requests", "Waiting sequences beyond this are refused.",
+                    s.queue_cap)
+    judged = CounterMetricFamily("conveyor_slo_judged_total",
+                                 "Sequences whose latency objective was judged.",
+                                 labels=["objective"])
+    missed = CounterMetricFamily("conveyor_slo_missed_total",
+                                 "Sequences that missed their latency objective.",
+                                 labels=["objective"])
+    for objective in ("ttft", "tpot"):
+        judged.add_metric([objective], getattr(s, f"{objective}_slo_judged"))
+        missed.add_metric([objective], getattr(s, f"{objective}_slo_missed"))
+    yield from (judged, missed)
 
 
 def _nvml_handles() -> list:

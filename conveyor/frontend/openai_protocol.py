@@ -43,7 +43,9 @@ class _Common(msgspec.Struct, kw_only=True):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    priority: int = 0
+    priority: int = 0                        # lower runs first (--scheduling-policy priority)
+    ttft_slo: float | None = None            # latency objectives in seconds (docs/SCHEDULING.md)
+    tpot_slo: float | None = None
     return_token_ids: bool = False           # each choice also carries its token ids
     cache_salt: str | None = None            # prefix-cache blocks are shared only within a salt
 

@@ -46,7 +46,8 @@ class RequestTracker:
 
     def add(self, request_id: str, prompt: str | None, prompt_ids: list[int],
             params: SamplingParams, priority: int = 0, arrival: float | None = None,
-            cache_salt: str | None = None) -> list[AddRequest]:
+            cache_salt: str | None = None, ttft_slo: float | None = None,
+            tpot_slo: float | None = None) -> list[AddRequest]:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         arrival = time.time() if arrival is None else arrival
@@ -65,7 +66,8 @@ class RequestTracker:
             sub = _sub_params(params, i)
             msgs.append(AddRequest(id=sub_id(request_id, i), token_ids=list(prompt_ids),
                                    sampling=sub, priority=priority, arrival=arrival,
-                                   cache_salt=cache_salt))
+                                   cache_salt=cache_salt, ttft_slo=ttft_slo,
+                                   tpot_slo=tpot_slo))
         self.requests[request_id] = req
         return msgs
 

@@ -97,11 +97,18 @@ class BlockManager:
                      reserve: int = 0) -> bool:
         """Whether `req` can cover num_new_tokens more tokens (after `prefix`, the blocks from
         `lookup` for a request holding none) and still leave `reserve` blocks free."""
+        return self.num_needed(req, num_new_tokens, prefix) + reserve <= len(self._free)
+
+    def num_needed(self, req: Request, num_new_tokens: int, prefix: Sequence[int] = ()) -> int:
+        """Free blocks `req` takes to cover num_new_tokens more tokens (see can_allocate)."""
         held = len(prefix) or len(req.block_table)
         start = len(prefix) * self.block_size if prefix else req.num_computed_tokens
         fresh = max(0, -(-(start + num_new_tokens) // self.block_size) - held)
-        revived = sum(self.blocks[b].ref_count == 0 for b in prefix)
-        return fresh + revived + reserve <= len(self._free)
+        return fresh + sum(self.blocks[b].ref_count == 0 for b in prefix)
+
+    def num_exclusive(self, req: Request) -> int:
+        """Blocks of `req` no other request holds: those freeing it returns to the free queue."""
+        return sum(self.blocks[b].ref_count == 1 for b in req.block_table)
 
     def allocate_prefix(self, req: Request, prefix: Sequence[int]) -> int:
         """Take refs on the cached `prefix` blocks for a request holding none; returns (and sets

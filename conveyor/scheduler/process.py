@@ -49,7 +49,7 @@ def scheduler_main(ctx: zmq.Context, control: Socket, cfg: ServeConfig) -> None:
                          f"{cfg.engine.max_num_seqs} (one block per request); raise "
                          f"--kv-cache-memory-bytes or lower --max-num-seqs")
     scheduler = Scheduler(cfg.engine, num_blocks, model.eos_token_ids,
-                          max_model_len(cfg.engine, model))
+                          max_model_len(cfg.engine, model), derive_queue_cap=True)
     control.send(Ready("scheduler", {"num_blocks": num_blocks}))
     SchedulerLoop(scheduler, frontends, results, workers).run()
 

@@ -24,8 +24,9 @@ class Request:
     token_ids: list[int]                     # prompt + output so far
     prompt_len: int
     sampling: SamplingParams
-    priority: int = 0
-    deadline: float | None = None
+    priority: int = 0                        # lower runs first (the priority policy)
+    ttft_slo: float | None = None            # objective: seconds from arrival to the first token
+    tpot_slo: float | None = None            # objective: mean seconds per output token after it
     arrival: float = 0.0
     arrival_index: int = 0                   # order of `add` calls, breaks ties between arrivals
     cache_salt: str | None = None            # its prefix-cache blocks match only this salt's
@@ -49,8 +50,9 @@ class Request:
     def from_message(cls, msg: AddRequest, arrival_index: int = 0) -> Request:
         return cls(
             id=msg.id, token_ids=list(msg.token_ids), prompt_len=len(msg.token_ids),
-            sampling=msg.sampling, priority=msg.priority, deadline=msg.deadline,
-            arrival=msg.arrival, arrival_index=arrival_index, cache_salt=msg.cache_salt,
+            sampling=msg.sampling, priority=msg.priority, ttft_slo=msg.ttft_slo,
+            tpot_slo=msg.tpot_slo, arrival=msg.arrival, arrival_index=arrival_index,
+            cache_salt=msg.cache_salt,
             stats=RequestStats(arrival=msg.arrival),
         )
 
@@ -79,3 +81,13 @@ class Request:
     def num_remaining_tokens(self) -> int:
         """Known or pending tokens whose KV is not computed (nor planned); 1 in decode."""
         return self.num_planned_tokens - self.num_computed_tokens
+
+    def due(self) -> float | None:
+        """When its next token is due under its objectives (a time.time()), or None when no
+        objective is at stake: the first token at arrival + ttft_slo; after it, the next one
+        while the mean time per output token stays within tpot_slo."""
+        if not self.stats.first_token:
+            return None if self.ttft_slo is None else self.arrival + self.ttft_slo
+        if self.tpot_slo is None:
+            return None
+        return self.stats.first_token + self.tpot_slo * self.num_output_tokens

@@ -5,6 +5,12 @@ then waiting ones in policy order, preempting by recompute when blocks run out);
 the worker's result and says what the frontends should see. A worker applies a `StepPlan` in this
 order: release the `freed` slots, install the `new` sequences, run `seqs`.
 
+Admission (docs/SCHEDULING.md): waiting requests are admitted in the policy's order, behind the
+fairness guard: a request older than `max_wait_s` goes first, skips the policy's `admit`, and is
+neither preempted for a waiting request nor, while a younger one can give way, for blocks. One
+that does not fit may take the place of running requests the policy lets it preempt, if enough of
+them give way. `admission.py` sizes what fits from the pool and the lengths seen.
+
 Overlap scheduling (`async_scheduling`): up to two plans are in flight, and step N+1 is planned
 while step N runs, as if N were done. Planning a step advances its requests' progress at once; a
 token it samples is pending (known to exist, value unknown) until update() of its step, and the
@@ -18,11 +24,14 @@ import itertools
 import os
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from conveyor.scheduler import prompt_logprobs
+from conveyor.scheduler.admission import Admission
 from conveyor.scheduler.block_manager import BlockManager, IntegrityError
-from conveyor.scheduler.policy import FCFSPolicy, Policy
+from conveyor.scheduler.objectives import ObjectiveCounts
+from conveyor.scheduler.policy import Policy, SchedulingContext, make_policy
 from conveyor.scheduler.request import Request, RequestStatus
 from conveyor.scheduler.slots import SlotPool
 from conveyor.scheduler.stop import check_stop
@@ -37,9 +46,11 @@ from conveyor.shared.messages import (
     TokenOutput,
 )
 
-# NOTE: a waiting request is admitted only if this share of the pool stays free afterwards (unless
-# nothing is running), so admitting it does not at once preempt the running decodes.
+# NOTE: a waiting request is admitted only if this share of the pool stays free afterwards (or
+# the running requests' expected growth, if more: admission.py), unless nothing is running, so
+# admitting it does not at once preempt the running decodes.
 WATERMARK = 0.01
+STEP_TIME_EMA = 0.2                          # weight of the latest step in the step time estimate
 
 WAITING, RUNNING, FINISHED = RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.FINISHED
 
@@ -54,12 +65,17 @@ class _Planned:
 
 
 class Scheduler:
+    """derive_queue_cap: cap the waiting queue from the pool (`conveyor serve`; admission.py).
+    clock: time.time, or a fake one in tests."""
+
     def __init__(self, config: EngineConfig, num_blocks: int, eos_token_ids: tuple[int, ...],
-                 max_model_len: int, policy: Policy | None = None) -> None:
+                 max_model_len: int, policy: Policy | None = None, derive_queue_cap: bool = False,
+                 clock: Callable[[], float] = time.time) -> None:
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {max_model_len}")
         self.config = config
-        self.policy = policy or FCFSPolicy()
+        self.policy = policy or make_policy(config.scheduling_policy)
+        self.clock = clock
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
         # NOTE: no request outgrows the pool: it ends with "length" where the pool would overflow.
@@ -68,13 +84,19 @@ class Scheduler:
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                    hash_key=key)
         self._watermark = int(WATERMARK * num_blocks)
+        self.admission = Admission(num_blocks, config.block_size, config.max_num_seqs,
+                                   self.max_len, config.max_queued_requests, derive_queue_cap)
+        self.objectives = ObjectiveCounts()
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.slots = SlotPool(config.max_num_seqs)
         self.max_in_flight = 2 if config.async_scheduling else 1
-        self._in_flight: deque[tuple[int, list[_Planned]]] = deque()   # (step, its parts), oldest
+        # (step, its parts, when it was planned), oldest first
+        self._in_flight: deque[tuple[int, list[_Planned], float]] = deque()
         self._step = 0
+        self.step_time_s = 0.0                # moving average of a step's wall time
+        self._last_result = 0.0               # when update() last applied a result
         self._arrivals = itertools.count()
         self.num_preemptions = 0
         self._integrity_ok = True
@@ -104,7 +126,7 @@ class Scheduler:
         error = self._reject_reason(msg)
         if error is not None:
             return [TokenOutput(msg.id, [], finish_reason="error", error=error, error_code=400)]
-        cap = self.config.max_queued_requests
+        cap = self.admission.queue_cap()
         # NOTE: requests that free sequence slots will take at the next step are not queued
         if cap is not None and len(self.waiting) - self.slots.num_free >= cap:
             return [TokenOutput(msg.id, [], finish_reason="error", error_code=429,
@@ -112,6 +134,7 @@ class Scheduler:
         req = Request.from_message(msg, next(self._arrivals))
         self.requests[req.id] = req
         self.waiting.append(req)
+        self.admission.prompt_len.add(req.prompt_len)
         return []
 
     def abort(self, ids: list[str], reason: str = "abort") -> list[TokenOutput]:
@@ -135,19 +158,20 @@ class Scheduler:
         if len(self._in_flight) >= self.max_in_flight:
             raise RuntimeError(f"schedule() called with {len(self._in_flight)} plans in flight; "
                                f"update() first")
+        now = self.clock()
         budget = self.config.max_num_batched_tokens
         batch: list[_Planned] = []
-        budget, preempted = self._schedule_running(batch, budget)
+        budget, preempted = self._schedule_running(batch, budget, now)
         new: list[NewSeq] = []
         # NOTE: after a preemption nothing new is admitted this step, lest it is preempted next.
         if not preempted or not batch:
-            self._admit_waiting(batch, new, budget)
+            self._admit_waiting(batch, new, budget, now)
         if not batch:
             return None
         # NOTE: single-token steps (decodes) come first: workers rely on this order.
         batch.sort(key=lambda p: p.step.num_tokens > 1)
         self._step += 1
-        self._in_flight.append((self._step, batch))
+        self._in_flight.append((self._step, batch, now))
         return StepPlan(self._step, new, [p.step for p in batch], self.slots.take_released())
 
     def update(self, result: StepResult) -> list[TokenOutput]:
@@ -160,7 +184,8 @@ class Scheduler:
         if len(result.sampled) != sum(p.step.sample for p in planned):
             raise ValueError(f"step {result.step}: {len(result.sampled)} sampled tokens for "
                              f"{sum(p.step.sample for p in planned)} sampling sequences")
-        self._in_flight.popleft()
+        _, _, planned_at = self._in_flight.popleft()
+        self._time_step(planned_at)
         samples = iter(zip(result.sampled, result.logprobs))
         prompt_entries = dict(result.prompt_logprobs)
         outputs = []
@@ -192,6 +217,7 @@ class Scheduler:
 
     def stats(self) -> Stats:
         """Counters for metrics; integrity_ok is the outcome of the last check_integrity()."""
+        now, o = self.clock(), self.objectives
         return Stats(
             num_running=len(self.running), num_waiting=len(self.waiting),
             num_free_blocks=self.blocks.num_free_blocks, num_total_blocks=self.blocks.num_blocks,
@@ -199,6 +225,10 @@ class Scheduler:
             prefix_cache_queries=self.blocks.prefix_cache_queries,
             prefix_cache_hits=self.blocks.prefix_cache_hits,
             num_preemptions=self.num_preemptions, integrity_ok=self._integrity_ok,
+            longest_wait_s=max([0.0] + [now - r.arrival for r in self.waiting]),
+            queue_cap=self.admission.queue_cap(),
+            ttft_slo_judged=o.ttft_judged, ttft_slo_missed=o.ttft_missed,
+            tpot_slo_judged=o.tpot_judged, tpot_slo_missed=o.tpot_missed,
         )
 
     def check_integrity(self) -> None:
@@ -213,7 +243,7 @@ class Scheduler:
 
     # --- planning ---------------------------------------------------------------------------
 
-    def _schedule_running(self, batch: list, budget: int) -> tuple[int, bool]:
+    def _schedule_running(self, batch: list, budget: int, now: float) -> tuple[int, bool]:
         preempted = False
         scheduled: set[str] = set()
         # NOTE: decodes get the budget first without sorting: a request is admitted only with
@@ -227,8 +257,11 @@ class Scheduler:
                 continue
             num = min(req.num_remaining_tokens, budget)
             while not self.blocks.can_allocate(req, num):
+                candidates = [r for r in self.running if r.id not in scheduled]
+                # NOTE: the fairness guard: an overdue request gives way last, or it could be
+                # preempted again each time it is readmitted
                 victim = self.policy.pick_victim(
-                    [r for r in self.running if r.id not in scheduled])
+                    [r for r in candidates if not self._overdue(r, now)] or candidates)
                 self._preempt(victim)
                 preempted = True
                 if victim is req:
@@ -239,33 +272,110 @@ class Scheduler:
                 budget -= num
         return budget, preempted
 
-    def _admit_waiting(self, batch: list, new: list[NewSeq], budget: int) -> None:
-        admitted = False
-        for req in self.policy.order_waiting(self.waiting):
+    def _admit_waiting(self, batch: list, new: list[NewSeq], budget: int, now: float) -> None:
+        if not self.waiting:
+            return
+        ctx = SchedulingContext(now, self.step_time_s, self.config.max_num_batched_tokens,
+                                len(self.running))
+        cutoff = now - self.config.max_wait_s
+        overdue = [r for r in self.waiting if r.arrival < cutoff]
+        order = sorted(overdue, key=lambda r: (r.arrival, r.arrival_index)) + \
+            self.policy.order_waiting([r for r in self.waiting if r.arrival >= cutoff], ctx)
+        growth: int | None = None            # see _victims
+        admitted: list[Request] = []
+        for req in order:
             # NOTE: a request preempted with a sampled token in flight waits for that token: a
             # NewSeq carries every token.
-            if budget == 0 or not self.slots.num_free or req.num_pending_tokens:
+            if budget == 0 or req.num_pending_tokens:
                 break
+            if req.arrival >= cutoff and not self.policy.admit(req, admitted, ctx):
+                continue
             use_cache = req.sampling.prompt_logprobs is None   # every position must be computed
             prefix = self.blocks.lookup(req) if use_cache else []
-            num = min(req.num_tokens - len(prefix) * self.blocks.block_size, budget)
-            reserve = self._watermark if self.running else 0
-            if not self.blocks.can_allocate(req, num, prefix, reserve):
+            start = len(prefix) * self.blocks.block_size
+            num = min(req.num_tokens - start, budget)
+            victims, growth = self._victims(req, num, prefix, growth, admitted, ctx)
+            if victims is None:
                 break
+            for victim in victims:
+                budget += self._unplan(victim, batch)
+                self._preempt(victim)
             num_cached = self.blocks.allocate_prefix(req, prefix)
             self.blocks.allocate(req, num)
             req.status, req.slot = RUNNING, self.slots.allocate()
             if not req.stats.first_scheduled:
-                req.stats.first_scheduled = time.time()
+                req.stats.first_scheduled = now
                 req.stats.num_cached_tokens = num_cached
             self.running.append(req)
             new.append(NewSeq(req.slot, list(req.token_ids), req.prompt_len, req.sampling,
                               list(req.block_table), num_cached))
             batch.append(self._plan(req, num, []))
             budget -= num
-            admitted = True
+            if growth is not None:
+                growth += self.admission.expected_growth(req)
+            admitted.append(req)
+            # NOTE: only the last running request may be part-way through its prefill (see
+            # _schedule_running), even when preempting gave budget back
+            if num < req.num_tokens - start:
+                break
         if admitted:
             self.waiting = [r for r in self.waiting if r.status is WAITING]
+
+    def _victims(self, req: Request, num: int, prefix: list[int], growth: int | None,
+                 admitted: list[Request], ctx: SchedulingContext
+                 ) -> tuple[list[Request] | None, int | None]:
+        """The running requests to preempt so that `req` fits with num tokens after `prefix`
+        ([] if it fits as it is; None if it cannot be made to fit), and `growth`.
+
+        It fits with a free slot and, while anything runs, blocks for its expected length beyond
+        the expected growth of the running requests (at least the watermark): admission.py.
+        `growth` is that growth in blocks, or None until needed: it takes a pass over the running
+        requests, which a step with no free slot (the common case under load) skips.
+        """
+        expected = max(num, self.admission.expected_len(req) - len(prefix) * self.blocks.block_size)
+        victims: list[Request] = []
+        candidates = None
+        free_slots, free_blocks = self.slots.num_free, self.blocks.num_free_blocks
+        while True:
+            if free_slots:
+                if len(self.running) == len(victims):
+                    needed, reserve = self.blocks.num_needed(req, num, prefix), 0
+                else:
+                    if growth is None:
+                        growth = sum(self.admission.expected_growth(r) for r in self.running
+                                     if r not in victims)
+                    needed = self.blocks.num_needed(req, expected, prefix)
+                    reserve = max(self._watermark, growth)
+                if needed + reserve <= free_blocks:
+                    return victims, growth
+            if candidates is None:
+                taken = set(admitted)
+                candidates = [r for r in self.running
+                              if self.policy.may_preempt(req, r, ctx) and r not in taken
+                              and not self._overdue(r, ctx.now) and not self._ends_in_flight(r)]
+            if not candidates:
+                return None, growth
+            victim = self.policy.pick_victim(candidates)
+            candidates.remove(victim)
+            victims.append(victim)
+            free_slots += 1
+            free_blocks += self.blocks.num_exclusive(victim)
+            if growth is not None:
+                growth -= self.admission.expected_growth(victim)
+
+    def _unplan(self, req: Request, batch: list[_Planned]) -> int:
+        """Take the part of `req` out of the step being planned (its blocks go when it is
+        preempted); returns the tokens it had."""
+        for i, p in enumerate(batch):
+            if p.req is req:
+                del batch[i]
+                req.num_pending_tokens -= p.step.sample
+                return p.step.num_tokens
+        return 0
+
+    def _overdue(self, req: Request, now: float) -> bool:
+        """Whether the fairness guard holds for `req`: it arrived more than max_wait_s ago."""
+        return req.arrival < now - self.config.max_wait_s
 
     def _plan(self, req: Request, num: int, new_block_ids: list[int]) -> _Planned:
         """The step computing the next num tokens of `req` (blocks allocated). Advances its
@@ -302,14 +412,24 @@ class Scheduler:
 
     # --- results ----------------------------------------------------------------------------
 
+    def _time_step(self, planned_at: float) -> None:
+        """Fold the step whose result just came into step_time_s. It ran from when it was
+        planned or the step before it ended, whichever came later (steps run in order)."""
+        now = self.clock()
+        took = now - max(planned_at, self._last_result)
+        self._last_result = now
+        self.step_time_s = took if not self.step_time_s else (
+            self.step_time_s + STEP_TIME_EMA * (took - self.step_time_s))
+
     def _add_token(self, req: Request, token: int, logprobs, out: TokenOutput) -> None:
         req.token_ids.append(token)
         out.new_token_ids.append(token)
         if req.sampling.logprobs is not None and logprobs is not None:
             out.logprobs = [logprobs]
         if req.num_output_tokens == 1:
-            req.stats.first_token = time.time()
+            req.stats.first_token = self.clock()
             out.stats = req.stats
+            self.objectives.first_token(req)
         if check_stop(req, self.eos_token_ids, self.max_len):
             self._release(req)
             out.finish_reason, out.stop_reason, out.stats = (
@@ -327,6 +447,9 @@ class Scheduler:
         self._release_slot(req)
         req.status = FINISHED
         del self.requests[req.id]
+        self.objectives.ended(req, self.clock())
+        if req.finish_reason in ("stop", "length"):
+            self.admission.output_len.add(req.num_output_tokens)
 
     def _release_slot(self, req: Request) -> None:
         if req.slot is not None:
@@ -365,7 +488,7 @@ class Scheduler:
             if (r.status is not WAITING or r.slot is not None or r.block_table
                     or r.num_computed_tokens):
                 raise IntegrityError(f"waiting request {r.id} holds a slot, blocks or progress")
-        pending = Counter(p.req for _, planned in self._in_flight for p in planned
+        pending = Counter(p.req for _, planned, _ in self._in_flight for p in planned
                           if p.step.sample and p.req.status is not FINISHED)
         for r in self.requests.values():
             if r.num_pending_tokens != pending[r]:

@@ -6,6 +6,7 @@ model files say. Neither does I/O when built; bad values raise ValueError naming
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +22,11 @@ class EngineConfig:
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
-    max_queued_requests: int | None = None   # more waiting requests are refused (None: no cap)
+    # upper bound on waiting requests (more are refused); `serve` also derives one from the pool
+    max_queued_requests: int | None = None
+    # fcfs | priority | deadline | length-aware | module:Class (docs/SCHEDULING.md)
+    scheduling_policy: str = "fcfs"
+    max_wait_s: float = 300.0                # fairness guard: a request waiting longer goes first
     enable_prefix_caching: bool = True
     # "sha256", or "sha256-keyed": HMAC-SHA256 under a random key per instance (unpredictable)
     prefix_caching_hash_algo: str = "sha256"
@@ -46,6 +51,8 @@ class EngineConfig:
         check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be at least 1")
         check(self.max_queued_requests is None or self.max_queued_requests >= 0,
               "max_queued_requests", "must be non-negative")
+        check(math.isfinite(self.max_wait_s) and self.max_wait_s > 0, "max_wait_s",
+              "must be a positive number of seconds")
         check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len",
               "must be at least 1")
         check(self.prefix_caching_hash_algo in ("sha256", "sha256-keyed"),

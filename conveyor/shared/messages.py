@@ -16,6 +16,8 @@ Flow (see docs/ARCHITECTURE.md; the client protocol is in docs/PROTOCOL.md):
 """
 from __future__ import annotations
 
+import math
+
 import msgspec
 
 from conveyor.shared.sampling_params import SamplingParams
@@ -26,8 +28,9 @@ class AddRequest(msgspec.Struct, kw_only=True):
     id: str
     token_ids: list[int]
     sampling: SamplingParams
-    priority: int = 0
-    deadline: float | None = None            # absolute time.time() by which the first token is due
+    priority: int = 0                        # lower runs first (the priority policy)
+    ttft_slo: float | None = None            # latency objectives in seconds (GenerateRequest)
+    tpot_slo: float | None = None
     arrival: float = 0.0                     # time.time() when the frontend accepted it
     cache_salt: str | None = None            # prefix-cache blocks are shared only with this salt
 
@@ -144,6 +147,13 @@ class Stats(msgspec.Struct, omit_defaults=True):
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
     integrity_ok: bool = True
+    longest_wait_s: float = 0.0              # age of the oldest waiting request (0: none waits)
+    queue_cap: int | None = None             # waiting requests beyond this are refused (429)
+    # sequences whose latency objective was judged, and those that missed it
+    ttft_slo_judged: int = 0
+    ttft_slo_missed: int = 0
+    tpot_slo_judged: int = 0
+    tpot_slo_missed: int = 0
     # filled in by the frontend that answers a client's StatsRequest, about itself
     frontend_open_requests: int = 0          # requests it still owes an answer
     frontend_tracked_requests: int = 0       # requests in its tracker (equal when all is well)
@@ -159,8 +169,16 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     messages: list[dict[str, str]] | None = None   # chat: [{"role": ..., "content": ...}]
     sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
     stream: bool = False                     # True: a GenerateOutput per step with the new text
-    priority: int = 0
+    priority: int = 0                        # lower runs first (the priority policy)
     cache_salt: str | None = None            # share prefix-cache blocks only with this salt
+    ttft_slo: float | None = None            # objective: seconds from arrival to the first token
+    tpot_slo: float | None = None            # objective: mean seconds per output token after it
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_slo", "tpot_slo"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
 
 
 class CancelRequest(msgspec.Struct):

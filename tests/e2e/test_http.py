@@ -270,20 +270,20 @@ def limited():
 
 
 def _trickle(server, parts: list[bytes], pause: float) -> bytes:
-    """Send parts with pauses between them; what the server answered before it closed."""
+    """Send parts with pauses between them; the first bytes of the answer (b"" if the server
+    closed the connection instead)."""
     host, port = server.http.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=10) as s:
+    with socket.create_connection((host, int(port)), timeout=60) as s:
         try:
             for part in parts:
                 s.sendall(part)
                 time.sleep(pause)
-            s.shutdown(socket.SHUT_WR)
         except OSError:
             pass                             # closed by the server meanwhile
-        answer = b""
-        while chunk := s.recv(65536):
-            answer += chunk
-    return answer
+        try:
+            return s.recv(65536)
+        except ConnectionResetError:
+            return b""
 
 
 def test_a_request_that_trickles_in_is_cut_off_and_a_prompt_one_is_served(limited):
@@ -336,7 +336,7 @@ def test_rate_limit_gives_429(limited):
 
 def test_sigterm_drains_then_exits_0(limited):
     time.sleep(6)                                      # refill the rate-limit bucket
-    cm, resp = _stream(limited, tokens=150, key=None)
+    cm, resp = _stream(limited, tokens=48, key=None)   # in flight at SIGTERM, done well in 60 s
     lines = resp.iter_lines()
     assert next(lines).startswith("data:")
     limited.proc.send_signal(15)

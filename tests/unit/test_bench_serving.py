@@ -209,3 +209,35 @@ def test_end_to_end_chat_with_failures(server, tmp_path):
     path, headers, body = server.received[0]
     assert path == "/v1/chat/completions" and headers["Authorization"] == "Bearer sk-test"
     assert "ignore_eos" not in body and body["max_tokens"] == 128 and body["model"] == "m"
+
+
+def test_mixed_workload_sends_objectives_and_reports_each_class(server, tmp_path):
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    [rep] = bench.main(["--base-url", url, "--num-prompts", "10", "--random-input-len", "16",
+                        "--random-output-len", "8", "--interactive-share", "0.3",
+                        "--interactive-ttft-slo", "5", "--interactive-priority", "-1",
+                        "--interactive-input-len", "4", "--interactive-output-len", "2",
+                        "--warmup", "0", "--seed", "7"])
+    bodies = [body for _, _, body in server.received]
+    interactive = [b for b in bodies if "ttft_slo" in b]
+    assert len(interactive) == 3 and len(bodies) == 10
+    assert all(b["ttft_slo"] == 5 and b["priority"] == -1 and len(b["prompt"]) == 4
+               and b["max_tokens"] == 2 for b in interactive)
+    assert all("priority" not in b and len(b["prompt"]) == 16 for b in bodies
+               if "ttft_slo" not in b)
+    assert rep["classes"]["interactive"]["requests"] == 3
+    assert rep["classes"]["interactive"]["slo_attainment"] == 1.0      # the fake answers at once
+    assert rep["classes"]["batch"] == {**rep["classes"]["batch"], "requests": 7,
+                                       "completed": 7, "slo_attainment": None}
+    reqs = bench.random_requests(10, 16, 8, 0.0, "completions", seed=7)
+    mixed = bench.mix_interactive(reqs, 0.3, seed=7)               # seeded; these stay as they are
+    assert sum(r.interactive for r in mixed) == 3 and mixed == bench.mix_interactive(reqs, 0.3, 7)
+    assert [r.prompt for r in mixed] == [r.prompt for r in reqs]
+    # a failed interactive request misses its objective
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": text}]}) + "\n"
+                            for text in ["hello", "fail", "reject", "again"]))
+    [rep] = bench.main(["--base-url", url, "--endpoint", "chat", "--dataset", str(data),
+                        "--model", "m", "--warmup", "0", "--interactive-share", "1"])
+    assert rep["classes"]["interactive"]["slo_attainment"] == 0.5
+    assert rep["classes"]["batch"]["requests"] == 0

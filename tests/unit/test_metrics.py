@@ -170,7 +170,8 @@ def test_single_process_render_of_requests_and_stats():
     m.http_request("/v1/completions", 200)
     stats = Stats(num_running=3, num_waiting=2, num_free_blocks=25, num_total_blocks=100,
                   prefix_cache_queries=40, prefix_cache_hits=10, num_preemptions=7,
-                  integrity_ok=False)
+                  integrity_ok=False, longest_wait_s=4.5, queue_cap=64, ttft_slo_judged=9,
+                  ttft_slo_missed=2, tpot_slo_judged=5, tpot_slo_missed=1)
     body, content_type = m.render(stats)
     got = samples(body.decode())
     assert content_type == "text/plain; version=0.0.4; charset=utf-8"
@@ -194,13 +195,22 @@ def test_single_process_render_of_requests_and_stats():
     assert value("conveyor_prefix_cache_hits_total") == 10
     assert value("conveyor_num_preemptions_total") == 7
     assert value("conveyor_engine_integrity_ok") == 0
+    assert value("conveyor_longest_wait_seconds") == 4.5
+    assert value("conveyor_queue_cap_requests") == 64
+    assert value("conveyor_slo_judged_total", objective="ttft") == 9
+    assert value("conveyor_slo_missed_total", objective="ttft") == 2
+    assert value("conveyor_slo_judged_total", objective="tpot") == 5
+    assert value("conveyor_slo_missed_total", objective="tpot") == 1
 
     assert samples(m.render(Stats())[0].decode())[("conveyor_kv_cache_usage_ratio",
                                                     frozenset())] == 0.0
     names = {name for name, _ in samples(m.render(None)[0].decode())}
     assert "conveyor_requests_total" in names
     assert not any(n.startswith(("conveyor_num_", "conveyor_kv_", "conveyor_prefix_",
-                                 "conveyor_engine_", "conveyor_process_")) for n in names)
+                                 "conveyor_engine_", "conveyor_process_", "conveyor_slo_",
+                                 "conveyor_longest_", "conveyor_queue_")) for n in names)
+    no_cap = samples(m.render(Stats())[0].decode())
+    assert ("conveyor_queue_cap_requests", frozenset()) not in no_cap
 
 
 def test_gpu_metrics_from_nvml(monkeypatch):

@@ -1,0 +1,31 @@
+"""Latency objectives met and missed, counted per sequence for the metrics.
+
+A time-to-first-token objective is judged when the first token comes, or when a request ends
+without one after its deadline (one cancelled earlier is not judged). A time-per-output-token
+objective is judged when a request with at least two output tokens ends: its mean time between
+output tokens after the first.
+"""
+from __future__ import annotations
+
+from conveyor.scheduler.request import Request
+
+
+class ObjectiveCounts:
+    def __init__(self) -> None:
+        self.ttft_judged = self.ttft_missed = 0
+        self.tpot_judged = self.tpot_missed = 0
+
+    def first_token(self, req: Request) -> None:
+        if req.ttft_slo is not None:
+            self.ttft_judged += 1
+            self.ttft_missed += req.stats.first_token - req.arrival > req.ttft_slo
+
+    def ended(self, req: Request, now: float) -> None:
+        if not req.stats.first_token:
+            if req.ttft_slo is not None and now - req.arrival > req.ttft_slo:
+                self.ttft_judged += 1
+                self.ttft_missed += 1
+        elif req.tpot_slo is not None and req.num_output_tokens >= 2:
+            self.tpot_judged += 1
+            tpot = (now - req.stats.first_token) / (req.num_output_tokens - 1)
+            self.tpot_missed += tpot > req.tpot_slo

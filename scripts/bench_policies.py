@@ -1,0 +1,183 @@
+"""Scheduling policies under a mixed workload: objective attainment and throughput against load.
+
+Measures the engine's capacity first (requests/s with every request sent at once, fcfs), then for
+each policy starts `conveyor serve --scheduling-policy P` and runs scripts/bench_serving.py's
+mixed workload at each load (a multiple of that capacity, Poisson arrivals); every policy sees
+the same requests at a load. Writes every report as JSON and a plot: the interactive requests'
+time-to-first-token attainment and the output throughput, per policy, against load.
+
+    python scripts/bench_policies.py --output policies.json --plot policies.png       # CPU
+    python scripts/bench_policies.py --shape qwen3-0.6b --random-weights \\
+        --output gpu.json --plot gpu.png -- --device cuda --skip-tokenizer-init
+
+Arguments after `--` go to `conveyor serve`.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+sys.path.insert(0, str(Path(__file__).parent))
+import bench_serving  # noqa: E402
+
+
+@contextlib.contextmanager
+def served(policy: str, model: str | None, server_args: list[str], timeout: float = 900):
+    """`conveyor serve` with `policy` on a free port; yields its HTTP base URL."""
+    cmd = [sys.executable, "-m", "conveyor.cli", "serve", "--port", "0", "--zmq-port", "0",
+           "--scheduling-policy", policy, *(["--model", model] if model else []), *server_args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline, line = time.monotonic() + timeout, ""
+        while "serving on" not in line:
+            line = proc.stdout.readline()
+            if (not line and proc.poll() is not None) or time.monotonic() > deadline:
+                raise RuntimeError(f"conveyor serve --scheduling-policy {policy} did not start")
+        yield re.search(r"http://[\d.]+:\d+", line).group(0)
+    finally:
+        proc.send_signal(signal.SIGTERM)         # the launcher drains, then stops its children
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def preemptions(base_url: str) -> float:
+    """The server's count of preempted sequences so far (GET /metrics)."""
+    text = httpx.get(f"{base_url}/metrics", timeout=30).text
+    return next(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name == "conveyor_num_preemptions_total")
+
+
+def workload_args(args, base_url: str, rate: float, seed: int, warmup: int) -> list[str]:
+    return ["--base-url", base_url, "--num-prompts", str(args.num_prompts),
+            "--request-rate", str(rate), "--seed", str(seed), "--warmup", str(warmup),
+            "--random-input-len", str(args.random_input_len),
+            "--random-output-len", str(args.random_output_len),
+            "--random-range-ratio", str(args.random_range_ratio),
+            "--interactive-share", str(args.interactive_share),
+            "--interactive-ttft-slo", str(args.interactive_ttft_slo),
+            "--interactive-priority", str(args.interactive_priority),
+            "--interactive-input-len", str(args.interactive_input_len),
+            "--interactive-output-len", str(args.interactive_output_len)]
+
+
+def plot(runs: list[dict], capacity: float, slo: float, title: str, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    for k, policy in enumerate(dict.fromkeys(r["policy"] for r in runs)):
+        mine = sorted((r for r in runs if r["policy"] == policy), key=lambda r: r["load"])
+        xs = [r["load"] for r in mine]
+        attained = [100 * (r["report"]["classes"]["interactive"]["slo_attainment"] or 0)
+                    for r in mine]
+        left.plot(xs, attained, f"C{k}o-", label=policy)
+        right.plot(xs, [r["report"]["output_throughput"] for r in mine], f"C{k}s-",
+                   label=policy)
+    left.set_ylabel(f"interactive requests with TTFT <= {slo:g} s (%)")
+    left.set_ylim(0, 105)
+    right.set_ylabel("output throughput, all requests (tok/s)")
+    right.set_ylim(bottom=0)
+    for ax in (left, right):
+        ax.set_xlabel(f"offered load (x capacity = {capacity:.2f} req/s)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    # NOTE: a SIGTERM (timeout, a batch system) unwinds, so the server of the run is stopped too
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+    ours, server_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv \
+        else (argv, [])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="a Hugging Face folder or .gguf (default: the default model)")
+    ap.add_argument("--shape", help="build this shape with random weights (scripts/bench_models)")
+    ap.add_argument("--random-weights", action="store_true")
+    ap.add_argument("--policies", default="fcfs,priority,deadline")
+    ap.add_argument("--loads", default="0.5,1,1.5,2", help="multiples of the measured capacity")
+    ap.add_argument("--num-prompts", type=int, default=60, help="requests per run")
+    ap.add_argument("--random-input-len", type=int, default=128)
+    ap.add_argument("--random-output-len", type=int, default=32)
+    ap.add_argument("--random-range-ratio", type=float, default=0.5)
+    ap.add_argument("--interactive-share", type=float, default=0.2)
+    ap.add_argument("--interactive-ttft-slo", type=float, default=1.0)
+    ap.add_argument("--interactive-priority", type=int, default=-1)
+    ap.add_argument("--interactive-input-len", type=int, default=32)
+    ap.add_argument("--interactive-output-len", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--output", help="write the results here (JSON)")
+    ap.add_argument("--plot", help="write the attainment and throughput plot here (PNG)")
+    args = ap.parse_args(ours)
+    model = args.model
+    if args.shape:
+        if not args.random_weights:
+            ap.error("--shape needs --random-weights")
+        from bench_models import build_random_model
+        model = str(build_random_model(args.shape))
+    policies, loads = args.policies.split(","), [float(x) for x in args.loads.split(",")]
+
+    def run(url: str, rate: float, seed: int, warmup: int) -> dict:
+        before = preemptions(url)
+        [report] = bench_serving.main(workload_args(args, url, rate, seed, warmup))
+        report["preemptions"] = preemptions(url) - before     # warm-up included
+        return report
+
+    with served("fcfs", model, server_args) as url:
+        # NOTE: its own seed, so no run below finds these prompts in the prefix cache
+        saturated = run(url, math.inf, args.seed + 1000, warmup=1)
+    capacity = saturated["request_throughput"]
+    print(f"capacity: {capacity:.3f} requests/s", flush=True)
+    runs = []
+    for policy in policies:
+        with served(policy, model, server_args) as url:
+            for k, load in enumerate(loads):
+                report = run(url, load * capacity, args.seed + k, warmup=1 if k == 0 else 0)
+                runs.append({"policy": policy, "load": load, "report": report})
+    result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "git_revision": bench_serving.git_revision(), "command": sys.argv,
+              "model": saturated["model"], "server_args": server_args,
+              "capacity_req_s": capacity, "capacity_run": saturated, "runs": runs}
+    print(f"{'policy':>10} {'load':>5} {'attained':>9} {'TTFT p50':>9} {'batch p50':>10} "
+          f"{'out tok/s':>10} {'preempted':>10} {'failed':>7}")
+    for r in runs:
+        rep = r["report"]
+        inter, batch = rep["classes"]["interactive"], rep["classes"]["batch"]
+        cells = ["-" if c["ttft_ms"]["p50"] is None else f"{c['ttft_ms']['p50']:.0f} ms"
+                 for c in (inter, batch)]
+        print(f"{r['policy']:>10} {r['load']:>5g} {inter['slo_attainment'] or 0:>9.0%} "
+              f"{cells[0]:>9} {cells[1]:>10} {rep['output_throughput']:>10.1f} "
+              f"{rep['preemptions']:>10.0f} {rep['failed']:>7}")
+    if args.output:
+        Path(args.output).write_text(json.dumps(result, indent=1))
+    if args.plot:
+        plot(runs, capacity, args.interactive_ttft_slo,
+             f"{saturated['model']}: {args.interactive_share:.0%} interactive "
+             f"({args.interactive_input_len} in / {args.interactive_output_len} out, TTFT "
+             f"objective {args.interactive_ttft_slo:g} s), batch {args.random_input_len} in / "
+             f"{args.random_output_len} out; {' '.join(server_args)}", args.plot)
+    return result
+
+
+if __name__ == "__main__":
+    main()
