@@ -23,6 +23,7 @@ import re
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -87,9 +88,10 @@ def plot(runs: list[dict], capacity: float, slo: float, title: str, path: str) -
         xs = [r["load"] for r in mine]
         attained = [100 * (r["report"]["classes"]["interactive"]["slo_attainment"] or 0)
                     for r in mine]
-        left.plot(xs, attained, f"C{k}o-", label=policy)
-        right.plot(xs, [r["report"]["output_throughput"] for r in mine], f"C{k}s-",
-                   label=policy)
+        style = f"C{k}{'os^vD'[k % 5]}{['-', '--', ':'][k % 3]}"   # lines that coincide show
+        left.plot(xs, attained, style, label=policy, markersize=9 - 2 * k, alpha=0.8)
+        right.plot(xs, [r["report"]["output_throughput"] for r in mine], style, label=policy,
+                   markersize=9 - 2 * k, alpha=0.8)
     left.set_ylabel(f"interactive requests with TTFT <= {slo:g} s (%)")
     left.set_ylim(0, 105)
     right.set_ylabel("output throughput, all requests (tok/s)")
@@ -98,7 +100,7 @@ def plot(runs: list[dict], capacity: float, slo: float, title: str, path: str) -
         ax.set_xlabel(f"offered load (x capacity = {capacity:.2f} req/s)")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=9)
+    fig.suptitle(textwrap.fill(title, 140), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
