@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -78,25 +79,34 @@ def append_json(path: str | None, result: dict) -> None:
 
 
 @contextlib.contextmanager
-def served(path: str, tp: int, *args: str, timeout: float = 900):
-    """`conveyor serve` of a token-only model on the GPU(s) (ZMQ only); yields a Client."""
-    from conveyor.client import Client
-
-    cmd = [sys.executable, "-m", "conveyor.cli", "serve", "--model", path, "--device", "cuda",
-           "--tp", str(tp), "--port", "-1", "--zmq-port", "0", "--skip-tokenizer-init", *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
+def serve_process(*args: str, timeout: float = 900):
+    """`conveyor serve ARGS` in its own process group; yields its "serving on" line, then
+    SIGTERMs it (the launcher drains, then stops its children), killing the group if it hangs."""
+    proc = subprocess.Popen([sys.executable, "-m", "conveyor.cli", "serve", *args],
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        line = ""
+        deadline, line = time.monotonic() + timeout, ""
         while "serving on" not in line:
             line = proc.stdout.readline()
-            if not line and proc.poll() is not None:
-                raise RuntimeError(f"conveyor serve --tp {tp} did not start")
-        with Client(re.search(r"tcp://[\d.]+:\d+", line).group(0), timeout=timeout) as client:
-            yield client
+            if (not line and proc.poll() is not None) or time.monotonic() > deadline:
+                raise RuntimeError(f"conveyor serve {' '.join(args)} did not start")
+        yield line
     finally:
-        proc.send_signal(signal.SIGTERM)       # the launcher drains, then stops its children
+        proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(60)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+@contextlib.contextmanager
+def served(path: str, tp: int, *args: str, timeout: float = 900):
+    """`conveyor serve` of a token-only model on the GPU(s) (ZMQ only); yields a Client."""
+    from conveyor.client import Client
+
+    with serve_process("--model", path, "--device", "cuda", "--tp", str(tp), "--port", "-1",
+                       "--zmq-port", "0", "--skip-tokenizer-init", *args,
+                       timeout=timeout) as line:
+        with Client(re.search(r"tcp://[\d.]+:\d+", line).group(0), timeout=timeout) as client:
+            yield client

@@ -18,13 +18,10 @@ import argparse
 import contextlib
 import json
 import math
-import os
 import re
 import signal
-import subprocess
 import sys
 import textwrap
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -33,28 +30,16 @@ from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).parent))
 import bench_serving  # noqa: E402
+from bench_models import serve_process  # noqa: E402
 
 
 @contextlib.contextmanager
 def served(policy: str, model: str | None, server_args: list[str], timeout: float = 900):
     """`conveyor serve` with `policy` on a free port; yields its HTTP base URL."""
-    cmd = [sys.executable, "-m", "conveyor.cli", "serve", "--port", "0", "--zmq-port", "0",
-           "--scheduling-policy", policy, *(["--model", model] if model else []), *server_args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        deadline, line = time.monotonic() + timeout, ""
-        while "serving on" not in line:
-            line = proc.stdout.readline()
-            if (not line and proc.poll() is not None) or time.monotonic() > deadline:
-                raise RuntimeError(f"conveyor serve --scheduling-policy {policy} did not start")
+    with serve_process("--port", "0", "--zmq-port", "0", "--scheduling-policy", policy,
+                       *(["--model", model] if model else []), *server_args,
+                       timeout=timeout) as line:
         yield re.search(r"http://[\d.]+:\d+", line).group(0)
-    finally:
-        proc.send_signal(signal.SIGTERM)         # the launcher drains, then stops its children
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def preemptions(base_url: str) -> float:

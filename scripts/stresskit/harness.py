@@ -223,12 +223,17 @@ def tally(report: Report, outcomes: list[Outcome], exactly_once: bool = True) ->
 
 def scrape(server: Server, timeout: float = 10.0) -> dict[str, float]:
     """GET /metrics as {"name{label=value,...}": value}; {} if it cannot be read."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     try:
         text = httpx.get(server.http + "/metrics", headers=server.headers, timeout=timeout).text
     except httpx.HTTPError:
         return {}
+    return parse_metrics(text)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text as {"name{label=value,...}": value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     out = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:

@@ -10,8 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from serve_util import start_server
+from stresskit.harness import parse_metrics
 
 from conveyor import SamplingParams
 from conveyor.client import Client
@@ -62,14 +62,8 @@ def _error(r: httpx.Response, status: int) -> str:
 
 
 def _metrics(server) -> dict[str, float]:
-    text = httpx.get(server.http + "/metrics", timeout=30,
-                     headers={"Authorization": f"Bearer {KEYS[0]}"}).text
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-    return out
+    return parse_metrics(httpx.get(server.http + "/metrics", timeout=30,
+                                   headers={"Authorization": f"Bearer {KEYS[0]}"}).text)
 
 
 def test_completions_equal_the_offline_api(oai, llm):
