@@ -15,7 +15,7 @@ from conveyor.frontend.tokenizer import apply_chat_template, check_token_ids, lo
 from conveyor.frontend.tracker import RequestTracker
 from conveyor.outputs import RequestOutput
 from conveyor.shared.config import EngineConfig
-from conveyor.shared.sampling_params import SamplingParams
+from conveyor.shared.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 
 Prompt = str | list[int] | dict[str, Any]
 
@@ -35,15 +35,19 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: int | Sequence[int] | None = None
+                 ) -> list[RequestOutput]:
+        """priority: one per prompt (or one for all); lower runs first under
+        `scheduling_policy="priority"` (docs/SCHEDULING.md), other policies ignore it."""
         prompts = _as_list(prompts)
         params = _params_per_prompt(sampling_params, len(prompts))
+        priorities = _priority_per_prompt(priority, len(prompts))
         tracker = RequestTracker(self.tokenizer)
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p, prio in zip(prompts, params, priorities):
                 text, token_ids = self._tokenize(prompt)
-                ids.append(self._add(tracker, text, token_ids, p))
+                ids.append(self._add(tracker, text, token_ids, p, prio))
             self._run(tracker, len(ids) if use_tqdm else 0)
         except BaseException:
             self.engine.abort([s for r in tracker.requests.values() for s in _seq_ids(r)])
@@ -94,12 +98,13 @@ class LLM:
             return self._tokenize(prompt["prompt"])
         return None, list(prompt)
 
-    def _add(self, tracker: RequestTracker, text, token_ids, params: SamplingParams) -> str:
+    def _add(self, tracker: RequestTracker, text, token_ids, params: SamplingParams,
+             priority: int = 0) -> str:
         if self.tokenizer is None and params.stop:
             raise ValueError("stop strings need a tokenizer (skip_tokenizer_init is set)")
         check_token_ids(token_ids, self.engine.model_config.vocab_size)
         rid = str(next(self._ids))
-        for msg in tracker.add(rid, text, token_ids, params, arrival=time.time()):
+        for msg in tracker.add(rid, text, token_ids, params, priority, arrival=time.time()):
             tracker.process(self.engine.add(msg))
         return rid
 
@@ -152,3 +157,14 @@ def _params_per_prompt(params, n: int) -> list[SamplingParams]:
     if len(params) != n:
         raise ValueError(f"got {len(params)} sampling params for {n} prompts")
     return params
+
+
+def _priority_per_prompt(priority, n: int) -> list[int]:
+    priorities = [priority or 0] * n if priority is None or isinstance(priority, int) \
+        else list(priority)
+    if len(priorities) != n:
+        raise ValueError(f"got {len(priorities)} priorities for {n} prompts")
+    for p in priorities:
+        if isinstance(p, bool) or not isinstance(p, int) or not INT64_MIN <= p <= INT64_MAX:
+            raise ValueError(f"priority must be an integer that fits in 64 bits, got {p!r}")
+    return priorities

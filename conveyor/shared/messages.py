@@ -161,7 +161,8 @@ class Stats(msgspec.Struct, omit_defaults=True):
 
 # --- client <-> frontend (the public ZMQ protocol, docs/PROTOCOL.md) -------------------------
 
-class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
+                      omit_defaults=True):
     """Exactly one of prompt, prompt_token_ids and messages is set."""
     id: str                                  # chosen by the client, unique among its open requests
     prompt: str | None = None

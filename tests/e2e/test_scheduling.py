@@ -104,3 +104,23 @@ def test_a_policy_that_cannot_be_loaded_stops_the_launch():
     assert proc.returncode == 2
     assert err.strip().splitlines()[-1].startswith(
         "conveyor: error: cannot load scheduling policy 'no_such_module:Policy'")
+
+
+def test_offline_api_takes_a_priority_per_prompt(tmp_path):
+    """LLM.generate(priority=...) under the priority policy: with one sequence slot the
+    prompts run in priority order, not in the order given."""
+    from models_util import make_tiny_model
+
+    from conveyor import LLM
+
+    llm = LLM(str(make_tiny_model("llama", tmp_path)), skip_tokenizer_init=True, max_num_seqs=1,
+              scheduling_policy="priority")
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    outs = llm.generate([[3, 4, 5], [6, 7], [8, 9, 10]], params, use_tqdm=False,
+                        priority=[2, 0, 1])
+    order = sorted(range(3), key=lambda i: outs[i].metrics.first_token_time)
+    assert order == [1, 2, 0]
+    with pytest.raises(ValueError, match="got 2 priorities for 3 prompts"):
+        llm.generate([[3], [4], [5]], params, use_tqdm=False, priority=[0, 1])
+    with pytest.raises(ValueError, match="priority must be an integer"):
+        llm.generate([[3]], params, use_tqdm=False, priority=1 << 64)

@@ -350,3 +350,12 @@ def test_random_workloads_keep_integrity_and_outputs(policy, seed, depth):
     for rid, c in out.items():
         if c.finish_reason != "abort":
             assert c.tokens == reference(prompts_by_id[rid], len(c.tokens))
+
+
+def test_a_request_without_scheduling_options_does_not_send_them():
+    """A client of this version talks to a server from before priorities and objectives: the
+    fields it leaves at their defaults stay off the wire (the server forbids unknown fields)."""
+    body = msgpack.unpackb(encode(GenerateRequest(id="a", prompt="x"))[1])
+    assert body == {"id": "a", "prompt": "x", "sampling": {}}
+    body = msgpack.unpackb(encode(GenerateRequest(id="a", prompt="x", ttft_slo=0.5))[1])
+    assert body == {"id": "a", "prompt": "x", "sampling": {}, "ttft_slo": 0.5}
