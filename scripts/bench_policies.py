@@ -4,8 +4,10 @@ Measures the engine's capacity first (requests/s with every request sent at once
 server warmed by one untimed pass of the same workload), then for each policy starts `conveyor
 serve --scheduling-policy P`, warms it the same way and runs scripts/bench_serving.py's mixed
 workload at each load (a multiple of that capacity, Poisson arrivals); every policy sees
-the same requests at a load. Writes every report as JSON and a plot: the interactive requests'
-time-to-first-token attainment and the output throughput, per policy, against load.
+the same requests at a load. Interactive requests are streamed (their TTFT is what is judged),
+batch requests are not unless --batch-stream. Writes every report as JSON and a plot: the
+interactive requests' time-to-first-token attainment and the output throughput, per policy,
+against load.
 
     python scripts/bench_policies.py --output policies.json --plot policies.png       # CPU
     python scripts/bench_policies.py --shape qwen3-0.6b --random-weights \\
@@ -70,7 +72,8 @@ def workload_args(args, base_url: str, rate: float, seed: int, warmup: int) -> l
             "--interactive-ttft-slo", str(args.interactive_ttft_slo),
             "--interactive-priority", str(args.interactive_priority),
             "--interactive-input-len", str(args.interactive_input_len),
-            "--interactive-output-len", str(args.interactive_output_len)]
+            "--interactive-output-len", str(args.interactive_output_len),
+            "--batch-stream" if args.batch_stream else "--no-batch-stream"]
 
 
 def plot(runs: list[dict], capacity: float, slo: float, title: str, path: str) -> None:
@@ -123,6 +126,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--interactive-priority", type=int, default=-1)
     ap.add_argument("--interactive-input-len", type=int, default=32)
     ap.add_argument("--interactive-output-len", type=int, default=16)
+    ap.add_argument("--batch-stream", action=argparse.BooleanOptionalAction, default=False,
+                    help="stream the batch requests too (by default they are not: streaming "
+                         "every token of every request makes one client process the bottleneck "
+                         "on a GPU)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--output", help="write the results here (JSON)")
     ap.add_argument("--plot", help="write the attainment and throughput plot here (PNG)")

@@ -243,13 +243,26 @@ def payload(req: Request, endpoint: str, model: str, args) -> dict:
         body["ttft_slo"] = args.interactive_ttft_slo
     if req.interactive and args.interactive_priority is not None:
         body["priority"] = args.interactive_priority
+    if not (req.interactive or getattr(args, "batch_stream", True)):
+        body["stream"] = False
+        del body["stream_options"]
     return body
 
 
 async def send(client: httpx.AsyncClient, url: str, body: dict, endpoint: str) -> Result:
-    """One streamed request; never raises (but for cancellation): errors land in Result.error."""
+    """One request, streamed unless body says otherwise; never raises (but for cancellation):
+    errors land in Result.error. An unstreamed request has no TTFT, only its end."""
     r = Result(start=time.perf_counter())
     try:
+        if not body["stream"]:
+            resp = await client.post(url, json=body)
+            obj = resp.json()
+            if resp.status_code != 200:
+                r.error = f"HTTP {resp.status_code}: {error_message(obj)[:300]}"
+            else:
+                r.output_tokens = obj["usage"]["completion_tokens"]
+                r.prompt_tokens = obj["usage"]["prompt_tokens"]
+            return r
         async with client.stream("POST", url, json=body) as resp:
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")
@@ -324,7 +337,7 @@ def make_report(results: list[Result], settings: dict, interrupted: bool) -> dic
               "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
               "request_throughput": per_s(len(ok)), "output_throughput": per_s(out_tokens),
               "total_token_throughput": per_s(in_tokens + out_tokens),
-              "ttft_ms": summarize([r.ttft for r in ok]),
+              "ttft_ms": summarize([r.ttft for r in ok if r.ttft is not None]),
               "tpot_ms": summarize([r.tpot for r in ok if r.tpot is not None]),
               "itl_ms": summarize([g for r in ok for g in r.itl]),
               "e2e_ms": summarize([r.end - r.start for r in ok])}
@@ -342,7 +355,7 @@ def class_report(results: list[Result], slo: float | None) -> dict:
     ok = [r for r in results if r.ok]
     met = sum(r.ttft is not None and r.ttft <= slo for r in ok) if slo is not None else None
     return {"requests": len(results), "completed": len(ok), "ttft_ms": summarize(
-        [r.ttft for r in ok]), "slo_attainment": (met / len(results)
+        [r.ttft for r in ok if r.ttft is not None]), "slo_attainment": (met / len(results)
                                                   if met is not None and results else None)}
 
 
@@ -460,7 +473,8 @@ async def run_all(args, base: str, headers: dict, model: str, rates: list[float]
                 "interactive_ttft_slo": args.interactive_ttft_slo,
                 "interactive_priority": args.interactive_priority,
                 "interactive_input_len": args.interactive_input_len,
-                "interactive_output_len": args.interactive_output_len}
+                "interactive_output_len": args.interactive_output_len,
+                "batch_stream": args.batch_stream}
             print(f"rate {settings['request_rate']}: {len(bodies)} requests", flush=True)
             results: list[Result] = []
             finished = False
@@ -532,6 +546,9 @@ def parse_args(argv: list[str] | None = None):
                      help="their time-to-first-token objective, sent as ttft_slo")
     mix.add_argument("--interactive-priority", type=int, default=None,
                      help="their priority (sent only if given; batch requests send none)")
+    mix.add_argument("--batch-stream", action=argparse.BooleanOptionalAction, default=True,
+                     help="stream the batch (not interactive) requests (--no-batch-stream: one "
+                          "response each, as a batch job reads them; no TTFT is measured)")
     mix.add_argument("--interactive-input-len", type=int, default=None,
                      help="random dataset: their prompt length (default: --random-input-len)")
     mix.add_argument("--interactive-output-len", type=int, default=None,

@@ -117,8 +117,8 @@ def test_jsonl_dataset_and_payloads(tmp_path):
 
 
 class FakeOpenAI(BaseHTTPRequestHandler):
-    """Streams 5 content chunks of 2 tokens each, a usage chunk and [DONE]; the prompt "fail"
-    gets an error event, "reject" an HTTP 400."""
+    """Streams 5 content chunks of 2 tokens each, a usage chunk and [DONE] (unstreamed: one
+    answer of 7 tokens); the prompt "fail" gets an error event, "reject" an HTTP 400."""
 
     def log_message(self, *args):
         pass
@@ -133,6 +133,9 @@ class FakeOpenAI(BaseHTTPRequestHandler):
         prompt = body["messages"][-1]["content"] if chat else body["prompt"]
         if prompt == "reject":
             return self._send(400, {"error": {"message": "bad request", "code": 400}})
+        if not body["stream"]:
+            usage = {"prompt_tokens": len(prompt), "completion_tokens": 7, "total_tokens": 0}
+            return self._send(200, {"choices": [{"index": 0, "text": "abc"}], "usage": usage})
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
@@ -241,3 +244,16 @@ def test_mixed_workload_sends_objectives_and_reports_each_class(server, tmp_path
                         "--model", "m", "--warmup", "0", "--interactive-share", "1"])
     assert rep["classes"]["interactive"]["slo_attainment"] == 0.5
     assert rep["classes"]["batch"]["requests"] == 0
+
+
+def test_batch_requests_unstreamed(server):
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    [rep] = bench.main(["--base-url", url, "--num-prompts", "10", "--random-input-len", "16",
+                        "--random-output-len", "8", "--interactive-share", "0.3",
+                        "--interactive-input-len", "4", "--warmup", "0", "--no-batch-stream"])
+    streamed = [b["stream"] for _, _, b in server.received]
+    assert streamed.count(True) == 3 and streamed.count(False) == 7
+    batch = rep["classes"]["batch"]
+    assert batch["completed"] == 7 and batch["ttft_ms"]["p50"] is None
+    assert rep["total_output_tokens"] == 3 * 10 + 7 * 7 and rep["failed"] == 0
+    assert rep["classes"]["interactive"]["slo_attainment"] == 1.0
