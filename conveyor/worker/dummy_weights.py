@@ -55,7 +55,7 @@ def dummy_weights(config: ModelConfig, dtype: torch.dtype, device: torch.device 
     std = config.initializer_range
     for name, shape in checkpoint_shapes(config).items():
         gen = torch.Generator(device).manual_seed(tensor_seed(seed, name))
-        w = torch.randn(shape, generator=gen, dtype=dtype, device=device).mul_(std)
+        w = torch.normal(0.0, std, shape, generator=gen, dtype=dtype, device=device)
         if name.endswith("norm.weight"):
             w.add_(1)
         yield name, w
