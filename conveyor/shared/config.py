@@ -36,7 +36,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     quantization: str | None = None
     # "auto": the checkpoint's weights; "dummy": random weights from config.json alone
-    # (deterministic from `seed`, the same on every tensor-parallel size; docs/ARCHITECTURE.md)
+    # (deterministic from `seed`, the same on every tensor-parallel size; docs/TENSOR_PARALLEL.md)
     load_format: str = "auto"
     enforce_eager: bool = False
     async_scheduling: bool = True            # plan step N+1 while step N runs (overlap)
