@@ -1,11 +1,15 @@
 """Random-weight models of published shapes (../shared GPU.md), saved as Hugging Face folders so
 the engine loads them like any checkpoint. Used by the GPU benchmarks and tests.
+
+A shape whose bf16 checkpoint does not fit the free disk (llama3.1-70b: 141 GB) is written as
+config.json alone and loaded with load_format="dummy": the engine draws the weights itself.
 """
 from __future__ import annotations
 
 import contextlib
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -27,23 +31,52 @@ SHAPES = {
         rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                          "original_max_position_embeddings": 8192})),
+    "llama3.1-70b": ("LlamaConfig", dict(
+        num_hidden_layers=80, hidden_size=8192, num_attention_heads=64, num_key_value_heads=8,
+        head_dim=128, intermediate_size=28672, vocab_size=128256, tie_word_embeddings=False,
+        max_position_embeddings=131072, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192})),
 }
 
 
-def build_random_model(shape: str, folder: str | Path | None = None, seed: int = 0,
-                       **overrides) -> Path:
-    """Save a random bfloat16 model of `shape` (see SHAPES) into `folder` (a temp dir if None);
-    `overrides` change config fields, e.g. num_hidden_layers=4."""
+def hf_config(shape: str, **overrides):
+    """The transformers config of `shape` (see SHAPES), with `overrides` applied."""
     import transformers
 
     config_class, args = SHAPES[shape]
     config = getattr(transformers, config_class)(**{**args, "bos_token_id": 1,
                                                     "eos_token_id": 2, **overrides})
+    config.architectures = [config_class.replace("Config", "ForCausalLM")]
+    return config
+
+
+def checkpoint_bytes(shape: str, **overrides) -> int:
+    """Size of the bf16 checkpoint of `shape` (from conveyor's list of its tensors)."""
+    from conveyor.shared.config import ModelConfig
+    from conveyor.worker.dummy_weights import checkpoint_shapes
+
+    config = ModelConfig.from_hf(hf_config(shape, **overrides).to_dict())
+    return 2 * sum(torch.Size(s).numel() for s in checkpoint_shapes(config).values())
+
+
+def build_random_model(shape: str, folder: str | Path | None = None, seed: int = 0,
+                       weights: bool = True, **overrides) -> Path:
+    """Save a random bfloat16 model of `shape` (see SHAPES) into `folder` (a temp dir if None);
+    `overrides` change config fields, e.g. num_hidden_layers=4. weights=False writes config.json
+    only, for load_format="dummy" (the engine draws normal(0, initializer_range) weights)."""
+    import transformers
+
+    config = hf_config(shape, **overrides)
+    folder = Path(folder or tempfile.mkdtemp(prefix=f"conveyor-{shape}-"))
+    if not weights:
+        config.save_pretrained(folder)
+        return folder
     torch.manual_seed(seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with torch.device(device):   # random init on the GPU: seconds, not minutes, for 8B
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    folder = Path(folder or tempfile.mkdtemp(prefix=f"conveyor-{shape}-"))
     model.save_pretrained(folder)
     del model
     if device == "cuda":
@@ -52,21 +85,43 @@ def build_random_model(shape: str, folder: str | Path | None = None, seed: int =
 
 
 def add_model_args(ap) -> None:
-    """--model, or --shape with --random-weights; plus --num-layers to shorten a shape."""
+    """--model, or --shape with --random-weights; plus --num-layers to shorten a shape, and
+    --load-format."""
     ap.add_argument("--model", help="a Hugging Face folder")
     ap.add_argument("--shape", choices=sorted(SHAPES))
     ap.add_argument("--random-weights", action="store_true",
                     help="build --shape with random weights (nothing downloaded)")
     ap.add_argument("--num-layers", type=int, default=None, help="override the layer count")
+    ap.add_argument("--load-format", choices=["auto", "dummy"], default=None,
+                    help="dummy: random weights drawn by the engine from config.json alone "
+                         "(default for --random-weights: dummy if the bf16 checkpoint would not "
+                         "fit the free disk, else a saved checkpoint)")
 
 
 def model_path(args, ap) -> str:
+    """The model folder to run; sets args.load_format where it was left to choose."""
     if args.model is not None:
+        args.load_format = args.load_format or "auto"
         return args.model
     if not (args.shape and args.random_weights):
         ap.error("give --model, or --shape with --random-weights")
     extra = {"num_hidden_layers": args.num_layers} if args.num_layers else {}
-    return str(build_random_model(args.shape, **extra))
+    if args.load_format is None:
+        size = checkpoint_bytes(args.shape, **extra)
+        free = shutil.disk_usage(tempfile.gettempdir()).free
+        args.load_format = "dummy" if size > 0.8 * free else "auto"
+        if args.load_format == "dummy":
+            print(f"{args.shape}: the bf16 checkpoint ({size / 1e9:.0f} GB) does not fit the "
+                  f"free disk ({free / 1e9:.0f} GB): load_format=dummy", file=sys.stderr)
+    return str(build_random_model(args.shape, weights=args.load_format != "dummy", **extra))
+
+
+def engine_flags(engine: dict) -> list[str]:
+    """EngineConfig keyword arguments as `conveyor serve` flags (--x, --no-x for booleans)."""
+    def flag(k, v):
+        name = k.replace("_", "-")
+        return f"--{name}" if v is True else f"--no-{name}" if v is False else f"--{name}={v}"
+    return [flag(k, v) for k, v in engine.items()]
 
 
 def append_json(path: str | None, result: dict) -> None:

@@ -6,17 +6,28 @@ Reports output tokens / wall time.
 
     python scripts/bench_throughput.py --shape qwen3-0.6b --random-weights [--compare-hf]
     python scripts/bench_throughput.py --model /path/to/hf/folder
+    python scripts/bench_throughput.py --shape llama3.1-70b --random-weights --tp 8
+
+With --tp the engine runs in `conveyor serve --tp N` (one worker per GPU; the offline LLM runs
+one) and the 256 requests go to it at once through the asyncio ZMQ client.
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import random
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_models import add_model_args, append_json, model_path  # noqa: E402
+from bench_models import (  # noqa: E402
+    add_model_args,
+    append_json,
+    engine_flags,
+    model_path,
+    served,
+)
 
 
 def workload(num_requests: int = 256, max_input: int = 1024, max_output: int = 1024):
@@ -50,6 +61,16 @@ def run_hf(path: str, prompts, max_tokens, batch: int = 64) -> tuple[float, int]
     return time.perf_counter() - started, total
 
 
+async def generate_all(address: str, prompts, params) -> int:
+    """Send every request at once to a served engine; the number of output tokens."""
+    from conveyor.client import AsyncClient
+
+    async with AsyncClient(address) as client:
+        results = await asyncio.gather(*(client.generate(p, sp)
+                                         for p, sp in zip(prompts, params)))
+    return sum(len(r.token_ids) for r in results)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     add_model_args(ap)
@@ -60,32 +81,48 @@ def main() -> None:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                     help="one step at a time (no overlap of scheduling and the GPU)")
+    ap.add_argument("--tp", type=int, default=None, help="run in `conveyor serve --tp N`")
     ap.add_argument("--compare-hf", action="store_true")
     ap.add_argument("--json", help="append the result as a JSON line to this file")
     args = ap.parse_args()
 
+    if args.compare_hf and args.tp is not None:
+        ap.error("--compare-hf runs one GPU: leave out --tp")
     path = model_path(args, ap)
+    if args.compare_hf and args.load_format == "dummy":
+        ap.error("--compare-hf needs a saved checkpoint, not --load-format dummy")
 
     from conveyor import LLM, SamplingParams
 
     prompts, max_tokens = workload(args.num_requests)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
+    engine = dict(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                  max_num_batched_tokens=args.max_num_batched_tokens,
+                  enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
+                  load_format=args.load_format)
     t0 = time.perf_counter()
-    llm = LLM(model=path, device="cuda", skip_tokenizer_init=True,
-              max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-              max_num_batched_tokens=args.max_num_batched_tokens,
-              enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling)
-    startup = time.perf_counter() - t0
-    llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=8), use_tqdm=False)   # warm-up
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - t0
-    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    if args.tp is None:
+        llm = LLM(model=path, device="cuda", skip_tokenizer_init=True, **engine)
+        startup = time.perf_counter() - t0
+        llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=8), use_tqdm=False)   # warm-up
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - t0
+        out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    else:
+        with served(path, args.tp, *engine_flags(engine)) as client:
+            startup = time.perf_counter() - t0
+            address = client.address
+            client.generate([1, 2, 3, 4], SamplingParams(max_tokens=8))              # warm-up
+            t0 = time.perf_counter()
+            out_tokens = asyncio.run(generate_all(address, prompts, params))
+            elapsed = time.perf_counter() - t0
     result = {"shape": args.shape or path, "requests": len(prompts),
               "prompt_tokens": sum(map(len, prompts)), "output_tokens": out_tokens,
               "seconds": round(elapsed, 3), "tok_per_s": round(out_tokens / elapsed, 1),
               "startup_s": round(startup, 1), "eager": args.enforce_eager,
-              "async_scheduling": args.async_scheduling}
+              "async_scheduling": args.async_scheduling, "tp": args.tp or 1,
+              "load_format": args.load_format}
     print(f"conveyor: {out_tokens} output tokens in {elapsed:.2f} s = "
           f"{out_tokens / elapsed:,.0f} tok/s (startup {startup:.1f} s)")
     if args.compare_hf:

@@ -48,7 +48,7 @@ def main() -> None:
 
     llm = LLM(model=path, device=args.device, skip_tokenizer_init=True, max_num_seqs=args.batch,
               max_model_len=2048, max_num_batched_tokens=8192,
-              async_scheduling=args.async_scheduling)
+              async_scheduling=args.async_scheduling, load_format=args.load_format)
     core = llm.engine
     params = SamplingParams(temperature=0.6, max_tokens=1000, ignore_eos=True)
     vocab = min(10000, core.model_config.vocab_size)

@@ -24,8 +24,9 @@ PRESETS = {
 }
 
 
-def make_tiny_model(arch: str, path, seed: int = 0, **overrides) -> Path:
-    """Save a random float32 model of preset `arch` (see PRESETS) into the folder `path`.
+def make_tiny_model(arch: str, path, seed: int = 0, weights: bool = True, **overrides) -> Path:
+    """Save a random float32 model of preset `arch` (see PRESETS) into the folder `path`; with
+    weights=False only its config.json (for load_format="dummy").
 
     `overrides` replace config arguments, e.g. num_hidden_layers=1.
     """
@@ -35,6 +36,10 @@ def make_tiny_model(arch: str, path, seed: int = 0, **overrides) -> Path:
         raise ValueError(f"unknown tiny model {arch!r} (known: {', '.join(PRESETS)})")
     config_class, extra = PRESETS[arch]
     config = getattr(transformers, config_class)(**{**_COMMON, **extra, **overrides})
+    if not weights:
+        config.architectures = [config_class.replace("Config", "ForCausalLM")]
+        config.save_pretrained(path)
+        return Path(path)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():   # HF initialises norms to ones and biases to zeros: make them matter

@@ -35,6 +35,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None         # overrides the sizing (tests use tiny pools)
     tensor_parallel_size: int = 1
     quantization: str | None = None
+    # "auto": the checkpoint's weights; "dummy": random weights from config.json alone
+    # (deterministic from `seed`, the same on every tensor-parallel size; docs/TENSOR_PARALLEL.md)
+    load_format: str = "auto"
     enforce_eager: bool = False
     async_scheduling: bool = True            # plan step N+1 while step N runs (overlap)
 
@@ -63,6 +66,7 @@ class EngineConfig:
               "must be at least 1")
         check(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be at least 1")
         check(self.quantization is None, "quantization", "is not supported yet (only None)")
+        check(self.load_format in ("auto", "dummy"), "load_format", "must be 'auto' or 'dummy'")
 
     @property
     def torch_dtype_name(self) -> str:
@@ -102,6 +106,7 @@ class ModelConfig:
     qk_norm: bool = False                    # RMSNorm on q and k per head (Qwen3)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    initializer_range: float = 0.02          # std of random (load_format="dummy") weights
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -137,6 +142,7 @@ class ModelConfig:
             qk_norm=arch.startswith("Qwen3"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            initializer_range=float(cfg.get("initializer_range") or 0.02),
         )
 
 

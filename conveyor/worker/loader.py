@@ -1,4 +1,5 @@
-"""Build a model and fill its weights from a Hugging Face folder (*.safetensors) or a GGUF file.
+"""Build a model and fill its weights from a Hugging Face folder (*.safetensors) or a GGUF file,
+or with random weights (load_format="dummy", worker/dummy_weights.py).
 
 Checkpoint tensors arrive under Hugging Face names (GGUF names are mapped onto them); q/k/v
 and gate/up go into our fused layers through the model's `packed_modules`, and every
@@ -23,11 +24,19 @@ Weights = Iterator[tuple[str, torch.Tensor]]
 
 
 def load_model(config: ModelConfig, files: ModelFiles, dtype: torch.dtype,
-               device: torch.device | str) -> nn.Module:
+               device: torch.device | str, load_format: str = "auto", seed: int = 0
+               ) -> nn.Module:
     model_class = get_model_class(config.architecture)
     with torch.device(device):
         model = model_class(config, dtype)
-    weights = gguf_weights(files.path) if files.is_gguf else safetensors_weights(files.path)
+    if load_format == "dummy":
+        from conveyor.worker.dummy_weights import dummy_weights
+
+        weights = dummy_weights(config, dtype, device, seed)
+    elif files.is_gguf:
+        weights = gguf_weights(files.path)
+    else:
+        weights = safetensors_weights(files.path)
     load_weights(model, weights)
     return model.eval()
 

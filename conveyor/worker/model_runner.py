@@ -59,7 +59,8 @@ class ModelRunner:
         self.device = device or torch.device(config.device)
         self.dtype = getattr(torch, config.torch_dtype_name)
         torch.manual_seed(config.seed)
-        self.model = load_model(model_config, files, self.dtype, self.device)
+        self.model = load_model(model_config, files, self.dtype, self.device,
+                                config.load_format, config.seed)
         self.sampler = Sampler(model_config.vocab_size, model_config.eos_token_ids, config.seed,
                                self.device)
         self.block_size = config.block_size

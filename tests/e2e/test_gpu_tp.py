@@ -1,7 +1,10 @@
-"""Tensor parallelism on two GPUs: `conveyor serve --tp 2` against `--tp 1` on a random
-Llama-3.1-8B-shaped model (every layer, bf16). The two sum partial results in a different order,
-so bf16 rounding differs: greedy tokens must be equal, or at the first divergence each side's
-token must be in the other's top-5 (STYLE.md's rule; a random 32-layer model has near-ties)."""
+"""Tensor parallelism on 2, 4 and 8 GPUs: `conveyor serve --tp N` against `--tp 1` on a random
+Llama-3.1-8B-shaped model (every layer, bf16; 32 heads / 8 KV heads, so TP=8 holds one KV head
+per rank), through the ZMQ client. A TP size runs where there are that many GPUs. The sizes sum
+partial results in different orders, so bf16 rounding differs: greedy tokens must be equal, or at
+the first divergence each side's token must be in the other's top-5 (STYLE.md's rule; a random
+32-layer model has near-ties). Also load_format=dummy: the weights every rank draws are the same
+at TP=1 and at the largest TP here."""
 
 import pytest
 import torch
@@ -12,26 +15,59 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow,
 PROMPTS = [[5, 100, 2000, 31, 7, 999, 4242, 17, 256, 3000], list(range(300, 341)),
            [9] * 3 + list(range(1000, 1150)), list(range(7000, 7600, 3))]
 TOP = 5
+SIZES = (2, 4, 8)
 
 
-def test_tp2_matches_tp1(tmp_path):
-    from bench_models import build_random_model, served
+def generate(path: str, tp: int, *args: str):
+    from bench_models import served
 
     from conveyor import SamplingParams
 
-    path = str(build_random_model("llama3.1-8b", tmp_path / "llama", initializer_range=0.05))
     greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=TOP)
-    results = {}
-    for tp in (1, 2):
-        with served(path, tp, "--max-model-len", "2048") as client:
-            results[tp] = client.generate(PROMPTS, greedy)
+    with served(path, tp, "--max-model-len", "2048", *args) as client:
+        return client.generate(PROMPTS, greedy)
+
+
+def assert_close_greedy(reference, results, tp: int) -> None:
+    """Equal tokens, or each side's token in the other's top-5 at the first divergence."""
     equal = 0
-    for one, two in zip(results[1], results[2]):
-        for i, (a, b) in enumerate(zip(one.token_ids, two.token_ids)):
+    for one, other in zip(reference, results):
+        assert len(other.token_ids) == len(one.token_ids) == 32
+        for i, (a, b) in enumerate(zip(one.token_ids, other.token_ids)):
             if a != b:
-                assert a in {lp.token_id for lp in two.outputs[0].logprobs[i]}, (i, a, b)
-                assert b in {lp.token_id for lp in one.outputs[0].logprobs[i]}, (i, a, b)
+                assert a in {lp.token_id for lp in other.outputs[0].logprobs[i]}, (tp, i, a, b)
+                assert b in {lp.token_id for lp in one.outputs[0].logprobs[i]}, (tp, i, a, b)
                 break
         else:
             equal += 1
-    print(f"{equal} of {len(PROMPTS)} prompts equal for all 32 tokens")
+    print(f"tp={tp}: {equal} of {len(PROMPTS)} prompts equal for all 32 tokens")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from bench_models import build_random_model
+
+    return str(build_random_model("llama3.1-8b", tmp_path_factory.mktemp("llama"),
+                                  initializer_range=0.05))
+
+
+@pytest.fixture(scope="module")
+def tp1(checkpoint):
+    return generate(checkpoint, 1)
+
+
+@pytest.mark.parametrize("tp", SIZES)
+def test_tp_matches_tp1(tp, checkpoint, tp1):
+    if torch.cuda.device_count() < tp:
+        pytest.skip(f"needs {tp} GPUs")
+    assert_close_greedy(tp1, generate(checkpoint, tp), tp)
+
+
+def test_dummy_weights_match_tp1_at_the_largest_tp(tmp_path):
+    from bench_models import build_random_model
+
+    tp = max(t for t in SIZES if t <= torch.cuda.device_count())
+    path = str(build_random_model("llama3.1-8b", tmp_path, weights=False,
+                                  initializer_range=0.05))
+    dummy = ("--load-format", "dummy")
+    assert_close_greedy(generate(path, 1, *dummy), generate(path, tp, *dummy), tp)

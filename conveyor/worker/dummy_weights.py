@@ -1,0 +1,61 @@
+"""Random weights from config.json alone (load_format="dummy"), for shapes too large to save.
+
+Every tensor of the Hugging Face checkpoint the model would load is drawn in full, on the model's
+device, from a generator seeded by the engine seed and the tensor's name, and goes through the
+same weight loaders as a checkpoint's. Every rank slices its shard out of the same full tensors,
+so the weights do not depend on the tensor-parallel size: TP=k can be checked against TP=1.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from conveyor.shared.config import ModelConfig
+from conveyor.worker.models import get_model_class
+
+
+def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """name -> shape of each tensor in a Hugging Face checkpoint of this (Llama-family) model."""
+    opts = get_model_class(config.architecture).attention_options(config)
+    h, d, inter = config.hidden_size, config.head_dim, config.intermediate_size
+    q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
+    shapes = {"model.embed_tokens.weight": (config.vocab_size, h), "model.norm.weight": (h,)}
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, h)
+    for i in range(config.num_hidden_layers):
+        layer = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+                 "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
+                 "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
+                 "mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h),
+                 "mlp.down_proj.weight": (h, inter)}
+        if opts.get("qkv_bias"):
+            layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
+                          "self_attn.v_proj.bias": (kv,)})
+        if opts.get("o_bias"):
+            layer["self_attn.o_proj.bias"] = (h,)
+        if opts.get("qk_norm"):
+            layer.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
+        shapes.update({f"model.layers.{i}.{name}": shape for name, shape in layer.items()})
+    return shapes
+
+
+def tensor_seed(seed: int, name: str) -> int:
+    """A 63-bit seed for one tensor, the same in every process (unlike hash())."""
+    digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def dummy_weights(config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
+                  seed: int):
+    """(name, full tensor) for every checkpoint tensor: normal(0, initializer_range) for
+    matrices and biases, 1 + normal(0, initializer_range) for norm weights (as the random
+    benchmark models, whose norms are ones, but not all equal)."""
+    device = torch.device(device)
+    std = config.initializer_range
+    for name, shape in checkpoint_shapes(config).items():
+        gen = torch.Generator(device).manual_seed(tensor_seed(seed, name))
+        w = torch.normal(0.0, std, shape, generator=gen, dtype=dtype, device=device)
+        if name.endswith("norm.weight"):
+            w.add_(1)
+        yield name, w

@@ -1,0 +1,53 @@
+"""Tensor parallelism on CPU (gloo): `conveyor serve --tp 2` and `--tp 4`, through the ZMQ client,
+give the same greedy tokens as TP=1 (the in-process engine). A tiny random Llama with 8 heads and
+2 KV heads: at TP=4 each KV head is replicated on two ranks, and its vocabulary (250) does not
+split evenly, so the last rank's embedding and head rows are padding. float32 everywhere: the
+ranks' partial sums are added in another order than one matmul's, which moves logits by ~1e-7,
+far below the gaps between a random model's top tokens, so the tokens must be equal.
+"""
+import pytest
+from models_util import make_tiny_model
+from serve_util import start_server
+
+from conveyor import LLM, SamplingParams
+from conveyor.client import Client
+
+pytestmark = pytest.mark.slow
+
+SHAPE = dict(hidden_size=64, head_dim=8, num_attention_heads=8, num_key_value_heads=2,
+             intermediate_size=128, vocab_size=250, max_position_embeddings=512)
+PROMPTS = [[5, 17, 200, 31], list(range(40, 77)), [9] * 3 + list(range(100, 120)), [249, 0, 1]]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+ENGINE = dict(max_num_seqs=64, kv_cache_memory_bytes=64 << 20, max_model_len=512)
+
+
+def tp1_tokens(path: str, **engine) -> list[list[int]]:
+    llm = LLM(model=path, skip_tokenizer_init=True, **ENGINE, **engine)
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+def served_tokens(path: str, tp: int, *args: str) -> list[list[int]]:
+    server = start_server("--model", path, "--tp", str(tp), "--skip-tokenizer-init", "--port",
+                          "-1", *args)
+    try:
+        with Client(server.addresses[0], timeout=60) as client:
+            return [r.token_ids for r in client.generate(PROMPTS, GREEDY)]
+    finally:
+        server.kill_all()
+
+
+def test_tp2_and_tp4_match_tp1(tmp_path):
+    path = str(make_tiny_model("llama", tmp_path / "llama", **SHAPE))
+    reference = tp1_tokens(path)
+    assert all(len(t) == GREEDY.max_tokens for t in reference)
+    for tp in (2, 4):
+        assert served_tokens(path, tp) == reference, f"tp={tp}"
+
+
+def test_dummy_weights_are_the_same_at_tp2(tmp_path):
+    """load_format=dummy: a folder with config.json only; every rank draws the same full
+    tensors and takes its shard, so TP=2 equals TP=1."""
+    path = str(make_tiny_model("llama", tmp_path / "config-only", weights=False, **SHAPE))
+    reference = tp1_tokens(path, load_format="dummy", seed=3)
+    assert reference != tp1_tokens(path, load_format="dummy", seed=4)   # the seed matters
+    assert served_tokens(path, 2, "--load-format", "dummy", "--seed", "3") == reference
