@@ -59,7 +59,7 @@ def test_killing_an_engine_child_fails_requests_and_stops_everything(victim):
 def test_a_dead_frontend_loses_only_its_own_requests():
     server = start_server("--frontends", "2")
     try:
-        survivor, victim = (Client(a, timeout=10) for a in server.addresses)
+        survivor, victim = (Client(a, timeout=60) for a in server.addresses)
         doomed = victim.stream("Tell me a long story", LONG)
         next(doomed)
         os.kill(server.children["conveyor::frontend-1"], signal.SIGKILL)
