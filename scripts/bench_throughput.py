@@ -5,6 +5,7 @@
 Reports output tokens / wall time.
 
     python scripts/bench_throughput.py --shape qwen3-0.6b --random-weights [--compare-hf]
+    python scripts/bench_throughput.py --shape llama3.1-8b --random-weights --kv-cache-dtype fp8
     python scripts/bench_throughput.py --model /path/to/hf/folder
 """
 from __future__ import annotations
@@ -60,6 +61,7 @@ def main() -> None:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                     help="one step at a time (no overlap of scheduling and the GPU)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"])
     ap.add_argument("--compare-hf", action="store_true")
     ap.add_argument("--json", help="append the result as a JSON line to this file")
     args = ap.parse_args()
@@ -74,7 +76,8 @@ def main() -> None:
     llm = LLM(model=path, device="cuda", skip_tokenizer_init=True,
               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
               max_num_batched_tokens=args.max_num_batched_tokens,
-              enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling)
+              enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
+              kv_cache_dtype=args.kv_cache_dtype)
     startup = time.perf_counter() - t0
     llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=8), use_tqdm=False)   # warm-up
     t0 = time.perf_counter()
@@ -85,9 +88,11 @@ def main() -> None:
               "prompt_tokens": sum(map(len, prompts)), "output_tokens": out_tokens,
               "seconds": round(elapsed, 3), "tok_per_s": round(out_tokens / elapsed, 1),
               "startup_s": round(startup, 1), "eager": args.enforce_eager,
-              "async_scheduling": args.async_scheduling}
+              "async_scheduling": args.async_scheduling, "kv_cache_dtype": args.kv_cache_dtype,
+              "kv_blocks": llm.engine.runner.num_blocks}
     print(f"conveyor: {out_tokens} output tokens in {elapsed:.2f} s = "
-          f"{out_tokens / elapsed:,.0f} tok/s (startup {startup:.1f} s)")
+          f"{out_tokens / elapsed:,.0f} tok/s (startup {startup:.1f} s, KV cache "
+          f"{args.kv_cache_dtype}: {result['kv_blocks']} blocks)")
     if args.compare_hf:
         del llm
         hf_s, hf_tokens = run_hf(path, prompts, max_tokens)

@@ -35,6 +35,8 @@ class EngineConfig:
     num_kv_blocks: int | None = None         # overrides the sizing (tests use tiny pools)
     tensor_parallel_size: int = 1
     quantization: str | None = None
+    # "auto" (the model dtype) | "fp8" (alias "fp8_e4m3"): e4m3 with per-layer scales
+    kv_cache_dtype: str = "auto"
     enforce_eager: bool = False
     async_scheduling: bool = True            # plan step N+1 while step N runs (overlap)
 
@@ -63,12 +65,19 @@ class EngineConfig:
               "must be at least 1")
         check(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be at least 1")
         check(self.quantization is None, "quantization", "is not supported yet (only None)")
+        check(self.kv_cache_dtype in ("auto", "fp8", "fp8_e4m3"), "kv_cache_dtype",
+              "must be 'auto', 'fp8' or 'fp8_e4m3'")
 
     @property
     def torch_dtype_name(self) -> str:
         if self.dtype != "auto":
             return self.dtype
         return "float32" if self.device == "cpu" else "bfloat16"
+
+    @property
+    def kv_cache_fp8(self) -> bool:
+        """Whether the KV pool holds float8 e4m3 (else the model dtype)."""
+        return self.kv_cache_dtype != "auto"
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)
