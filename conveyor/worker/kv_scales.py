@@ -49,14 +49,18 @@ def scale_for(amax: float) -> float:
     return amax * MARGIN / FP8_MAX
 
 
+def calibration_ids(vocab_size: int, n: int) -> torch.Tensor:
+    """The fixed pseudo-random token ids of the calibration pass, [n] int64 on the CPU."""
+    return torch.randint(vocab_size, (n,), generator=torch.Generator().manual_seed(0))
+
+
 @torch.inference_mode()
 def calibrate_kv_scales(model: nn.Module, model_config: ModelConfig, config: EngineConfig,
                         max_model_len: int, dtype: torch.dtype, device: torch.device
                         ) -> list[tuple[float, float]]:
     """(k_scale, v_scale) per layer, from one prefill over a pool in the model's dtype."""
     n = min(CALIBRATION_TOKENS, max_model_len)
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(model_config.vocab_size, (n,), generator=gen).to(device)
+    ids = calibration_ids(model_config.vocab_size, n).to(device)
     blocks = -(-n // config.block_size)
     ctx = StepContext(
         slot_mapping=torch.arange(n, device=device),
