@@ -133,3 +133,39 @@ def test_fp8_pool_has_four_times_the_float32_blocks(tmp_path):
     assert auto.kv_caches[0].dtype == torch.float32 and fp8.kv_caches[0].dtype == FP8
     assert fp8.num_blocks == 4 * auto.num_blocks
     assert auto.kv_scales is None
+
+
+@pytest.mark.parametrize("engine_args", [
+    dict(max_num_batched_tokens=8),                     # chunks read earlier chunks from the pool
+    dict(num_kv_blocks=14, max_num_batched_tokens=16),  # preemption and recompute
+    dict(async_scheduling=False),
+])
+def test_fp8_outputs_do_not_depend_on_scheduling(engine_args, tmp_path):
+    """Quantization happens once per token, on write: chunking, preemption (recompute writes
+    the same values again) and prefix-cache hits read back the same fp8 bytes."""
+    from conveyor import LLM, SamplingParams
+
+    path = make_tiny_model("qwen3", tmp_path)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (1, 7, 19, 40, 3)]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    def run(**kw):
+        llm = LLM(str(path), skip_tokenizer_init=True, block_size=4, kv_cache_dtype="fp8", **kw)
+        return llm, [o.outputs[0].token_ids for o in llm.generate(prompts, greedy,
+                                                                   use_tqdm=False)]
+
+    ref_llm, reference = run(enable_prefix_caching=False)
+    llm, tokens = run(**engine_args)
+    assert tokens == reference
+    if "num_kv_blocks" in engine_args:
+        assert llm.engine.scheduler.num_preemptions > 0
+    again = llm.generate(prompts, greedy, use_tqdm=False)       # prefix-cache hits
+    assert [o.outputs[0].token_ids for o in again] == reference
+    assert llm.engine.scheduler.stats().prefix_cache_hits > 0
+    # the fp8 pool makes a difference the test can see: some logprob moves
+    auto = LLM(str(path), skip_tokenizer_init=True, block_size=4, enable_prefix_caching=False)
+    lp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1)
+    a, b = (x.generate(prompts[3:4], lp, use_tqdm=False)[0].outputs[0] for x in (auto, ref_llm))
+    assert [p[t].logprob for p, t in zip(a.logprobs, a.token_ids)] != [
+        p[t].logprob for p, t in zip(b.logprobs, b.token_ids)]
