@@ -4,6 +4,7 @@
     python scripts/bench_latency.py --shape qwen3-0.6b --random-weights
     python scripts/bench_latency.py --shape llama3.1-8b --random-weights --tp 2   # via serve
     python scripts/bench_latency.py --shape llama3.1-70b --random-weights --tp 8  # dummy weights
+    python scripts/bench_latency.py --shape llama3.1-8b --random-weights --kv-cache-dtype fp8
 
 With --tp the model runs in `conveyor serve` (one worker per GPU) and is timed through the ZMQ
 client, so the figure includes the processes' messages; without it, in-process (LLM).
@@ -34,12 +35,14 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"])
     ap.add_argument("--tp", type=int, default=None, help="run in `conveyor serve --tp N`")
     ap.add_argument("--json")
     args = ap.parse_args()
     path = model_path(args, ap)
     engine = dict(max_num_seqs=8, max_model_len=4096, max_num_batched_tokens=4096,
-                  enforce_eager=args.enforce_eager, load_format=args.load_format)
+                  enforce_eager=args.enforce_eager, load_format=args.load_format,
+                  kv_cache_dtype=args.kv_cache_dtype)
     if args.tp is None:
         from conveyor import LLM
 
@@ -72,7 +75,7 @@ def measure(args, generate) -> None:
     result = {"shape": args.shape or args.model, "decode_ms_per_token": round(per_token * 1e3, 3),
               "ttft_ms": round(statistics.median(ttft) * 1e3, 2),
               "prompt_len": args.prompt_len, "eager": args.enforce_eager, "tp": args.tp,
-              "load_format": args.load_format}
+              "load_format": args.load_format, "kv_cache_dtype": args.kv_cache_dtype}
     print(f"decode: {per_token * 1e3:.3f} ms/token (batch 1); TTFT for {args.prompt_len} "
           f"tokens: {statistics.median(ttft) * 1e3:.1f} ms")
     append_json(args.json, result)

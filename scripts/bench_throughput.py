@@ -5,6 +5,7 @@
 Reports output tokens / wall time.
 
     python scripts/bench_throughput.py --shape qwen3-0.6b --random-weights [--compare-hf]
+    python scripts/bench_throughput.py --shape llama3.1-8b --random-weights --kv-cache-dtype fp8
     python scripts/bench_throughput.py --model /path/to/hf/folder
     python scripts/bench_throughput.py --shape llama3.1-70b --random-weights --tp 8
 
@@ -82,6 +83,7 @@ def main() -> None:
     ap.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                     help="one step at a time (no overlap of scheduling and the GPU)")
     ap.add_argument("--tp", type=int, default=None, help="run in `conveyor serve --tp N`")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"])
     ap.add_argument("--compare-hf", action="store_true")
     ap.add_argument("--json", help="append the result as a JSON line to this file")
     args = ap.parse_args()
@@ -99,7 +101,7 @@ def main() -> None:
     engine = dict(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                   max_num_batched_tokens=args.max_num_batched_tokens,
                   enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
-                  load_format=args.load_format)
+                  load_format=args.load_format, kv_cache_dtype=args.kv_cache_dtype)
     t0 = time.perf_counter()
     if args.tp is None:
         llm = LLM(model=path, device="cuda", skip_tokenizer_init=True, **engine)
@@ -109,6 +111,7 @@ def main() -> None:
         outs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - t0
         out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        kv_blocks = llm.engine.runner.num_blocks
     else:
         with served(path, args.tp, *engine_flags(engine)) as client:
             startup = time.perf_counter() - t0
@@ -117,14 +120,17 @@ def main() -> None:
             t0 = time.perf_counter()
             out_tokens = asyncio.run(generate_all(address, prompts, params))
             elapsed = time.perf_counter() - t0
+        kv_blocks = None                                  # in the worker processes
     result = {"shape": args.shape or path, "requests": len(prompts),
               "prompt_tokens": sum(map(len, prompts)), "output_tokens": out_tokens,
               "seconds": round(elapsed, 3), "tok_per_s": round(out_tokens / elapsed, 1),
               "startup_s": round(startup, 1), "eager": args.enforce_eager,
               "async_scheduling": args.async_scheduling, "tp": args.tp or 1,
-              "load_format": args.load_format}
+              "load_format": args.load_format, "kv_cache_dtype": args.kv_cache_dtype,
+              "kv_blocks": kv_blocks}
     print(f"conveyor: {out_tokens} output tokens in {elapsed:.2f} s = "
-          f"{out_tokens / elapsed:,.0f} tok/s (startup {startup:.1f} s)")
+          f"{out_tokens / elapsed:,.0f} tok/s (startup {startup:.1f} s, KV cache "
+          f"{args.kv_cache_dtype}: {result['kv_blocks']} blocks)")
     if args.compare_hf:
         del llm
         hf_s, hf_tokens = run_hf(path, prompts, max_tokens)

@@ -14,6 +14,9 @@ program finds its sequence by binary search and no host-side tile map is needed 
 Split-KV (flash decoding): with few sequences, grid axis 2 splits each tile's keys into
 num_splits ranges; each writes a normalised partial output and its log-sum-exp (base 2), and
 a second kernel merges them. Softmax is online, in float32.
+
+fp8 pool (float8 e4m3): K and V tiles load as one byte an element and convert to q's dtype in
+registers; k_scale folds into the softmax scale and v_scale into the output (no extra pass).
 """
 import torch
 
@@ -42,7 +45,7 @@ def _find_seq(query_start_loc_ptr, num_seqs, tile, TQ: tl.constexpr):
 def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
         block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-        num_seqs, num_splits, scale_log2,
+        num_seqs, num_splits, scale_log2, v_scale,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_cb, stride_cs, stride_ch, stride_bt,
         stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
@@ -92,6 +95,7 @@ def _paged_attention_kernel(
         kv_off = page * stride_cb + (pos % PAGE_SIZE) * stride_cs + kvh * stride_ch
         kv_mask = pos_ok[:, None] & d_ok[None, :]
         k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = k.to(q.dtype)                              # fp8 pool: dequantized (scale folded)
         s = tl.dot(q, tl.trans(k)) * scale_log2        # [M, N], log2 domain
         s = tl.where(pos_ok[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -100,11 +104,12 @@ def _paged_attention_kernel(
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    o = acc / l_safe[:, None]
+    o = acc / l_safe[:, None] * v_scale
     store_mask = row_ok[:, None] & d_ok[None, :]
     if SPLIT:
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
@@ -168,9 +173,11 @@ def default_num_splits(num_tiles: int, num_kv_heads: int, num_sms: int, max_spli
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
                     max_query_len: int, out: torch.Tensor | None = None,
-                    num_splits: int = 1, tile: tuple[int, int, int, int] | None = None
-                    ) -> torch.Tensor:
+                    num_splits: int = 1, tile: tuple[int, int, int, int] | None = None,
+                    k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Attend q [T, heads, head_dim] over the pool; returns out [T, heads, head_dim].
+
+    kv_cache is q's dtype or float8_e4m3fn; K and V are read times k_scale and v_scale.
 
     max_query_len: a host-side upper bound on any sequence's query length (picks the tile
     shape; 1 for a decode-only batch). Rows past query_start_loc[-1] are undefined.
@@ -182,8 +189,11 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
           f"kv_cache {tuple(kv_cache.shape)} is not [blocks, 2, block_size, kv_heads, {d}]")
     kvh = kv_cache.shape[3]
     check(heads % kvh == 0, f"{heads} query heads are not a multiple of {kvh} kv heads")
-    check(q.dtype == kv_cache.dtype and q.dtype in (torch.float16, torch.bfloat16),
-          f"q {q.dtype} and cache {kv_cache.dtype} must be one 16-bit float type")
+    check(q.dtype in (torch.float16, torch.bfloat16)
+          and kv_cache.dtype in (q.dtype, torch.float8_e4m3fn),
+          f"q {q.dtype} must be a 16-bit float type and cache {kv_cache.dtype} the same or "
+          f"float8_e4m3fn")
+    check(k_scale > 0 and v_scale > 0, f"scales must be positive, got {k_scale}, {v_scale}")
     check(q.stride(2) == 1 and kv_cache.stride(4) == 1, "the head_dim axis must be contiguous")
     b = seq_lens.shape[0]
     check(query_start_loc.shape == (b + 1,) and block_tables.dim() == 2
@@ -213,7 +223,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, part_out, part_lse,
         block_tables, seq_lens, query_start_loc,
-        b, num_splits, scale * _LOG2E,
+        b, num_splits, scale * k_scale * _LOG2E, v_scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2),

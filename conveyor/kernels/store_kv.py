@@ -2,19 +2,25 @@
 
 The pool of one layer is [num_blocks, 2, block_size, kv_heads, head_dim] (0 = K, 1 = V); slot
 s lands in block s // block_size at offset s % block_size. One program per token, no host sync.
+
+An fp8 pool (float8 e4m3) stores k * (1 / k_scale) and v * (1 / v_scale), computed in float32
+and clamped to +-448 before the cast (saturating, as the torch reference does).
 """
 import torch
 
 from conveyor.kernels._triton import jit, require_triton, tl
 from conveyor.kernels._util import check, next_pow2
 
+_FP8_MAX = 448.0
+
 
 @jit
-def _store_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr,
+def _store_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, k_inv_scale, v_inv_scale,
                      stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_cb, stride_ckv, stride_cs, stride_ch,
                      KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-                     BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr):
+                     BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, FP8: tl.constexpr,
+                     FP8_MAX: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
@@ -25,20 +31,31 @@ def _store_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr,
         v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
         dst = (cache_ptr + (slot // PAGE_SIZE) * stride_cb + (slot % PAGE_SIZE) * stride_cs
                + h[:, None] * stride_ch + d[None, :])
+        if FP8:
+            k = tl.clamp(k.to(tl.float32) * k_inv_scale, -FP8_MAX, FP8_MAX)
+            v = tl.clamp(v.to(tl.float32) * v_inv_scale, -FP8_MAX, FP8_MAX)
+            k = k.to(cache_ptr.dtype.element_ty)
+            v = v.to(cache_ptr.dtype.element_ty)
         tl.store(dst, k, mask=mask)
         tl.store(dst + stride_ckv, v, mask=mask)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """k, v [T, kv_heads, head_dim] (any token/head strides, unit dim stride) -> kv_cache."""
+             slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """k, v [T, kv_heads, head_dim] (any token/head strides, unit dim stride) -> kv_cache.
+
+    kv_cache is k's dtype, or float8_e4m3fn (then K and V are stored divided by their scales).
+    """
     require_triton()
     t, kvh, d = k.shape
     check(v.shape == k.shape, f"k {tuple(k.shape)} and v {tuple(v.shape)} differ")
     check(kv_cache.dim() == 5 and kv_cache.shape[1] == 2 and kv_cache.shape[3:] == (kvh, d),
           f"kv_cache {tuple(kv_cache.shape)} is not [blocks, 2, block_size, {kvh}, {d}]")
-    check(k.dtype == v.dtype == kv_cache.dtype, f"dtypes differ: k {k.dtype}, v {v.dtype}, "
-          f"cache {kv_cache.dtype}")
+    fp8 = kv_cache.dtype == torch.float8_e4m3fn
+    check(k.dtype == v.dtype and (fp8 or k.dtype == kv_cache.dtype),
+          f"dtypes differ: k {k.dtype}, v {v.dtype}, cache {kv_cache.dtype}")
+    check(fp8 or k_scale == v_scale == 1.0, f"scales {k_scale}, {v_scale} need an fp8 cache")
+    check(k_scale > 0 and v_scale > 0, f"scales must be positive, got {k_scale}, {v_scale}")
     check(k.stride(2) == 1 and v.stride(2) == 1 and kv_cache.stride(4) == 1,
           "the head_dim axis must be contiguous")
     check(slot_mapping.shape[0] >= t and slot_mapping.dtype in (torch.int32, torch.int64),
@@ -47,16 +64,17 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
     if t == 0:
         return
     _store_kv_kernel[(t,)](
-        k, v, kv_cache, slot_mapping,
+        k, v, kv_cache, slot_mapping, 1.0 / k_scale, 1.0 / v_scale,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         KV_HEADS=kvh, HEAD_DIM=d, BLOCK_H=next_pow2(kvh), BLOCK_D=next_pow2(d),
-        PAGE_SIZE=kv_cache.shape[2], num_warps=4)
+        PAGE_SIZE=kv_cache.shape[2], FP8=fp8, FP8_MAX=_FP8_MAX, num_warps=4)
 
 
 def store_kv_ref(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
+                 slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """The torch reference (the CPU backend's write_kv)."""
     from conveyor.worker.attention_backend import TorchAttentionBackend
 
-    TorchAttentionBackend().write_kv(kv_cache, k, v, slot_mapping[:k.shape[0]])
+    TorchAttentionBackend().write_kv(kv_cache, k, v, slot_mapping[:k.shape[0]], k_scale,
+                                     v_scale)

@@ -38,6 +38,8 @@ class EngineConfig:
     # "auto": the checkpoint's weights; "dummy": random weights from config.json alone
     # (deterministic from `seed`, the same on every tensor-parallel size; docs/TENSOR_PARALLEL.md)
     load_format: str = "auto"
+    # "auto" (the model dtype) | "fp8" (alias "fp8_e4m3"): e4m3 with per-layer scales
+    kv_cache_dtype: str = "auto"
     enforce_eager: bool = False
     async_scheduling: bool = True            # plan step N+1 while step N runs (overlap)
 
@@ -67,12 +69,19 @@ class EngineConfig:
         check(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be at least 1")
         check(self.quantization is None, "quantization", "is not supported yet (only None)")
         check(self.load_format in ("auto", "dummy"), "load_format", "must be 'auto' or 'dummy'")
+        check(self.kv_cache_dtype in ("auto", "fp8", "fp8_e4m3"), "kv_cache_dtype",
+              "must be 'auto', 'fp8' or 'fp8_e4m3'")
 
     @property
     def torch_dtype_name(self) -> str:
         if self.dtype != "auto":
             return self.dtype
         return "float32" if self.device == "cpu" else "bfloat16"
+
+    @property
+    def kv_cache_fp8(self) -> bool:
+        """Whether the KV pool holds float8 e4m3 (else the model dtype)."""
+        return self.kv_cache_dtype != "auto"
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)

@@ -4,6 +4,10 @@ K/V live in a per-layer pool [num_blocks, 2, block_size, kv_heads, head_dim] (0 
 a sequence's context is the blocks of its block-table row, in order. Decodes (the first
 ctx.num_decodes sequences, one query each) are attended in one batched computation; prefill
 chunks, whose queries are the last q_len positions of their context, one sequence at a time.
+
+An fp8 pool (float8 e4m3) holds K / k_scale and V / v_scale, clamped to +-448 (a saturating
+cast); reads multiply by the scales: k_scale folds into the softmax scale, v_scale into the
+output. A model-dtype pool has scales 1.0 (worker/kv_scales.py).
 """
 from __future__ import annotations
 
@@ -11,16 +15,25 @@ import torch
 import torch.nn.functional as F
 
 from conveyor.worker.context import StepContext
+from conveyor.worker.kv_cache import FP8_DTYPE, FP8_MAX
 
 # Up to this many decodes, SDPA on the gathered K/V beats per-head bmm on CPU (measured: 0.16 vs
 # 0.30 ms at batch 2; 2.55 vs 2.20 ms at batch 32). A lone decode takes the per-sequence path.
 _SDPA_MAX_DECODES = 8
 
 
+def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x / scale in float8 e4m3, through float32, saturating at +-448."""
+    # NOTE: times the float32 reciprocal, as the store_kv kernel does, so both round alike
+    return (x.float() * (1.0 / scale)).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
 class TorchAttentionBackend:
     def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
-        """Store k, v [T, kv_heads, head_dim] at their slots; slot -1 (padding) is skipped.
+                 slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0
+                 ) -> None:
+        """Store k, v [T, kv_heads, head_dim] at their slots (in an fp8 pool: divided by
+        k_scale, v_scale); slot -1 (padding) is skipped.
 
         NOTE: the boolean mask makes a device sync on CUDA; GPU backends use a kernel instead.
         """
@@ -32,15 +45,22 @@ class TorchAttentionBackend:
         # bs further for V; that is s + block * bs.
         rows = slot_mapping + slot_mapping // bs * bs
         flat = kv_cache.view(nb * 2 * bs, kvh, d)
-        flat.index_copy_(0, rows, k.to(kv_cache.dtype))
-        flat.index_copy_(0, rows + bs, v.to(kv_cache.dtype))
+        if kv_cache.dtype == FP8_DTYPE:   # CPU torch has no float8 index_copy_: copy the bytes
+            flat = flat.view(torch.uint8)
+            k = quantize_fp8(k, k_scale).view(torch.uint8)
+            v = quantize_fp8(v, v_scale).view(torch.uint8)
+        elif k_scale != 1.0 or v_scale != 1.0:
+            raise ValueError(f"k_scale {k_scale} and v_scale {v_scale} need an fp8 cache, "
+                             f"not {kv_cache.dtype}")
+        flat.index_copy_(0, rows, k.to(flat.dtype))
+        flat.index_copy_(0, rows + bs, v.to(flat.dtype))
 
     def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, ctx: StepContext,
-                scale: float) -> torch.Tensor:
-        """Attend q [T, heads, head_dim] to the pool; returns [T, heads, head_dim].
-
-        Rows past the last sequence (padding) come back as zeros.
+                scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+        """Attend q [T, heads, head_dim] to the pool (K and V times their scales); returns
+        [T, heads, head_dim]. Rows past the last sequence (padding) come back as zeros.
         """
+        scale = scale * k_scale            # q . (k_scale * k) = (scale * k_scale) q . k
         out = torch.zeros_like(q)
         nd = ctx.num_decodes if ctx.num_decodes > 1 else 0   # a lone decode: the plain path
         if nd:
@@ -53,7 +73,7 @@ class TorchAttentionBackend:
             out[start:start + q_len] = self._prefill(q[start:start + q_len], k[0, :seq_len],
                                                      v[0, :seq_len], scale)
             start += q_len
-        return out
+        return out if v_scale == 1.0 else out.mul_(v_scale)
 
     @staticmethod
     def _gather(kv_cache: torch.Tensor, block_tables: torch.Tensor, max_len: int):
@@ -66,8 +86,12 @@ class TorchAttentionBackend:
         num_blocks = -(-max_len // bs)
         blocks = block_tables[:, :num_blocks].reshape(-1).long()   # [B * n]
         b = block_tables.shape[0]
-        k = kv_cache[:, 0].flatten(1).index_select(0, blocks)     # [B * n, bs * kvh * d]
-        v = kv_cache[:, 1].flatten(1).index_select(0, blocks)
+        fp8 = kv_cache.dtype == FP8_DTYPE
+        raw = kv_cache.view(torch.uint8) if fp8 else kv_cache       # bytes: any device copies
+        k = raw[:, 0].flatten(1).index_select(0, blocks)          # [B * n, bs * kvh * d]
+        v = raw[:, 1].flatten(1).index_select(0, blocks)
+        if fp8:
+            k, v = k.view(FP8_DTYPE), v.view(FP8_DTYPE)
         return k.view(b, -1, kvh, d), v.view(b, -1, kvh, d)
 
     def _decode(self, q, kv_cache, block_tables, seq_lens, max_len, scale):

@@ -1,13 +1,23 @@
 """The paged KV pool: one tensor per layer, [num_blocks, 2, block_size, kv_heads, head_dim].
 
 Block ids are the scheduler's; every rank holds its own KV heads of every block. On CPU the pool
-is sized from a byte budget; on GPU from the memory left after profiling a forward pass.
+is sized from a byte budget; on GPU from the memory left after profiling a forward pass. With
+`kv_cache_dtype="fp8"` the pool is float8 e4m3 (one byte an element: twice the blocks for the
+same bytes); K and V are stored divided by per-layer scales (worker/kv_scales.py).
 """
 from __future__ import annotations
 
 import torch
 
 from conveyor.shared.config import EngineConfig, ModelConfig
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0                              # the largest finite e4m3 value
+
+
+def kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtype:
+    """The pool's element type: float8 e4m3, or the model's own dtype ("auto")."""
+    return FP8_DTYPE if config.kv_cache_fp8 else model_dtype
 
 
 def kv_heads_per_rank(model: ModelConfig, tp_size: int) -> int:

@@ -23,7 +23,13 @@ from conveyor.shared.messages import StepPlan, StepResult
 from conveyor.shared.model_files import ModelFiles
 from conveyor.shared.sampling_params import SamplingParams
 from conveyor.worker.context import StepContext
-from conveyor.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for_budget
+from conveyor.worker.kv_cache import (
+    allocate_kv_cache,
+    bytes_per_block,
+    kv_cache_dtype,
+    num_blocks_for_budget,
+)
+from conveyor.worker.kv_scales import calibrate_kv_scales, set_kv_scales
 from conveyor.worker.layers.parallel import broadcast_tensor, min_over_ranks, tp_rank
 from conveyor.worker.loader import load_model
 from conveyor.worker.sampler import LogprobTensors, SampledTensors, Sampler, SeqSamplingState
@@ -58,9 +64,16 @@ class ModelRunner:
         self.model_config = model_config
         self.device = device or torch.device(config.device)
         self.dtype = getattr(torch, config.torch_dtype_name)
+        self.kv_dtype = kv_cache_dtype(config, self.dtype)    # the pool's: float8 or self.dtype
         torch.manual_seed(config.seed)
         self.model = load_model(model_config, files, self.dtype, self.device,
                                 config.load_format, config.seed)
+        # fp8 pool: per-layer (k_scale, v_scale), measured before sizing and graph capture
+        self.kv_scales: list[tuple[float, float]] | None = None
+        if config.kv_cache_fp8:
+            self.kv_scales = calibrate_kv_scales(self.model, model_config, config, max_model_len,
+                                                 self.dtype, self.device)
+            set_kv_scales(self.model, self.kv_scales)
         self.sampler = Sampler(model_config.vocab_size, model_config.eos_token_ids, config.seed,
                                self.device)
         self.block_size = config.block_size
@@ -78,7 +91,7 @@ class ModelRunner:
         self._turn = 0
         self._pending: _Launched | None = None   # submitted, result not taken yet
         self.num_blocks = min_over_ranks(self._num_blocks(), self.device)
-        self.kv_caches = allocate_kv_cache(model_config, config, self.num_blocks, self.dtype,
+        self.kv_caches = allocate_kv_cache(model_config, config, self.num_blocks, self.kv_dtype,
                                            self.device)
         self.slots: dict[int, Slot] = {}
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -96,7 +109,8 @@ class ModelRunner:
             # NOTE: more blocks than every sequence at full length could use only feed the prefix
             # cache; on CPU the budget is capped there so small models don't zero gigabytes.
             enough = self.config.max_num_seqs * -(-self.max_model_len // self.block_size)
-            return min(enough, num_blocks_for_budget(self.model_config, self.config, self.dtype,
+            return min(enough, num_blocks_for_budget(self.model_config, self.config,
+                                                     self.kv_dtype,
                                                      self.config.kv_cache_memory_bytes))
         return self._profile_gpu_blocks()
 
@@ -107,8 +121,8 @@ class ModelRunner:
         num_tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
         blocks = -(-num_tokens // self.block_size)
         # NOTE: runs before the real pool exists: a pool just big enough for this one step
-        self.kv_caches = allocate_kv_cache(self.model_config, self.config, blocks, self.dtype,
-                                           self.device)
+        self.kv_caches = allocate_kv_cache(self.model_config, self.config, blocks,
+                                           self.kv_dtype, self.device)
         self.slots = {0: Slot(0, 0, SeqSamplingState.new(_PROFILE_PARAMS, [0] * num_tokens,
                                                          num_tokens, self.device))}
         self._add_blocks(0, list(range(blocks)))
@@ -117,7 +131,7 @@ class ModelRunner:
         peak = torch.cuda.max_memory_allocated(self.device)
         total = torch.cuda.get_device_properties(self.device).total_memory
         free_bytes = int(total * self.config.gpu_memory_utilization) - peak
-        num = free_bytes // bytes_per_block(self.model_config, self.config, self.dtype)
+        num = free_bytes // bytes_per_block(self.model_config, self.config, self.kv_dtype)
         if num < 1:
             raise RuntimeError(f"no memory left for the KV cache: peak {peak / 2**30:.1f} GiB of "
                                f"{total / 2**30:.1f} GiB; raise gpu_memory_utilization or lower "

@@ -18,13 +18,14 @@ def _num_sms(index: int) -> int:
 
 class TritonAttentionBackend:
     def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
+                 slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0
+                 ) -> None:
         from conveyor.kernels.store_kv import store_kv
 
-        store_kv(k, v, kv_cache, slot_mapping)
+        store_kv(k, v, kv_cache, slot_mapping, k_scale, v_scale)
 
     def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, ctx: StepContext,
-                scale: float) -> torch.Tensor:
+                scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         """Attend q [T, heads, head_dim] to the pool; rows past the last sequence are zeros."""
         from conveyor.kernels.paged_attention import default_num_splits, paged_attention
 
@@ -35,7 +36,7 @@ class TritonAttentionBackend:
             splits = default_num_splits(num_seqs, kv_cache.shape[3], _num_sms(q.device.index or 0))
         out = paged_attention(q, kv_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
                               scale, 1 if decode_only else max(ctx.query_lens_cpu),
-                              num_splits=splits)
+                              num_splits=splits, k_scale=k_scale, v_scale=v_scale)
         used = num_seqs if decode_only else sum(ctx.query_lens_cpu)
         if used < q.shape[0]:
             out[used:].zero_()

@@ -13,11 +13,13 @@ def device() -> str:
 
 
 def _fix_interpreter() -> None:
-    """Works around three bugs of Triton 3.5's interpreter that these kernels meet:
+    """Works around four bugs of Triton 3.5's interpreter that these kernels meet:
     - `range` over a scalar tensor (a loop with runtime bounds) calls int() on a one-element
       array, which NumPy 2.4 refuses;
     - tl.dot multiplies bfloat16 operands as their raw uint16 bits;
-    - float32 -> bfloat16 casts truncate, where the GPU rounds to nearest even.
+    - float32 -> bfloat16 casts truncate, where the GPU rounds to nearest even;
+    - float32 -> float8 e4m3 casts truncate (0.3 becomes 0.28125, not 0.3125), where the GPU
+      rounds to nearest even, as torch does.
     """
     import numpy as np
     import triton.language as tl
@@ -52,6 +54,15 @@ def _fix_interpreter() -> None:
         return cast(self, src, dst_type)
 
     interpreter.InterpreterBuilder.cast_impl = cast_impl
+    fp_to_fp = interpreter.InterpreterBuilder.create_fp_to_fp
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.float8e4nv:
+            data = torch.from_numpy(src.data).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+            return interpreter.TensorHandle(data, tl.float8e4nv)
+        return fp_to_fp(self, src, dst_type, rounding_mode)
+
+    interpreter.InterpreterBuilder.create_fp_to_fp = create_fp_to_fp
 
 
 if interpreting() and not torch.cuda.is_available():

@@ -1,6 +1,8 @@
 """store_kv and paged_attention against the torch backend (the reference), on mixed batches of
 decodes and prefill chunks with cached prefixes not aligned to blocks, GQA groups 1/4/8, block
-sizes 16/32, head_dim 64/128, the split-KV path, and padded slots."""
+sizes 16/32, head_dim 64/128, the split-KV path, and padded slots; and the same over an fp8
+(e4m3) pool with per-layer scales. The `interpreter` tests also run on CPU under
+TRITON_INTERPRET=1 (small shapes: the interpreter is slow)."""
 import math
 import random
 
@@ -14,9 +16,11 @@ pytestmark = pytest.mark.gpu
 
 DTYPES = [torch.float16, torch.bfloat16]
 TOL = {torch.float16: dict(atol=2e-3, rtol=2e-3), torch.bfloat16: dict(atol=1.5e-2, rtol=1.5e-2)}
+FP8 = torch.float8_e4m3fn
+K_SCALE, V_SCALE = 0.37, 2.5     # odd scales: a scale applied twice, or not at all, shows
 
 
-def make_batch(rng, decodes, prefills, block_size, kv_heads, head_dim, dtype):
+def make_batch(rng, decodes, prefills, block_size, kv_heads, head_dim, dtype, device="cuda"):
     """decodes: context lengths; prefills: (query length, cached prefix). -> ctx, tables."""
     q_lens = [1] * len(decodes) + [q for q, _ in prefills]
     seq_lens = list(decodes) + [q + p for q, p in prefills]
@@ -25,10 +29,10 @@ def make_batch(rng, decodes, prefills, block_size, kv_heads, head_dim, dtype):
     rng.shuffle(free)
     tables = [[free.pop() for _ in range(math.ceil(s / block_size))] for s in seq_lens]
     width = max(len(t) for t in tables) + 2
-    gen = torch.Generator(device="cuda").manual_seed(rng.randint(0, 10**6))
+    gen = torch.Generator(device=device).manual_seed(rng.randint(0, 10**6))
     # garbage everywhere: a read outside the context shows up as a wrong result
     cache = torch.randn(num_blocks, 2, block_size, kv_heads, head_dim, generator=gen,
-                        device="cuda").to(dtype)
+                        device=device).to(dtype)
     starts = [0]
     for n in q_lens:
         starts.append(starts[-1] + n)
@@ -37,11 +41,11 @@ def make_batch(rng, decodes, prefills, block_size, kv_heads, head_dim, dtype):
         slots += [table[p // block_size] * block_size + p % block_size
                   for p in range(seq_len - q_len, seq_len)]
     ctx = StepContext(
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device="cuda"),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device="cuda"),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables],
-                                  dtype=torch.int32, device="cuda"),
+                                  dtype=torch.int32, device=device),
         kv_caches=[cache], query_lens_cpu=q_lens, seq_lens_cpu=seq_lens,
         num_decodes=len(decodes))
     return ctx
@@ -135,4 +139,104 @@ def test_triton_backend_matches_torch(dtype):
     want = torch_backend.forward(q.float(), ref_cache.float(), ctx, 0.08)
     got = triton_backend.forward(q, cache, ctx, 0.08)
     torch.testing.assert_close(got.float(), want, **TOL[dtype])
+    assert not got[t:].any()
+
+
+# --- fp8 (e4m3) pool ---------------------------------------------------------------------------
+
+def _store_fp8_case(dtype, block_size, kv_heads, head_dim, t, device):
+    from conveyor.kernels.store_kv import store_kv, store_kv_ref
+
+    num_blocks = -(-t // block_size) + 3
+    cache = torch.randn(num_blocks, 2, block_size, kv_heads, head_dim, device=device).to(FP8)
+    kv = torch.randn(t, 3, kv_heads, head_dim, device=device) * 60
+    kv[1, 1, 0, 0] = 1000.0                                     # past 448 * k_scale
+    kv = kv.to(dtype)
+    k, v = kv[:, 1], kv[:, 2]                                   # strided views, like qkv's
+    slots = torch.randperm(num_blocks * block_size, device=device)[:t]
+    slots[::7] = -1                                             # padding rows
+    want = cache.clone()
+    store_kv_ref(k, v, want, slots, K_SCALE, V_SCALE)
+    store_kv(k, v, cache, slots, K_SCALE, V_SCALE)
+    assert torch.equal(cache.view(torch.uint8), want.view(torch.uint8))
+    keep = slots >= 0
+    raw = cache.view(torch.uint8)[slots[keep] // block_size, 0, slots[keep] % block_size]
+    stored = raw.view(FP8).float()
+    exact = k[keep].float() / K_SCALE
+    assert stored.abs().max() == 448                            # saturated, not NaN
+    # elsewhere the stored value is k / k_scale rounded to e4m3's 3 mantissa bits
+    normal = (exact.abs() < 448) & (exact.abs() > 2 ** -6)
+    assert ((stored - exact).abs() <= exact.abs() * 2 ** -4)[normal].all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("kv_heads,head_dim", [(8, 128), (3, 64)])
+def test_store_kv_fp8(dtype, block_size, kv_heads, head_dim):
+    _store_fp8_case(dtype, block_size, kv_heads, head_dim, 123, "cuda")
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_kv_fp8_small(dtype, device):
+    _store_fp8_case(dtype, 4, 3, 24, 13, device)
+
+
+def _attention_fp8_case(dtype, block_size, group, head_dim, decodes, prefills, splits, device,
+                        kv_heads=2, seed=0):
+    from conveyor.kernels.paged_attention import paged_attention
+
+    rng = random.Random(seed)
+    ctx = make_batch(rng, decodes, prefills, block_size, kv_heads, head_dim, FP8, device)
+    t = sum(ctx.query_lens_cpu)
+    q = torch.randn(t, kv_heads * group, head_dim, device=device).to(dtype)
+    scale = head_dim ** -0.5
+    cache = ctx.kv_caches[0]
+    # the reference reads the same fp8 bytes (exact in float32) and applies the same scales
+    want = TorchAttentionBackend().forward(q.float(), cache, ctx, scale, K_SCALE, V_SCALE)
+    tol = {k: x * V_SCALE for k, x in TOL[dtype].items()}
+    for n in splits:
+        got = paged_attention(q, cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
+                              scale, max(ctx.query_lens_cpu), num_splits=n, k_scale=K_SCALE,
+                              v_scale=V_SCALE)
+        torch.testing.assert_close(got.float(), want, **tol)
+
+
+@pytest.mark.parametrize("dtype,block_size,group,head_dim", CONFIGS)
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_paged_attention_fp8(dtype, block_size, group, head_dim, case):
+    decodes, prefills = CASES[case]
+    _attention_fp8_case(dtype, block_size, group, head_dim, decodes, prefills,
+                        (1, 3) if not prefills else (1,), "cuda",
+                        seed=case * 97 + group * 7 + head_dim + block_size)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype,group,splits", [(torch.bfloat16, 2, (1, 2)),
+                                                (torch.float16, 3, (1,))])
+def test_paged_attention_fp8_small(dtype, group, splits, device):
+    """Decodes and a prefill chunk over a cached prefix, block size 4, head_dim 24 (padded)."""
+    prefills = [] if len(splits) > 1 else [(5, 6)]
+    _attention_fp8_case(dtype, 4, group, 24, [3, 9], prefills, splits, device, kv_heads=1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_backend_fp8_matches_torch(dtype):
+    """write_kv then forward on an fp8 pool, with padded rows (slot -1) past the batch."""
+    from conveyor.worker.triton_backend import TritonAttentionBackend
+
+    rng = random.Random(6)
+    ctx = make_batch(rng, [7, 100], [(33, 17), (5, 0)], 16, 2, 128, FP8)
+    t = sum(ctx.query_lens_cpu)
+    q, k, v = (torch.randn(t + 2, h, 128, device="cuda").to(dtype) for h in (8, 2, 2))
+    ctx.slot_mapping = torch.cat([ctx.slot_mapping, torch.tensor([-1, -1], device="cuda")])
+    cache = ctx.kv_caches[0]
+    ref_cache = cache.clone()
+    torch_backend, triton_backend = TorchAttentionBackend(), TritonAttentionBackend()
+    torch_backend.write_kv(ref_cache, k, v, ctx.slot_mapping, K_SCALE, V_SCALE)
+    triton_backend.write_kv(cache, k, v, ctx.slot_mapping, K_SCALE, V_SCALE)
+    assert torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8))
+    want = torch_backend.forward(q.float(), ref_cache, ctx, 0.08, K_SCALE, V_SCALE)
+    got = triton_backend.forward(q, cache, ctx, 0.08, K_SCALE, V_SCALE)
+    torch.testing.assert_close(got.float(), want, **{k: x * V_SCALE for k, x in TOL[dtype].items()})
     assert not got[t:].any()

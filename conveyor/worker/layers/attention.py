@@ -3,6 +3,9 @@
 q, k, v arrive flat ([T, heads * head_dim], this rank's heads only); the pool of layer
 `layer_idx` is ctx.kv_caches[layer_idx]. The math is the backend's: Triton kernels on CUDA
 (where Triton is installed), plain torch elsewhere, unless a backend is given.
+
+k_scale and v_scale (Python floats, so CUDA graphs capture them) are the fp8 pool's per-layer
+scales: K/V are stored divided by them and read back multiplied; 1.0 for a model-dtype pool.
 """
 from __future__ import annotations
 
@@ -24,6 +27,8 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
         self.backend = backend
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 ctx: StepContext) -> torch.Tensor:
@@ -31,9 +36,10 @@ class Attention(nn.Module):
         kv_cache = ctx.kv_caches[self.layer_idx]
         backend = self.backend or default_backend(q.is_cuda)
         backend.write_kv(kv_cache, k.view(t, self.num_kv_heads, self.head_dim),
-                         v.view(t, self.num_kv_heads, self.head_dim), ctx.slot_mapping)
+                         v.view(t, self.num_kv_heads, self.head_dim), ctx.slot_mapping,
+                         self.k_scale, self.v_scale)
         out = backend.forward(q.view(t, self.num_heads, self.head_dim), kv_cache, ctx,
-                              self.scale)                    # [T, heads, head_dim]
+                              self.scale, self.k_scale, self.v_scale)   # [T, heads, head_dim]
         return out.reshape(t, self.num_heads * self.head_dim)
 
 

@@ -1,0 +1,89 @@
+"""Paged attention over a bf16 and an fp8 (e4m3) KV pool, on CUDA: GPU time per call of one
+layer's attention and the KV bytes it reads, for decode batches and a prefill chunk.
+
+Decodes are memory-bound: the fp8 pool reads half the bytes, so the goal is close to half the
+time. The prefill row shows what converting fp8 tiles to bf16 in registers costs where the
+kernel is compute-bound. Each figure: CALLS calls in one CUDA graph over as many copies of the
+pool as keep the working set at 4x the L2, median of REPS replays (scripts/bench_kernels.py).
+
+    python scripts/bench_attention.py [--shapes llama3.1-8b] [--context 1024]
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+from conveyor.kernels.paged_attention import default_num_splits, paged_attention
+from conveyor.kernels.store_kv import store_kv
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_kernels import CALLS, copies, graph_us  # noqa: E402
+
+# heads, kv heads, head_dim of one layer
+SHAPES = {"qwen3-0.6b": (16, 8, 128), "llama3.1-8b": (32, 8, 128)}
+BLOCK = 16
+K_SCALE, V_SCALE = 0.05, 0.02        # any positive scales: the time does not depend on them
+
+
+def make_pool(num_seqs: int, context: int, kv_heads: int, head_dim: int, fp8: bool):
+    """A pool holding num_seqs contexts of `context` tokens, written through store_kv."""
+    per_seq = math.ceil(context / BLOCK)
+    blocks = num_seqs * per_seq
+    dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    cache = torch.empty(blocks, 2, BLOCK, kv_heads, head_dim, dtype=dtype, device="cuda")
+    tables = torch.randperm(blocks, device="cuda", dtype=torch.int64).view(num_seqs, per_seq)
+    for s in range(0, num_seqs, 64):    # write every context once, like prefills would
+        rows = tables[s:s + 64]
+        slots = (rows[:, :, None] * BLOCK + torch.arange(BLOCK, device="cuda")).flatten()
+        k = torch.randn(slots.numel(), kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+        scales = (K_SCALE, V_SCALE) if fp8 else (1.0, 1.0)
+        store_kv(k, k, cache, slots, *scales)
+    return cache, tables.int()
+
+
+def bench(shape: str, num_seqs: int, q_len: int, context: int, fp8: bool) -> tuple[float, int]:
+    heads, kvh, d = SHAPES[shape]
+    cache, tables = make_pool(num_seqs, context, kvh, d, fp8)
+    nbytes = 2 * num_seqs * context * kvh * d * cache.element_size()
+    pools = [cache] + [cache.clone() for _ in range(copies(nbytes) - 1)]
+    t = num_seqs * q_len
+    q = torch.randn(t, heads, d, device="cuda", dtype=torch.bfloat16)
+    seq_lens = torch.full((num_seqs,), context, dtype=torch.int32, device="cuda")
+    starts = torch.arange(0, t + 1, q_len, dtype=torch.int32, device="cuda")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    splits = default_num_splits(num_seqs, kvh, sms) if q_len == 1 else 1
+    out = torch.empty_like(q)
+    scales = dict(k_scale=K_SCALE, v_scale=V_SCALE) if fp8 else {}
+    calls = [functools.partial(paged_attention, q, pools[i % len(pools)], tables, seq_lens,
+                               starts, d ** -0.5, q_len, out=out, num_splits=splits, **scales)
+             for i in range(CALLS)]
+    return graph_us(calls), nbytes
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--context", type=int, default=1024)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU")
+    print(f"{torch.cuda.get_device_name()}: one layer's paged attention, context "
+          f"{args.context}, bf16 queries; GPU us per call")
+    print("| shape | batch | bf16 pool us | GB/s | fp8 pool us | GB/s | speedup |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for shape in args.shapes:
+        for num_seqs, q_len in ((1, 1), (64, 1), (256, 1), (8, 512)):
+            (bf, nb), (f8, n8) = (bench(shape, num_seqs, q_len, args.context, fp8)
+                                  for fp8 in (False, True))
+            label = f"{num_seqs} decodes" if q_len == 1 else f"{num_seqs} x {q_len}-token chunks"
+            print(f"| {shape} | {label} | {bf:8.1f} | {nb / bf / 1e3:5.0f} | {f8:8.1f} | "
+                  f"{n8 / f8 / 1e3:5.0f} | {bf / f8:4.2f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
