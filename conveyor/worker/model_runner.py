@@ -25,6 +25,7 @@ from conveyor.shared.sampling_params import SamplingParams
 from conveyor.worker.context import StepContext
 from conveyor.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for_budget
 from conveyor.worker.layers.parallel import broadcast_tensor, min_over_ranks, tp_rank
+from conveyor.worker.layers.quantization import QuantReport, check_device
 from conveyor.worker.loader import load_model
 from conveyor.worker.sampler import LogprobTensors, SampledTensors, Sampler, SeqSamplingState
 
@@ -59,7 +60,10 @@ class ModelRunner:
         self.device = device or torch.device(config.device)
         self.dtype = getattr(torch, config.torch_dtype_name)
         torch.manual_seed(config.seed)
-        self.model = load_model(model_config, files, self.dtype, self.device)
+        check_device(config.quantization, self.device)
+        self.model = load_model(model_config, files, self.dtype, self.device,
+                                config.quantization, config.keep_patterns)
+        self.quant_report: QuantReport | None = self.model.quant_report
         self.sampler = Sampler(model_config.vocab_size, model_config.eos_token_ids, config.seed,
                                self.device)
         self.block_size = config.block_size
