@@ -38,26 +38,26 @@ def load_model(config: ModelConfig, files: ModelFiles, dtype: torch.dtype,
     model_class = get_model_class(config.architecture)
     with torch.device("cpu" if quantization else device):
         model = model_class(config, dtype)
-    int8_names = set()
-    if quantization == "int8" and files.is_gguf:
-        int8_names = _keep_q8_0(model, files.path, keep)
-    weights = (gguf_weights(files.path, int8_names) if files.is_gguf
-               else safetensors_weights(files.path))
-    load_weights(model, weights)
+    if files.is_gguf:
+        from conveyor.shared.gguf_reader import open_gguf
+
+        reader = open_gguf(files.path)
+        int8_names = _keep_q8_0(model, reader, keep) if quantization == "int8" else set()
+        load_weights(model, gguf_weights(reader, int8_names))
+    else:
+        load_weights(model, safetensors_weights(files.path))
     model.quant_report = quantize_model(model, quantization, keep, device)
     return model.eval()
 
 
-def _keep_q8_0(model: nn.Module, path: Path, keep: tuple[re.Pattern, ...]) -> set[str]:
+def _keep_q8_0(model: nn.Module, reader, keep: tuple[re.Pattern, ...]) -> set[str]:
     """Make the linear layers whose every checkpoint weight is GGUF Q8_0 take int8 weights and
     group scales (layers matched by `keep`, or whose input is not whole blocks, are left as they
     are); returns the checkpoint names to load without dequantizing."""
     import gguf
 
-    from conveyor.shared.gguf_reader import open_gguf
-
     q8_0: dict[str, dict[str, bool]] = {}      # our module -> {checkpoint name: is Q8_0}
-    for tensor in open_gguf(path).tensors:
+    for tensor in reader.tensors:
         name = gguf_to_hf_name(tensor.name)
         if name is None or not name.endswith(".weight"):
             continue
@@ -173,15 +173,12 @@ def _unpermute_rotary(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.reshape(num_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def gguf_weights(path: Path, int8_names: set[str] = frozenset()) -> Weights:
-    """GGUF tensors (torch layout [out, in]) under Hugging Face names, dequantized to float32;
-    Q8_0 tensors named in `int8_names` instead as int8 values and their float32 scales [out,
-    in / 32] (under the name + "_scale")."""
+def gguf_weights(reader, int8_names: set[str] = frozenset()) -> Weights:
+    """The tensors of a GGUF file (an open gguf.GGUFReader) in torch layout [out, in] under
+    Hugging Face names, dequantized to float32; Q8_0 tensors named in `int8_names` instead as
+    int8 values and their float32 scales [out, in / 32] (under the name + "_scale")."""
     import gguf
 
-    from conveyor.shared.gguf_reader import open_gguf
-
-    reader = open_gguf(path)
     fields = reader.fields
     arch = fields["general.architecture"].contents()
     heads = fields[f"{arch}.attention.head_count"].contents()

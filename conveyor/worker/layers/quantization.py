@@ -35,7 +35,7 @@ def quantize_weight(w: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Ten
     if w.dim() != 2:
         raise ValueError(f"w must be [N, K], got {tuple(w.shape)}")
     w = w.float()
-    amax = w.abs().amax(dim=1, keepdim=True)
+    amax = torch.linalg.vector_norm(w, ord=float("inf"), dim=1, keepdim=True)   # no |w| copy
     scale = torch.where(amax > 0, amax / (INT8_MAX if mode == "int8" else FP8_MAX), 1.0)
     if mode == "int8":
         q = (w / scale).round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)

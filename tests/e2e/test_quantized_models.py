@@ -1,0 +1,113 @@
+"""Quantized models end to end: the default model's perplexity on a fixed text (through prompt
+logprobs) with int8 and fp8 weights against the unquantized model, on CPU (the torch reference
+paths) and on the GPU (the kernels); a GGUF Q8_0 model kept in int8 gives the tokens and
+logprobs of the same file dequantized."""
+import math
+
+import pytest
+import torch
+from models_util import make_tiny_gguf
+
+from conveyor import LLM, SamplingParams
+from conveyor.shared.model_files import default_model_path
+
+needs_model = pytest.mark.skipif(not default_model_path().is_file(),
+                                 reason="default model not fetched (make model)")
+
+# ~350 tokens of plain English prose, written for this test
+TEXT = """\
+The river starts in the hills north of the town, where snow melts slowly through the spring \
+and feeds a dozen small streams. By the time it reaches the old mill it is wide enough for a \
+rowing boat, and in summer children swim in the deep pool below the weir. The mill itself \
+stopped grinding grain more than a century ago. For a while it made paper, then it stood empty, \
+and now it holds a small museum that explains how water once powered most of the work in the \
+valley.
+Farmers brought their harvest to the mill in carts pulled by horses. The miller kept a share of \
+the flour as payment, and the rest went back to the farms or on to the market in the next town. \
+A good miller knew how to set the stones so that the flour came out fine but not burnt, and how \
+to keep the wheel turning when the river ran low in a dry August.
+Today the valley is quieter. A road follows the river, and a railway line crosses it twice on \
+stone bridges built in the eighteen sixties. Walkers come at weekends to follow the path from \
+the source to the sea, a journey of about forty miles that most people finish in three or four \
+days. They stay in small guest houses, eat in village pubs, and complain cheerfully about the \
+rain, which falls on roughly half the days of the year.
+Scientists study the river too. They count the fish that return each autumn, measure how much \
+water flows past a gauge near the bridge, and test samples for the chemicals that run off the \
+fields after heavy rain. Their records go back more than fifty years, and they show a river that \
+has become cleaner since the factories closed, even as the summers have grown warmer and drier.
+"""
+# measured on CPU (float32 activations): int8 +0.4 %, fp8 +3.9 % (per-token fp8 activations
+# cost most of it); the issue asks int8 within 2 %
+BOUND = {"int8": 0.02, "fp8": 0.05}
+
+
+def perplexity(llm: LLM) -> float:
+    ids = llm.tokenizer.encode(TEXT)
+    assert len(ids) > 300
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    out = llm.generate([ids], params, use_tqdm=False)[0]
+    logprobs = [pos[t].logprob for pos, t in zip(out.prompt_logprobs[1:], ids[1:])]
+    return math.exp(-sum(logprobs) / len(logprobs))
+
+
+def check_modes(device: str) -> None:
+    ref = perplexity(LLM(device=device))
+    for mode, bound in BOUND.items():
+        llm = LLM(device=device, quantization=mode)
+        report = llm.quantization_report
+        assert len(report.quantized) == 4 * llm.engine.model_config.num_hidden_layers
+        assert report.kept == ["model.embed_tokens", "lm_head"]
+        ppl = perplexity(llm)
+        assert abs(ppl / ref - 1) < bound, (mode, ppl, ref)
+        del llm
+
+
+@pytest.mark.slow
+@needs_model
+def test_default_model_perplexity_cpu():
+    check_modes("cpu")
+
+
+@pytest.mark.gpu
+@needs_model
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_default_model_perplexity_gpu():
+    check_modes("cuda")
+
+
+def test_gguf_q8_0_kept_in_int8_matches_dequantized(tmp_path):
+    path = make_tiny_gguf(tmp_path / "tiny.Q8_0.gguf")
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (1, 9, 40)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2,
+                            prompt_logprobs=2)
+    runs = {}
+    for mode in (None, "int8"):
+        llm = LLM(str(path), skip_tokenizer_init=True, quantization=mode, block_size=4)
+        runs[mode] = llm.generate(prompts, params, use_tqdm=False)
+    report = llm.quantization_report
+    layers = [f"model.layers.{i}.{m}" for i in range(2) for m in
+              ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")]
+    assert report.prequantized == layers and report.quantized == []
+    assert "kept 8 GGUF Q8_0 layers in int8" in report.summary()
+    qkv = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj
+    assert qkv.weight.dtype == torch.int8 and qkv.weight_scale.shape == (64 + 2 * 32, 64 // 32)
+    for a, b in zip(runs[None], runs["int8"]):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for pa, pb in zip(a.prompt_logprobs[1:] + a.outputs[0].logprobs,
+                          b.prompt_logprobs[1:] + b.outputs[0].logprobs):
+            assert set(pa) == set(pb)
+            assert all(abs(pa[t].logprob - pb[t].logprob) < 1e-4 for t in pa)
+
+
+def test_gguf_q8_0_layers_kept_in_precision_are_dequantized(tmp_path):
+    """--keep-precision wins over the file's Q8_0: a matched layer loads dequantized."""
+    path = make_tiny_gguf(tmp_path / "tiny.Q8_0.gguf")
+    llm = LLM(str(path), skip_tokenizer_init=True, quantization="int8",
+              keep_precision=r"lm_head,embed_tokens,layers\.1\.mlp")
+    report = llm.quantization_report
+    assert report.kept == ["model.embed_tokens", "model.layers.1.mlp.gate_up_proj",
+                           "model.layers.1.mlp.down_proj", "lm_head"]
+    assert len(report.prequantized) == 6
+    down = llm.engine.runner.model.model.layers[1].mlp.down_proj
+    assert down.weight.dtype == torch.float32 and down.weight_scale is None
