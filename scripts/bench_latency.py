@@ -3,6 +3,7 @@
 
     python scripts/bench_latency.py --shape qwen3-0.6b --random-weights
     python scripts/bench_latency.py --shape llama3.1-8b --random-weights --tp 2   # via serve
+    python scripts/bench_latency.py --shape llama3.1-8b --random-weights --quantization int8
 
 With --tp the model runs in `conveyor serve` (one worker per GPU) and is timed through the ZMQ
 client, so the figure includes the processes' messages; without it, in-process (LLM).
@@ -17,7 +18,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_models import add_model_args, append_json, model_path, served  # noqa: E402
+from bench_models import add_model_args, append_json, model_path, quant_args, served  # noqa: E402
 
 
 def main() -> None:
@@ -32,15 +33,17 @@ def main() -> None:
     args = ap.parse_args()
     path = model_path(args, ap)
     engine = dict(max_num_seqs=8, max_model_len=4096, max_num_batched_tokens=4096,
-                  enforce_eager=args.enforce_eager)
+                  enforce_eager=args.enforce_eager, **quant_args(args))
     if args.tp is None:
         from conveyor import LLM
 
         llm = LLM(model=path, device="cuda", skip_tokenizer_init=True, **engine)
+        if llm.quantization_report is not None:
+            print(llm.quantization_report.summary())
         measure(args, lambda prompt, p: llm.generate([prompt], p, use_tqdm=False))
         return
     flags = [f"--{k.replace('_', '-')}" if v is True else f"--{k.replace('_', '-')}={v}"
-             for k, v in engine.items() if v is not False]
+             for k, v in engine.items() if v is not False and v is not None]
     with served(path, args.tp, *flags) as client:
         measure(args, client.generate)
 
@@ -66,7 +69,8 @@ def measure(args, generate) -> None:
     per_token = (statistics.median(long) - statistics.median(short)) / args.decode_tokens
     result = {"shape": args.shape or args.model, "decode_ms_per_token": round(per_token * 1e3, 3),
               "ttft_ms": round(statistics.median(ttft) * 1e3, 2),
-              "prompt_len": args.prompt_len, "eager": args.enforce_eager, "tp": args.tp}
+              "prompt_len": args.prompt_len, "eager": args.enforce_eager, "tp": args.tp,
+              "quantization": args.quantization}
     print(f"decode: {per_token * 1e3:.3f} ms/token (batch 1); TTFT for {args.prompt_len} "
           f"tokens: {statistics.median(ttft) * 1e3:.1f} ms")
     append_json(args.json, result)

@@ -52,12 +52,22 @@ def build_random_model(shape: str, folder: str | Path | None = None, seed: int =
 
 
 def add_model_args(ap) -> None:
-    """--model, or --shape with --random-weights; plus --num-layers to shorten a shape."""
+    """--model, or --shape with --random-weights; plus --num-layers to shorten a shape, and
+    --quantization / --keep-precision for the engine (see quant_args)."""
     ap.add_argument("--model", help="a Hugging Face folder")
     ap.add_argument("--shape", choices=sorted(SHAPES))
     ap.add_argument("--random-weights", action="store_true",
                     help="build --shape with random weights (nothing downloaded)")
     ap.add_argument("--num-layers", type=int, default=None, help="override the layer count")
+    ap.add_argument("--quantization", choices=["int8", "fp8"], default=None,
+                    help="quantize the weights at load (docs/QUANTIZATION.md)")
+    ap.add_argument("--keep-precision", default="lm_head,embed_tokens", metavar="PATTERNS",
+                    help="layers left unquantized (comma-separated regexes)")
+
+
+def quant_args(args) -> dict:
+    """The engine arguments of --quantization and --keep-precision."""
+    return {"quantization": args.quantization, "keep_precision": args.keep_precision}
 
 
 def model_path(args, ap) -> str:

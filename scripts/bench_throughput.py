@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_models import add_model_args, append_json, model_path  # noqa: E402
+from bench_models import add_model_args, append_json, model_path, quant_args  # noqa: E402
 
 
 def workload(num_requests: int = 256, max_input: int = 1024, max_output: int = 1024):
@@ -74,8 +74,11 @@ def main() -> None:
     llm = LLM(model=path, device="cuda", skip_tokenizer_init=True,
               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
               max_num_batched_tokens=args.max_num_batched_tokens,
-              enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling)
+              enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
+              **quant_args(args))
     startup = time.perf_counter() - t0
+    if llm.quantization_report is not None:
+        print(llm.quantization_report.summary())
     llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=8), use_tqdm=False)   # warm-up
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -85,7 +88,7 @@ def main() -> None:
               "prompt_tokens": sum(map(len, prompts)), "output_tokens": out_tokens,
               "seconds": round(elapsed, 3), "tok_per_s": round(out_tokens / elapsed, 1),
               "startup_s": round(startup, 1), "eager": args.enforce_eager,
-              "async_scheduling": args.async_scheduling}
+              "async_scheduling": args.async_scheduling, "quantization": args.quantization}
     print(f"conveyor: {out_tokens} output tokens in {elapsed:.2f} s = "
           f"{out_tokens / elapsed:,.0f} tok/s (startup {startup:.1f} s)")
     if args.compare_hf:

@@ -6,7 +6,8 @@ tile of W is converted to x's dtype in registers (exact: |q| <= 127 fits bf16's 
 fed to the tensor cores with float32 accumulation. Row scales multiply the accumulator once at
 the end; group scales multiply the W tile before the conversion (as the reference rounds it).
 It reads half the weight bytes of a bf16 GEMM, which is what counts while M is small (decode
-batches); single-row decode takes the skinny GEMV (skinny_gemm.py), which streams W faster.
+batches); single-row decode takes the skinny GEMV (skinny_gemm.py), which streams W faster, and
+from CUBLAS_FROM_M rows (prefill) linear() dequantizes W and calls cuBLAS.
 """
 import torch
 
@@ -15,6 +16,12 @@ from conveyor.kernels._util import check
 from conveyor.kernels.skinny_gemm import scale_fits
 
 _GROUP_M = 8        # programs that share W tiles run together (L2 reuse of W across M tiles)
+_MIN_PROGRAMS = 256
+# NOTE: from this many rows linear() dequantizes the weight to x's dtype and calls cuBLAS
+# instead: the product is compute bound there, cuBLAS's tuned kernels beat this untuned one,
+# and the dequantization (one pass over W, < 0.1 ms for Llama-8B's largest) costs a few per
+# cent of the matmul. scripts/bench_kernels.py --tables quant times both at 4,096 rows.
+CUBLAS_FROM_M = 1024
 
 
 @jit
@@ -63,17 +70,25 @@ def _int8_gemm_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, M, N, K,
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-def tiling(m: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by the number of rows: small tiles
-    and a long K step while M is small (the weight stream is the cost), square 128-wide tiles
-    when the product is compute bound."""
+def tiling(m: int, n: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): BLOCK_M from the number of rows, a
+    long K step while M is small (the weight stream is the cost); BLOCK_N the widest (up to 64,
+    or 128 past 64 rows) that still gives _MIN_PROGRAMS programs, so that a decode batch's
+    weight is streamed by every SM (an H200 has 132)."""
     if m <= 16:
-        return 16, 64, 256, 4, 4
-    if m <= 64:
-        return 64, 64, 128, 4, 4
-    if m <= 256:
-        return 64, 128, 64, 4, 4
-    return 128, 128, 64, 8, 3
+        block_m, block_k, num_warps, num_stages = 16, 256, 4, 4
+    elif m <= 32:
+        block_m, block_k, num_warps, num_stages = 32, 128, 4, 4
+    elif m <= 64:
+        block_m, block_k, num_warps, num_stages = 64, 128, 4, 4
+    else:
+        block_m, block_k, num_warps, num_stages = 128, 64, 8, 3
+    block_n = 32
+    for wide in ((128, 64) if m > 64 else (64,)):
+        if -(-m // block_m) * -(-n // wide) >= _MIN_PROGRAMS:
+            block_n = wide
+            break
+    return block_m, block_n, block_k, num_warps, num_stages
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> bool:
@@ -98,7 +113,7 @@ def int8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     if m == 0 or n == 0:
         return y
     groups = scale.shape[1]
-    block_m, block_n, block_k, num_warps, num_stages = tiling(m)
+    block_m, block_n, block_k, num_warps, num_stages = tiling(m, n)
     grid = (-(-m // block_m) * -(-n // block_n),)
     _int8_gemm_kernel[grid](
         x, weight, scale, bias if bias is not None else y, y, m, n, k,

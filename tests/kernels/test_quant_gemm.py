@@ -84,7 +84,8 @@ def test_skinny_takes_only_what_it_can_do():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m,n,k,groups,bias", [
     (2, 37, 1000, 1, True),       # odd N and K, decode-sized M
-    (17, 70, 96, 3, False),       # group scales, M past one 16-row tile
+    (17, 70, 96, 3, False),       # group scales, 32-row tiles
+    (40, 33, 128, 1, True),       # 64-row tiles
     (65, 130, 200, 1, True),      # 64-row tiles, K not a whole step
     (300, 129, 64, 2, False),     # 128-row tiles, several M tiles
 ])
@@ -95,9 +96,17 @@ def test_int8_gemm(device, dtype, m, n, k, groups, bias):
     torch.testing.assert_close(int8_gemm(x, w, s, b), int8_gemm_ref(x, w, s, b), **TOL[dtype])
 
 
-def test_int8_gemm_tiles_grow_with_m():
-    sizes = [tiling(m)[0] for m in (1, 16, 17, 64, 65, 256, 257, 8192)]
+def test_int8_gemm_tiling():
+    """Tiles grow with M; a decode batch on a Llama-8B or Qwen3-0.6B weight still makes at least
+    256 programs; tiles are whole tensor-core shapes."""
+    sizes = [tiling(m, 4096)[0] for m in (1, 16, 17, 64, 65, 256, 257, 8192)]
     assert sizes == sorted(sizes) and sizes[0] == 16 and sizes[-1] == 128
+    for m in (2, 8, 16, 32, 64, 128, 256, 1023):
+        for n in (1024, 4096, 6144, 28672, 151936):
+            block_m, block_n, block_k, _, _ = tiling(m, n)
+            assert -(-m // block_m) * -(-n // block_n) >= 256 or block_n == 32
+            assert block_m % 16 == 0 and block_n % 32 == 0 and block_k % 32 == 0
+    assert tiling(8, 4096)[1] == 32 and tiling(8, 28672)[1] == 64 and tiling(4096, 4096)[1] == 128
 
 
 @pytest.mark.gpu

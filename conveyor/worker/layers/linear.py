@@ -24,8 +24,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     On CUDA with Triton, one row (single-stream decode) takes the skinny GEMM kernel, which
     streams the weight at near full bandwidth where cuBLAS's small-M kernels reach about a third
     of it, reads int8/fp8 weights as they are, and computes silu_mul while loading x. More rows:
-    cuBLAS for full-precision weights, the W8A16 Triton GEMM for int8, per-token fp8 activations
-    and torch._scaled_mm for fp8. On the CPU the quantized layers run the torch references.
+    cuBLAS for full-precision weights, the W8A16 Triton GEMM for int8 (dequantize + cuBLAS from
+    int8_gemm.CUBLAS_FROM_M rows), per-token fp8 activations and torch._scaled_mm for fp8. On
+    the CPU the quantized layers run the torch references.
     """
     gpu = x.is_cuda and triton_available()
     if gpu:
@@ -40,9 +41,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if weight.dtype == torch.int8:
         from conveyor.kernels import int8_gemm
 
-        if gpu and int8_gemm.takes(x, weight, scale):
+        if gpu and int8_gemm.takes(x, weight, scale) and x.shape[0] < int8_gemm.CUBLAS_FROM_M:
             return int8_gemm.int8_gemm(x, weight, scale, bias)
-        return int8_gemm.int8_gemm_ref(x, weight, scale, bias)
+        return int8_gemm.int8_gemm_ref(x, weight, scale, bias)   # dequantize, then cuBLAS
     from conveyor.kernels import fp8_gemm
 
     if gpu and fp8_gemm.takes(x, weight, scale):
