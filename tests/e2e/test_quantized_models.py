@@ -111,3 +111,47 @@ def test_gguf_q8_0_layers_kept_in_precision_are_dequantized(tmp_path):
     assert len(report.prequantized) == 6
     down = llm.engine.runner.model.model.layers[1].mlp.down_proj
     assert down.weight.dtype == torch.float32 and down.weight_scale is None
+
+
+@pytest.mark.slow
+@needs_model
+def test_serve_reports_quantization_and_matches_in_process():
+    """The worker's report reaches the launcher's output, and the server's int8 tokens are the
+    in-process engine's."""
+    import os
+    import re
+    import signal
+    import threading
+
+    from serve_util import SMALL, run_serve
+
+    from conveyor.client import Client
+
+    prompts = ["The capital of France is", "1, 2, 3,", "def fib(n):"]
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    proc = run_serve(*SMALL, "--quantization", "int8")
+    # NOTE: plain blocking reads (select() cannot see lines already in the pipe's text buffer);
+    # a timer kills the server if it never says "serving on"
+    timer = threading.Timer(240, os.killpg, (proc.pid, signal.SIGKILL))
+    timer.start()
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if "serving on" in line:
+                break
+        timer.cancel()
+        assert lines and "serving on" in lines[-1], (lines, proc.stderr.read()[-2000:])
+        report = [line for line in lines if "int8: quantized" in line]
+        assert len(report) == 1 and "quantized 120 layers" in report[0]
+        assert "kept in float32: model.embed_tokens, lm_head" in report[0]
+        address = re.search(r"tcp://[\d.]+:\d+", lines[-1]).group(0)
+        with Client(address, timeout=120) as client:
+            served = [r.token_ids for r in client.generate(prompts, greedy)]
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+    llm = LLM(quantization="int8", max_num_seqs=64, kv_cache_memory_bytes=64 << 20,
+              max_model_len=512)
+    assert served == [o.outputs[0].token_ids for o in llm.generate(prompts, greedy,
+                                                                   use_tqdm=False)]
