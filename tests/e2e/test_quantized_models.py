@@ -155,3 +155,71 @@ def test_serve_reports_quantization_and_matches_in_process():
               max_model_len=512)
     assert served == [o.outputs[0].token_ids for o in llm.generate(prompts, greedy,
                                                                    use_tqdm=False)]
+
+
+GPU_PROMPTS = [[5, 100, 2000, 31, 7, 999, 4242, 17, 256, 3000], list(range(300, 341)),
+               [9] * 3 + list(range(1000, 1150))]
+
+
+def quantize_hf_linears(model, mode: str) -> None:
+    """Make transformers' linear layers (not the LM head) compute what ours should: the same
+    per-row quantized weights, through our torch reference of the mode."""
+    from conveyor.kernels.fp8_gemm import fp8_gemm_ref
+    from conveyor.kernels.int8_gemm import int8_gemm_ref
+    from conveyor.worker.layers.quantization import quantize_weight
+
+    ref = int8_gemm_ref if mode == "int8" else fp8_gemm_ref
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name != "lm_head":
+            q, s = quantize_weight(module.weight.data, mode)
+            module.forward = lambda x, q=q, s=s, b=module.bias: ref(
+                x.reshape(-1, x.shape[-1]), q, s, b).reshape(*x.shape[:-1], -1)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", ["int8", "fp8"])
+def test_llama_shape_greedy_matches_quantized_transformers(mode, tmp_path):
+    """A Llama-3.1-8B-shaped random model (4 layers: the real GEMM shapes) with CUDA graphs:
+    our quantized greedy tokens against transformers running the same quantized weights through
+    the torch references; equal, or at the first divergence each side's token is in the other's
+    top 5. The three prompts decode together (M = 3, padded to 4: the batched kernels); then
+    one prompt alone (M = 1: the skinny GEMV, W8A16 for fp8 too, so only int8 compares there)."""
+    import gc
+
+    from bench_models import build_random_model
+    from transformers import AutoModelForCausalLM
+
+    path = build_random_model("llama3.1-8b", tmp_path / "llama", num_hidden_layers=4,
+                              initializer_range=0.05)
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    quantize_hf_linears(ref, mode)
+    cases = [GPU_PROMPTS] + ([GPU_PROMPTS[:1]] if mode == "int8" else [])
+    expected = []
+    with torch.inference_mode():
+        for p in GPU_PROMPTS:
+            out = ref.generate(torch.tensor([p], device="cuda"), max_new_tokens=16,
+                               min_new_tokens=16, do_sample=False, output_scores=True,
+                               return_dict_in_generate=True, pad_token_id=0,
+                               attention_mask=torch.ones(1, len(p), device="cuda",
+                                                         dtype=torch.long))
+            expected.append((out.sequences[0, len(p):].tolist(),
+                             [s[0].float().topk(5).indices.tolist() for s in out.scores]))
+    del ref
+    torch.cuda.empty_cache()
+    llm = LLM(model=str(path), device="cuda", skip_tokenizer_init=True, max_num_seqs=8,
+              max_model_len=512, gpu_memory_utilization=0.5, quantization=mode)
+    assert len(llm.quantization_report.quantized) == 16
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
+    for prompts in cases:
+        for (hf_tokens, hf_tops), out in zip(expected, llm.generate(prompts, params,
+                                                                    use_tqdm=False)):
+            tokens = out.outputs[0].token_ids
+            for j, (a, b) in enumerate(zip(tokens, hf_tokens)):
+                if a != b:
+                    assert a in hf_tops[j] and b in out.outputs[0].logprobs[j], (mode, j)
+                    break
+    del llm.engine
+    gc.collect()
+    torch.cuda.empty_cache()
