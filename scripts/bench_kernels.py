@@ -11,11 +11,12 @@ L2 (60 MB on an H200); median of REPS replays. GB/s counts the weight (or logits
 The last lines add up one decode step's GEMMs (per layer qkv, o, gate_up, silu+down; LM head).
 
 Weight-quantized GEMMs (--tables quant): the same shapes at M = 1, 16, 256 and 4,096 through
-linear(), as the model runs them, with bf16, int8 (W8A16: skinny GEMV at M = 1, the Triton GEMM
-above) and fp8 (skinny GEMV over fp8 weights at M = 1, per-token quantization + _scaled_mm
-above) weights; also int8 dequantized to bf16 then cuBLAS, the alternative for prefill. GB/s
-counts the bytes of the weight as stored. Its last lines add up a decode step's GEMMs with the
-LM head kept in bf16 (the default --keep-precision).
+linear(), as the model runs them, with bf16, int8 (W8A16: the skinny GEMV at M = 1, the Triton
+GEMM, from 1,024 rows dequantize + cuBLAS) and fp8 (the skinny GEMV over fp8 weights at M = 1,
+per-token quantization + _scaled_mm above) weights; from 256 rows also both int8 prefill
+choices on their own (to check int8_gemm.CUBLAS_FROM_M). GB/s counts the weight's bytes as
+stored. Its last lines add up a decode step's GEMMs with the LM head kept in bf16 (the default
+--keep-precision).
 
     python scripts/bench_kernels.py [--tables base quant] [--shapes llama3.1-8b]
 """
@@ -27,7 +28,8 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from conveyor.kernels.int8_gemm import dequantize
+from conveyor.kernels.dequantize import dequantize
+from conveyor.kernels.int8_gemm import int8_gemm
 from conveyor.kernels.sample import sample
 from conveyor.kernels.silu_and_mul import silu_and_mul
 from conveyor.kernels.skinny_gemm import skinny_gemm
@@ -98,8 +100,9 @@ LAYER = ("qkv", "o", "gate_up", "silu+down")
 
 
 def bench_quant(n: int, k: int, m: int, fused_silu: bool) -> dict[str, float]:
-    """GPU us per call of linear() with bf16, int8 and fp8 weights, and of int8 dequantized then
-    F.linear, for x [m, k] (x [m, 2k] with fused_silu) and a weight [n, k]."""
+    """GPU us per call of linear() with bf16, int8 and fp8 weights (from 256 rows also of the
+    int8 Triton GEMM and of dequantize + F.linear), x [m, k] (x [m, 2k] with fused_silu) and a
+    weight [n, k]."""
     dt = torch.bfloat16
     base = torch.randn(n, k, device="cuda", dtype=dt) / k ** 0.5
     x = torch.randn(m, 2 * k if fused_silu else k, device="cuda", dtype=dt)
@@ -112,10 +115,12 @@ def bench_quant(n: int, k: int, m: int, fused_silu: bool) -> dict[str, float]:
         pick = [ws[i % len(ws)] for i in range(CALLS)]
         out[name] = graph_us([lambda w=w, s=s: linear(x, w, silu_mul=fused_silu, scale=s)
                               for w, s in pick])
-        if name == "int8" and m >= 256:
-            def deq(w=w, s=scale):
-                return F.linear(silu_and_mul(x) if fused_silu else x, dequantize(w, s, dt))
-            out["int8 deq+cuBLAS"] = graph_us([deq] * min(CALLS, 20))
+        if name == "int8" and m >= 256:   # both prefill choices, whichever linear() takes
+            a = silu_and_mul(x) if fused_silu else x    # (their times leave the SiLU out)
+            out["int8 Triton"] = graph_us([lambda w=w, s=s, a=a: int8_gemm(a, w, s)
+                                           for w, s in pick])
+            out["int8 deq+cuBLAS"] = graph_us([
+                lambda w=w, s=s, a=a: F.linear(a, dequantize(w, s, dt)) for w, s in pick])
     return out
 
 
@@ -128,8 +133,9 @@ def _cell(times: dict[str, float], variant: str, nbytes: int) -> str:
 def quant_table(shapes: list[str]) -> None:
     print("\nWeight-quantized GEMMs through linear(): GPU us per call (GB/s of the stored "
           "weight); speed-up over bf16")
-    print("| GEMM | M | bf16 us | int8 us | fp8 us | int8 deq+cuBLAS us | int8 x | fp8 x |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| GEMM | M | bf16 us | int8 us | fp8 us | int8 Triton us | int8 deq+cuBLAS us | "
+          "int8 x | fp8 x |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     decode = []
     for shape in shapes:
         for m in QUANT_M:
@@ -141,7 +147,8 @@ def quant_table(shapes: list[str]) -> None:
                         continue
                     t = step[label] = bench_quant(n, k, m, fused)
                     cells = [_cell(t, v, n * k * (2 if v == "bf16" else 1))
-                             for v in ("bf16", "int8", "fp8", "int8 deq+cuBLAS")]
+                             for v in ("bf16", "int8", "fp8", "int8 Triton",
+                                       "int8 deq+cuBLAS")]
                     print(f"| {shape} {label} [{n}x{k}] | {m} | {' | '.join(cells)} | "
                           f"{t['bf16'] / t['int8']:.2f} | {t['bf16'] / t['fp8']:.2f} |",
                           flush=True)

@@ -13,14 +13,16 @@ import torch
 
 from conveyor.kernels._triton import jit, require_triton, tl
 from conveyor.kernels._util import check
+from conveyor.kernels.dequantize import dequantize_ref
 from conveyor.kernels.skinny_gemm import scale_fits
 
 _GROUP_M = 8        # programs that share W tiles run together (L2 reuse of W across M tiles)
 _MIN_PROGRAMS = 256
-# NOTE: from this many rows linear() dequantizes the weight to x's dtype and calls cuBLAS
-# instead: the product is compute bound there, cuBLAS's tuned kernels beat this untuned one,
-# and the dequantization (one pass over W, < 0.1 ms for Llama-8B's largest) costs a few per
-# cent of the matmul. scripts/bench_kernels.py --tables quant times both at 4,096 rows.
+# NOTE: from this many rows linear() dequantizes the weight to x's dtype (dequantize.py) and
+# calls cuBLAS instead: the product is compute bound there, cuBLAS's tuned kernels should beat
+# this untuned one, and the dequantization (one pass over W: 3 bytes a value, about 0.1 ms for
+# Llama-8B's gate_up) costs a few per cent of the matmul (2.4 ms at 8,192 rows).
+# scripts/bench_kernels.py --tables quant times both from 256 rows.
 CUBLAS_FROM_M = 1024
 
 
@@ -124,13 +126,7 @@ def int8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     return y
 
 
-def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """weight [N, K] (int8 or fp8) * scale [N, G] -> [N, K] in dtype (rounded once)."""
-    n, k = weight.shape
-    return (weight.float().view(n, scale.shape[1], -1) * scale[:, :, None]).view(n, k).to(dtype)
-
-
 def int8_gemm_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
     """The weight dequantized to x's dtype, then F.linear (also the CPU path)."""
-    return torch.nn.functional.linear(x, dequantize(weight, scale, x.dtype), bias)
+    return torch.nn.functional.linear(x, dequantize_ref(weight, scale, x.dtype), bias)

@@ -7,6 +7,7 @@ Under Triton's CPU interpreter a program costs milliseconds: the shapes keep pro
 import pytest
 import torch
 
+from conveyor.kernels.dequantize import dequantize, dequantize_ref
 from conveyor.kernels.int8_gemm import int8_gemm, int8_gemm_ref, tiling
 from conveyor.kernels.quant_fp8 import quant_fp8, quant_fp8_ref
 from conveyor.kernels.skinny_gemm import skinny_gemm, skinny_gemm_ref, takes
@@ -107,6 +108,16 @@ def test_int8_gemm_tiling():
             assert -(-m // block_m) * -(-n // block_n) >= 256 or block_n == 32
             assert block_m % 16 == 0 and block_n % 32 == 0 and block_k % 32 == 0
     assert tiling(8, 4096)[1] == 32 and tiling(8, 28672)[1] == 64 and tiling(4096, 4096)[1] == 128
+
+
+@pytest.mark.gpu
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mode,n,k,groups", [("int8", 5, 3000, 1), ("int8", 33, 96, 3),
+                                             ("fp8", 7, 1000, 1)])
+def test_dequantize(device, dtype, mode, n, k, groups):
+    w, s = quantized(n, k, device, mode, groups)
+    assert torch.equal(dequantize(w, s, dtype), dequantize_ref(w, s, dtype))
 
 
 @pytest.mark.gpu

@@ -41,9 +41,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if weight.dtype == torch.int8:
         from conveyor.kernels import int8_gemm
 
-        if gpu and int8_gemm.takes(x, weight, scale) and x.shape[0] < int8_gemm.CUBLAS_FROM_M:
-            return int8_gemm.int8_gemm(x, weight, scale, bias)
-        return int8_gemm.int8_gemm_ref(x, weight, scale, bias)   # dequantize, then cuBLAS
+        if gpu and int8_gemm.takes(x, weight, scale):
+            if x.shape[0] < int8_gemm.CUBLAS_FROM_M:
+                return int8_gemm.int8_gemm(x, weight, scale, bias)
+            from conveyor.kernels.dequantize import dequantize
+
+            return F.linear(x, dequantize(weight, scale, x.dtype), bias)
+        return int8_gemm.int8_gemm_ref(x, weight, scale, bias)
     from conveyor.kernels import fp8_gemm
 
     if gpu and fp8_gemm.takes(x, weight, scale):

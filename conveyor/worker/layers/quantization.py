@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from conveyor.kernels.int8_gemm import dequantize
+from conveyor.kernels.dequantize import dequantize_ref
 
 log = logging.getLogger("conveyor.quantization")
 
@@ -47,7 +47,7 @@ def quantize_weight(w: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Ten
 def dequantize_weight(q: torch.Tensor, scale: torch.Tensor,
                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """q [N, K] * scale [N, G] (G groups of K / G columns per row) -> [N, K] in dtype."""
-    return dequantize(q, scale, dtype)
+    return dequantize_ref(q, scale, dtype)
 
 
 def keep_matches(name: str, patterns: tuple[re.Pattern, ...]) -> bool:
