@@ -53,10 +53,18 @@ def _add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None
     parser.add_argument("--seed-sampling", type=int, default=None, help="per-request seed")
 
 
-def cmd_generate(args) -> int:
+def _llm(args):
+    """The offline engine of these flags; says what --quantization did on stderr."""
     from conveyor import LLM
 
     llm = LLM(**engine_kwargs(args))
+    if llm.quantization_report is not None:
+        print(f"conveyor: {llm.quantization_report.summary()}", file=sys.stderr)
+    return llm
+
+
+def cmd_generate(args) -> int:
+    llm = _llm(args)
     if args.chat:
         conversations = [[{"role": "user", "content": p}] for p in args.prompts]
         outputs = llm.chat(conversations, _sampling(args), use_tqdm=False)
@@ -70,9 +78,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    from conveyor import LLM
-
-    llm = LLM(**engine_kwargs(args))
+    llm = _llm(args)
     from conveyor.frontend.tokenizer import apply_chat_template
 
     history: list[dict] = []

@@ -191,6 +191,8 @@ class Launcher:
                 raise LaunchError(msg.reason)
             if isinstance(msg, Ready):
                 waiting.discard(msg.role)
+                if msg.role == "worker-0" and "quantization" in msg.info:
+                    print(f"conveyor: {msg.info['quantization']}", flush=True)
                 if "address" in msg.info:
                     addresses[msg.role] = str(msg.info["address"])
         return [addresses[k] for k in sorted(addresses)]

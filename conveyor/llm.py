@@ -33,6 +33,12 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    @property
+    def quantization_report(self):
+        """What --quantization did at load (a QuantReport: `.summary()`, `.quantized`, `.kept`,
+        `.prequantized`, bytes before and after), or None for an unquantized model."""
+        return self.engine.runner.quant_report
+
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: int | Sequence[int] | None = None

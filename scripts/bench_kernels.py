@@ -10,7 +10,15 @@ on its own copy of the weights or logits so that they come from HBM as in a mode
 L2 (60 MB on an H200); median of REPS replays. GB/s counts the weight (or logits) bytes read once.
 The last lines add up one decode step's GEMMs (per layer qkv, o, gate_up, silu+down; LM head).
 
-    python scripts/bench_kernels.py
+Weight-quantized GEMMs (--tables quant): the same shapes at M = 1, 16, 256 and 4,096 through
+linear(), as the model runs them, with bf16, int8 (W8A16: the skinny GEMV at M = 1, the Triton
+GEMM, from 1,024 rows dequantize + cuBLAS) and fp8 (the skinny GEMV over fp8 weights at M = 1,
+per-token quantization + _scaled_mm above) weights; from 256 rows also both int8 prefill
+choices on their own (to check int8_gemm.CUBLAS_FROM_M). GB/s counts the weight's bytes as
+stored. Its last lines add up a decode step's GEMMs with the LM head kept in bf16 (the default
+--keep-precision).
+
+    python scripts/bench_kernels.py [--tables base quant] [--shapes llama3.1-8b]
 """
 from __future__ import annotations
 
@@ -20,9 +28,13 @@ import statistics
 import torch
 import torch.nn.functional as F
 
+from conveyor.kernels.dequantize import dequantize
+from conveyor.kernels.int8_gemm import int8_gemm
 from conveyor.kernels.sample import sample
 from conveyor.kernels.silu_and_mul import silu_and_mul
 from conveyor.kernels.skinny_gemm import skinny_gemm
+from conveyor.worker.layers.linear import linear
+from conveyor.worker.layers.quantization import quantize_weight
 
 # (N, K) of each weight: [out_features, in_features]
 SHAPES = {
@@ -83,6 +95,75 @@ def bench_gemm(n: int, k: int, m: int, fused_silu: bool) -> tuple[float, float, 
     return graph_us(ours), graph_us(theirs), n * k * 2
 
 
+QUANT_M = (1, 16, 256, 4096)
+LAYER = ("qkv", "o", "gate_up", "silu+down")
+
+
+def bench_quant(n: int, k: int, m: int, fused_silu: bool) -> dict[str, float]:
+    """GPU us per call of linear() with bf16, int8 and fp8 weights (from 256 rows also of the
+    int8 Triton GEMM and of dequantize + F.linear), x [m, k] (x [m, 2k] with fused_silu) and a
+    weight [n, k]."""
+    dt = torch.bfloat16
+    base = torch.randn(n, k, device="cuda", dtype=dt) / k ** 0.5
+    x = torch.randn(m, 2 * k if fused_silu else k, device="cuda", dtype=dt)
+    variants = {"bf16": (base, None)}
+    for mode in ("int8", "fp8"):
+        variants[mode] = quantize_weight(base, mode)
+    out = {}
+    for name, (w, scale) in variants.items():
+        ws = [(w.clone(), scale) for _ in range(copies(w.numel() * w.element_size()))]
+        pick = [ws[i % len(ws)] for i in range(CALLS)]
+        out[name] = graph_us([lambda w=w, s=s: linear(x, w, silu_mul=fused_silu, scale=s)
+                              for w, s in pick])
+        if name == "int8" and m >= 256:   # both prefill choices, whichever linear() takes
+            a = silu_and_mul(x) if fused_silu else x    # (their times leave the SiLU out)
+            out["int8 Triton"] = graph_us([lambda w=w, s=s, a=a: int8_gemm(a, w, s)
+                                           for w, s in pick])
+            out["int8 deq+cuBLAS"] = graph_us([
+                lambda w=w, s=s, a=a: F.linear(a, dequantize(w, s, dt)) for w, s in pick])
+    return out
+
+
+def _cell(times: dict[str, float], variant: str, nbytes: int) -> str:
+    if variant not in times:
+        return "-"
+    return f"{times[variant]:8.1f} ({nbytes / times[variant] / 1e3:5.0f})"
+
+
+def quant_table(shapes: list[str]) -> None:
+    print("\nWeight-quantized GEMMs through linear(): GPU us per call (GB/s of the stored "
+          "weight); speed-up over bf16")
+    print("| GEMM | M | bf16 us | int8 us | fp8 us | int8 Triton us | int8 deq+cuBLAS us | "
+          "int8 x | fp8 x |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    decode = []
+    for shape in shapes:
+        for m in QUANT_M:
+            step = {}
+            for name, (n, k) in SHAPES[shape].items():
+                for label, fused in [(name, False)] + ([("silu+down", True)]
+                                                       if name == "down" else []):
+                    if name == "lm_head" and m > 1:
+                        continue
+                    t = step[label] = bench_quant(n, k, m, fused)
+                    cells = [_cell(t, v, n * k * (2 if v == "bf16" else 1))
+                             for v in ("bf16", "int8", "fp8", "int8 Triton",
+                                       "int8 deq+cuBLAS")]
+                    print(f"| {shape} {label} [{n}x{k}] | {m} | {' | '.join(cells)} | "
+                          f"{t['bf16'] / t['int8']:.2f} | {t['bf16'] / t['fp8']:.2f} |",
+                          flush=True)
+            if m == 1:
+                head = step["lm_head"]["bf16"]          # kept in bf16 by default
+                decode.append((shape, {v: LAYERS[shape] * sum(step[g][v] for g in LAYER) + head
+                                       for v in ("bf16", "int8", "fp8")}))
+    print("\nGEMMs of one single-stream decode step (layers x (qkv, o, gate_up, silu+down) + "
+          "bf16 lm_head):")
+    for shape, t in decode:
+        print(f"  {shape} M=1: bf16 {t['bf16'] / 1e3:.3f} ms, int8 {t['int8'] / 1e3:.3f} ms "
+              f"({t['bf16'] / t['int8']:.2f}x), fp8 {t['fp8'] / 1e3:.3f} ms "
+              f"({t['bf16'] / t['fp8']:.2f}x)")
+
+
 def torch_sample(x: torch.Tensor, temperature: torch.Tensor | None) -> torch.Tensor:
     """The torch sampler's math for greedy or temperature-only rows (before the fused kernel:
     the model's logits upcast, then an exponential race)."""
@@ -113,15 +194,24 @@ def row(name: str, ours: float, theirs: float, nbytes: int) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--tables", nargs="+", default=["base", "quant"], choices=["base", "quant"],
+                    help="base: skinny GEMM and sampling against torch; quant: int8/fp8 weights")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; GPU us per call, "
           f"{CALLS} calls per CUDA graph, median of {REPS}")
+    if "base" in args.tables:
+        base_table(args.shapes)
+    if "quant" in args.tables:
+        quant_table(args.shapes)
+
+
+def base_table(shapes: list[str]) -> None:
     print("| kernel | ours us | GB/s | torch us | GB/s | speedup |")
     print("|---|---:|---:|---:|---:|---:|")
     totals = []
-    for shape in args.shapes:
+    for shape in shapes:
         for m in (1,):                      # the skinny GEMM takes one row (decode at batch 1)
             step = {}                       # label -> (ours us, torch us)
             for name, (n, k) in SHAPES[shape].items():

@@ -5,6 +5,7 @@
     python scripts/bench_latency.py --shape llama3.1-8b --random-weights --tp 2   # via serve
     python scripts/bench_latency.py --shape llama3.1-70b --random-weights --tp 8  # dummy weights
     python scripts/bench_latency.py --shape llama3.1-8b --random-weights --kv-cache-dtype fp8
+    python scripts/bench_latency.py --shape llama3.1-8b --random-weights --quantization int8
 
 With --tp the model runs in `conveyor serve` (one worker per GPU) and is timed through the ZMQ
 client, so the figure includes the processes' messages; without it, in-process (LLM).
@@ -24,6 +25,7 @@ from bench_models import (  # noqa: E402
     append_json,
     engine_flags,
     model_path,
+    quant_args,
     served,
 )
 
@@ -42,11 +44,13 @@ def main() -> None:
     path = model_path(args, ap)
     engine = dict(max_num_seqs=8, max_model_len=4096, max_num_batched_tokens=4096,
                   enforce_eager=args.enforce_eager, load_format=args.load_format,
-                  kv_cache_dtype=args.kv_cache_dtype)
+                  kv_cache_dtype=args.kv_cache_dtype, **quant_args(args))
     if args.tp is None:
         from conveyor import LLM
 
         llm = LLM(model=path, device="cuda", skip_tokenizer_init=True, **engine)
+        if llm.quantization_report is not None:
+            print(llm.quantization_report.summary())
         measure(args, lambda prompt, p: llm.generate([prompt], p, use_tqdm=False))
         return
     with served(path, args.tp, *engine_flags(engine)) as client:
@@ -75,7 +79,8 @@ def measure(args, generate) -> None:
     result = {"shape": args.shape or args.model, "decode_ms_per_token": round(per_token * 1e3, 3),
               "ttft_ms": round(statistics.median(ttft) * 1e3, 2),
               "prompt_len": args.prompt_len, "eager": args.enforce_eager, "tp": args.tp,
-              "load_format": args.load_format, "kv_cache_dtype": args.kv_cache_dtype}
+              "load_format": args.load_format, "kv_cache_dtype": args.kv_cache_dtype,
+              "quantization": args.quantization}
     print(f"decode: {per_token * 1e3:.3f} ms/token (batch 1); TTFT for {args.prompt_len} "
           f"tokens: {statistics.median(ttft) * 1e3:.1f} ms")
     append_json(args.json, result)

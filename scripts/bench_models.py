@@ -86,7 +86,7 @@ def build_random_model(shape: str, folder: str | Path | None = None, seed: int =
 
 def add_model_args(ap) -> None:
     """--model, or --shape with --random-weights; plus --num-layers to shorten a shape, and
-    --load-format."""
+    --load-format, and --quantization / --keep-precision for the engine (see quant_args)."""
     ap.add_argument("--model", help="a Hugging Face folder")
     ap.add_argument("--shape", choices=sorted(SHAPES))
     ap.add_argument("--random-weights", action="store_true",
@@ -96,6 +96,15 @@ def add_model_args(ap) -> None:
                     help="dummy: random weights drawn by the engine from config.json alone "
                          "(default for --random-weights: dummy if the bf16 checkpoint would not "
                          "fit the free disk, else a saved checkpoint)")
+    ap.add_argument("--quantization", choices=["int8", "fp8"], default=None,
+                    help="quantize the weights at load (docs/QUANTIZATION.md)")
+    ap.add_argument("--keep-precision", default="lm_head,embed_tokens", metavar="PATTERNS",
+                    help="layers left unquantized (comma-separated regexes)")
+
+
+def quant_args(args) -> dict:
+    """The engine arguments of --quantization and --keep-precision."""
+    return {"quantization": args.quantization, "keep_precision": args.keep_precision}
 
 
 def model_path(args, ap) -> str:

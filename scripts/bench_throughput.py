@@ -27,6 +27,7 @@ from bench_models import (  # noqa: E402
     append_json,
     engine_flags,
     model_path,
+    quant_args,
     served,
 )
 
@@ -101,11 +102,14 @@ def main() -> None:
     engine = dict(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                   max_num_batched_tokens=args.max_num_batched_tokens,
                   enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
-                  load_format=args.load_format, kv_cache_dtype=args.kv_cache_dtype)
+                  load_format=args.load_format, kv_cache_dtype=args.kv_cache_dtype,
+                  **quant_args(args))
     t0 = time.perf_counter()
     if args.tp is None:
         llm = LLM(model=path, device="cuda", skip_tokenizer_init=True, **engine)
         startup = time.perf_counter() - t0
+        if llm.quantization_report is not None:
+            print(llm.quantization_report.summary())
         llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=8), use_tqdm=False)   # warm-up
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
@@ -127,7 +131,7 @@ def main() -> None:
               "startup_s": round(startup, 1), "eager": args.enforce_eager,
               "async_scheduling": args.async_scheduling, "tp": args.tp or 1,
               "load_format": args.load_format, "kv_cache_dtype": args.kv_cache_dtype,
-              "kv_blocks": kv_blocks}
+              "kv_blocks": kv_blocks, "quantization": args.quantization}
     print(f"conveyor: {out_tokens} output tokens in {elapsed:.2f} s = "
           f"{out_tokens / elapsed:,.0f} tok/s (startup {startup:.1f} s, KV cache "
           f"{args.kv_cache_dtype}: {result['kv_blocks']} blocks)")

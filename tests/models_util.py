@@ -49,3 +49,61 @@ def make_tiny_model(arch: str, path, seed: int = 0, weights: bool = True, **over
     path = Path(path)
     model.save_pretrained(path)
     return path
+
+
+_GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+               "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+               "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+
+
+def make_tiny_gguf(path, quant: str = "Q8_0", seed: int = 0, **overrides) -> Path:
+    """Save the tiny random "llama" preset as a GGUF file at `path`, its 2-D weights quantized
+    with gguf.quants (`quant`: a GGMLQuantizationType name), norms float32. q/k rows are
+    permuted as llama.cpp's converter does. Returns (path, the transformers model)."""
+    import gguf
+    import transformers
+
+    config_class, extra = PRESETS["llama"]
+    config = getattr(transformers, config_class)(**{**_COMMON, **extra, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    c = config
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_key_length(c.head_dim)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_vocab_size(c.vocab_size)
+    writer.add_bos_token_id(c.bos_token_id)
+    writer.add_eos_token_id(c.eos_token_id)
+    kind = gguf.GGMLQuantizationType[quant]
+
+    def add(name, w: torch.Tensor, heads: int | None = None):
+        w = w.detach().float()
+        if heads is not None:             # llama.cpp: per head, two halves -> interleaved pairs
+            w = w.reshape(heads, 2, w.shape[0] // heads // 2, -1).transpose(1, 2).reshape(w.shape)
+        array = w.numpy()
+        if array.ndim == 2:
+            writer.add_tensor(name, gguf.quants.quantize(array, kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(name, array)
+
+    add("token_embd.weight", model.model.embed_tokens.weight)
+    add("output_norm.weight", model.model.norm.weight)
+    add("output.weight", model.lm_head.weight)
+    for i, layer in enumerate(model.model.layers):
+        for hf, ours in _GGUF_NAMES.items():
+            w = layer.get_submodule(hf).weight
+            heads = {"attn_q": c.num_attention_heads, "attn_k": c.num_key_value_heads}.get(ours)
+            add(f"blk.{i}.{ours}.weight", w, heads)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(path)

@@ -12,6 +12,11 @@ Why not cuBLAS: at one row its kernels for these shapes reach 0.3-2.2 TB/s on an
 Qwen3-0.6B o and down projections worst), this kernel 1.2-4.4 TB/s (scripts/bench_kernels.py,
 docs/BENCHMARKS.md). At more rows cuBLAS's tensor-core kernels read W once for all of them, so
 they keep those.
+
+Weight-quantized (int8 W8A16, or fp8 weights read the same way): W holds 1-byte values and a
+float32 scale [N, G] (G = 1: one per row; else one per group of K / G columns, GGUF Q8_0's 32).
+The bytes read halve, which is the whole of the single-stream decode speed-up. Row scales
+multiply the row sums once at the end; group scales multiply W as it is loaded.
 """
 import torch
 
@@ -35,9 +40,11 @@ def _load_x(x_ptr, ks, K, mask, SILU_MUL: tl.constexpr, dtype: tl.constexpr):
 
 
 @jit
-def _skinny_gemm_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, N, K, stride_wn,
+def _skinny_gemm_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, N, K, stride_wn, stride_sn,
                         HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr,
+                        SCALE: tl.constexpr, GROUP: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """SCALE: 0 none (W in x's dtype), 1 one per row, 2 one per GROUP columns of a row."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K)
     row_ok = rows[:, None] < N
@@ -50,9 +57,15 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, N, K, stride_wn,
             w = tl.load(w_ptrs + k, mask=row_ok, other=0.0)
         else:
             w = tl.load(w_ptrs + k, mask=row_ok & k_ok[None, :], other=0.0)
-        x = _load_x(x_ptr, ks, K, k_ok, SILU_MUL, w_ptr.dtype.element_ty)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        w = w.to(tl.float32)
+        if SCALE == 2:                # a few hundred bytes per program: from L1/L2
+            s_ptrs = scale_ptr + rows[:, None] * stride_sn + (ks // GROUP)[None, :]
+            w *= tl.load(s_ptrs, mask=row_ok & k_ok[None, :], other=0.0)
+        x = _load_x(x_ptr, ks, K, k_ok, SILU_MUL, x_ptr.dtype.element_ty)
+        acc += w * x.to(tl.float32)[None, :]
     y = tl.sum(acc, 1)
+    if SCALE == 1:
+        y *= tl.load(scale_ptr + rows * stride_sn, mask=rows < N, other=0.0)
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
     tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
@@ -76,24 +89,41 @@ def tiling(n: int, k: int, silu_mul: bool = False) -> tuple[int, int, int]:
     return block_n, block_k, num_warps
 
 
-def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)
+
+
+def takes(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> bool:
     """Whether skinny_gemm takes this product (the caller falls back to F.linear otherwise)."""
-    return (x.dim() == 2 and x.shape[0] == 1 and x.dtype == weight.dtype
-            and x.dtype in (torch.float16, torch.bfloat16) and x.stride(-1) == 1
-            and weight.dim() == 2 and weight.stride(1) == 1)
+    if not (x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.float16, torch.bfloat16)
+            and x.stride(-1) == 1 and weight.dim() == 2 and weight.stride(1) == 1):
+        return False
+    if scale is None:
+        return x.dtype == weight.dtype
+    return weight.dtype in QUANT_DTYPES and scale_fits(weight, scale)
+
+
+def scale_fits(weight: torch.Tensor, scale: torch.Tensor) -> bool:
+    """scale is float32 [N, G], contiguous, with G dividing K (G = 1: one scale per row)."""
+    n, k = weight.shape
+    return (scale.dtype == torch.float32 and scale.dim() == 2 and scale.shape[0] == n
+            and scale.shape[1] >= 1 and k % scale.shape[1] == 0 and scale.is_contiguous())
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                silu_mul: bool = False) -> torch.Tensor:
-    """x [1, K] @ weight [N, K]^T + bias [N] -> y [1, N], new.
+                silu_mul: bool = False, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x [1, K] @ weight [N, K]^T + bias [N] -> y [1, N], new, in x's dtype.
 
     silu_mul: x is [1, 2K], gate then up, and y = (silu(gate) * up) @ weight^T + bias.
+    scale: weight is int8 or float8_e4m3fn and W = weight * scale (scale float32 [N, G], each
+    of the G scales of a row covering K / G consecutive columns).
     No host sync; allocates only y (fine under CUDA graph capture).
     """
     require_triton()
-    check(takes(x, weight), f"skinny_gemm takes x [1, K] and weight [N, K] of one dtype "
-          f"(fp16/bf16), unit column stride; got {tuple(x.shape)} {x.dtype} strides "
-          f"{x.stride()}, {tuple(weight.shape)} {weight.dtype} strides {weight.stride()}")
+    check(takes(x, weight, scale), f"skinny_gemm takes x [1, K] fp16/bf16 and weight [N, K] of "
+          f"x's dtype, or int8/fp8 with a float32 scale [N, G]; unit column strides; got "
+          f"{tuple(x.shape)} {x.dtype} strides {x.stride()}, {tuple(weight.shape)} "
+          f"{weight.dtype} strides {weight.stride()}"
+          + ("" if scale is None else f", scale {tuple(scale.shape)} {scale.dtype}"))
     n, k = weight.shape
     check(x.shape[1] == (2 * k if silu_mul else k), f"x {tuple(x.shape)} for weight "
           f"{tuple(weight.shape)}{' with silu_mul' if silu_mul else ''}")
@@ -102,21 +132,28 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     if n == 0:
         return y
+    groups = 0 if scale is None else scale.shape[1]
     block_n, block_k, num_warps = tiling(n, k, silu_mul)
     _skinny_gemm_kernel[(-(-n // block_n),)](
-        x, weight, bias if bias is not None else y, y, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, EVEN_K=k % block_k == 0,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=_NUM_STAGES)
+        x, weight, scale if scale is not None else y, bias if bias is not None else y, y, n, k,
+        weight.stride(0), groups, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
+        EVEN_K=k % block_k == 0, SCALE=0 if groups == 0 else 1 if groups == 1 else 2,
+        GROUP=k // groups if groups > 1 else 1, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=num_warps, num_stages=_NUM_STAGES)
     return y
 
 
 def skinny_gemm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                    silu_mul: bool = False) -> torch.Tensor:
+                    silu_mul: bool = False, scale: torch.Tensor | None = None) -> torch.Tensor:
     """The same product in float32, rounded once (silu(gate) * up rounded first, as above)."""
     if silu_mul:
         gate, up = x.float().chunk(2, dim=-1)
         x = (torch.nn.functional.silu(gate) * up).to(x.dtype)
-    y = x.float() @ weight.float().T
+    w = weight.float()
+    if scale is not None:
+        n, k = weight.shape
+        w = (w.view(n, scale.shape[1], -1) * scale[:, :, None]).view(n, k)
+    y = x.float() @ w.T
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
+
+QUANTIZATION_MODES = (None, "int8", "fp8")
 
 
 @dataclass(frozen=True)
@@ -34,7 +37,10 @@ class EngineConfig:
     kv_cache_memory_bytes: int = 1 << 30     # KV pool budget on CPU
     num_kv_blocks: int | None = None         # overrides the sizing (tests use tiny pools)
     tensor_parallel_size: int = 1
-    quantization: str | None = None
+    quantization: str | None = None          # None, "int8" (W8A16) or "fp8" (W8A8)
+    # comma-separated regexes (re.search on module names such as model.layers.3.mlp.down_proj):
+    # matched layers stay in --dtype when quantizing; "" quantizes every layer it can
+    keep_precision: str = "lm_head,embed_tokens"
     # "auto": the checkpoint's weights; "dummy": random weights from config.json alone
     # (deterministic from `seed`, the same on every tensor-parallel size; docs/TENSOR_PARALLEL.md)
     load_format: str = "auto"
@@ -67,10 +73,21 @@ class EngineConfig:
         check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks",
               "must be at least 1")
         check(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be at least 1")
-        check(self.quantization is None, "quantization", "is not supported yet (only None)")
+        check(self.quantization in QUANTIZATION_MODES, "quantization",
+              "must be None, 'int8' or 'fp8'")
+        try:
+            _ = self.keep_patterns
+        except re.error as e:
+            raise ValueError(f"keep_precision has an invalid pattern ({e}), "
+                             f"got {self.keep_precision!r}") from None
         check(self.load_format in ("auto", "dummy"), "load_format", "must be 'auto' or 'dummy'")
         check(self.kv_cache_dtype in ("auto", "fp8", "fp8_e4m3"), "kv_cache_dtype",
               "must be 'auto', 'fp8' or 'fp8_e4m3'")
+
+    @property
+    def keep_patterns(self) -> tuple[re.Pattern, ...]:
+        """The --keep-precision regexes, compiled (empty pieces ignored)."""
+        return tuple(re.compile(p.strip()) for p in self.keep_precision.split(",") if p.strip())
 
     @property
     def torch_dtype_name(self) -> str:

@@ -5,6 +5,11 @@ Checkpoint tensors arrive under Hugging Face names (GGUF names are mapped onto t
 and gate/up go into our fused layers through the model's `packed_modules`, and every
 parameter's `weight_loader` takes this rank's slice. Any missing or unexpected weight is an
 error.
+
+With --quantization the layers are quantized after loading (layers/quantization.py); on a GPU
+the model is built and loaded on the host and each layer goes to the device as it is quantized,
+so the device never holds the whole model in full precision. GGUF Q8_0 tensors of linear layers
+are then loaded as they are (int8 with one scale per 32 values) instead of dequantized.
 """
 from __future__ import annotations
 
@@ -12,33 +17,77 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
 from conveyor.shared.config import ModelConfig
 from conveyor.shared.model_files import ModelFiles
-from conveyor.worker.layers.linear import default_weight_loader
+from conveyor.worker.layers.linear import LinearBase, default_weight_loader
+from conveyor.worker.layers.quantization import Q8_0_GROUP, keep_matches, quantize_model
 from conveyor.worker.models import get_model_class
 
 Weights = Iterator[tuple[str, torch.Tensor]]
 
 
 def load_model(config: ModelConfig, files: ModelFiles, dtype: torch.dtype,
-               device: torch.device | str, load_format: str = "auto", seed: int = 0
+               device: torch.device | str, quantization: str | None = None,
+               keep: tuple[re.Pattern, ...] = (), load_format: str = "auto", seed: int = 0
                ) -> nn.Module:
+    """The model with its weights, on `device`, in eval mode; with `quantization` its layers
+    not matching `keep` are quantized, and `model.quant_report` says what was done (None
+    without quantization). load_format "dummy" draws random weights (worker/dummy_weights.py).
+    """
     model_class = get_model_class(config.architecture)
-    with torch.device(device):
+    with torch.device("cpu" if quantization else device):
         model = model_class(config, dtype)
     if load_format == "dummy":
         from conveyor.worker.dummy_weights import dummy_weights
 
-        weights = dummy_weights(config, dtype, device, seed)
+        load_weights(model, dummy_weights(config, dtype, device, seed))
     elif files.is_gguf:
-        weights = gguf_weights(files.path)
+        from conveyor.shared.gguf_reader import open_gguf
+
+        reader = open_gguf(files.path)
+        int8_names = _keep_q8_0(model, reader, keep) if quantization == "int8" else set()
+        load_weights(model, gguf_weights(reader, int8_names))
     else:
-        weights = safetensors_weights(files.path)
-    load_weights(model, weights)
+        load_weights(model, safetensors_weights(files.path))
+    model.quant_report = quantize_model(model, quantization, keep, device)
     return model.eval()
+
+
+def _keep_q8_0(model: nn.Module, reader, keep: tuple[re.Pattern, ...]) -> set[str]:
+    """Make the linear layers whose every checkpoint weight is GGUF Q8_0 take int8 weights and
+    group scales (layers matched by `keep`, or whose input is not whole blocks, are left as they
+    are); returns the checkpoint names to load without dequantizing."""
+    import gguf
+
+    q8_0: dict[str, dict[str, bool]] = {}      # our module -> {checkpoint name: is Q8_0}
+    for tensor in reader.tensors:
+        name = gguf_to_hf_name(tensor.name)
+        if name is None or not name.endswith(".weight"):
+            continue
+        module = _packed_name(name, model.packed_modules)[0].removesuffix(".weight")
+        q8_0.setdefault(module, {})[name] = tensor.tensor_type == gguf.GGMLQuantizationType.Q8_0
+    modules = dict(model.named_modules())
+    names = set()
+    for module_name, parts in q8_0.items():
+        module = modules.get(module_name)
+        if (isinstance(module, LinearBase) and all(parts.values())
+                and not keep_matches(module_name, keep)
+                and module.weight.shape[1] % Q8_0_GROUP == 0):
+            module.make_int8(module.weight.shape[1] // Q8_0_GROUP)
+            names.update(parts)
+    return names
+
+
+def _packed_name(name: str, packed: dict) -> tuple[str, object]:
+    """A checkpoint name in our fused modules, and its shard id (None if not fused)."""
+    for part, (fused, shard) in packed.items():
+        if f".{part}." in name:
+            return name.replace(f".{part}.", f".{fused}."), shard
+    return name, None
 
 
 def load_weights(model: nn.Module, weights: Weights) -> None:
@@ -50,11 +99,7 @@ def load_weights(model: nn.Module, weights: Weights) -> None:
     for name, tensor in weights:
         if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
             continue
-        shard_id = None
-        for part, (fused, shard) in packed.items():
-            if f".{part}." in name:
-                name, shard_id = name.replace(f".{part}.", f".{fused}."), shard
-                break
+        name, shard_id = _packed_name(name, packed)
         param = params.get(name)
         if param is None:
             unexpected.append(name)
@@ -135,13 +180,12 @@ def _unpermute_rotary(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.reshape(num_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def gguf_weights(path: Path) -> Weights:
-    """Dequantized GGUF tensors (float32, torch layout [out, in]) under Hugging Face names."""
+def gguf_weights(reader, int8_names: set[str] = frozenset()) -> Weights:
+    """The tensors of a GGUF file (an open gguf.GGUFReader) in torch layout [out, in] under
+    Hugging Face names, dequantized to float32; Q8_0 tensors named in `int8_names` instead as
+    int8 values and their float32 scales [out, in / 32] (under the name + "_scale")."""
     import gguf
 
-    from conveyor.shared.gguf_reader import open_gguf
-
-    reader = open_gguf(path)
     fields = reader.fields
     arch = fields["general.architecture"].contents()
     heads = fields[f"{arch}.attention.head_count"].contents()
@@ -155,9 +199,22 @@ def gguf_weights(path: Path) -> Weights:
             if tensor.name == "rope_freqs.weight":   # llama3 scaling, recomputed from the config
                 continue
             name = f"<gguf>{tensor.name}"            # reported as unexpected
-        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        w = torch.from_numpy(array if array.flags.writeable else array.copy())
-        for module, n in permuted.items():
-            if f".{module}." in name:
-                w = _unpermute_rotary(w, n)
-        yield name, w
+        if name in int8_names:
+            out = dict(zip((name, name + "_scale"), q8_0_blocks(tensor.data)))
+        else:
+            array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            out = {name: torch.from_numpy(array if array.flags.writeable else array.copy())}
+        for key, w in out.items():
+            for module, n in permuted.items():
+                if f".{module}." in key:     # NOTE: whole rows move: q and scales alike
+                    w = _unpermute_rotary(w, n)
+            yield key, w
+
+
+def q8_0_blocks(data: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q8_0 tensor's bytes [N, K / 32 * 34] (per block: fp16 scale, then 32 int8 values) ->
+    (q [N, K] int8, scale [N, K / 32] float32); q * scale is what gguf dequantizes to."""
+    blocks = data.reshape(data.shape[0], -1, 2 + Q8_0_GROUP)
+    scale = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0].astype(np.float32)
+    q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(data.shape[0], -1)
+    return torch.from_numpy(q), torch.from_numpy(scale)

@@ -51,7 +51,10 @@ def worker_main(ctx: zmq.Context, control: Socket, cfg: ServeConfig, rank: int) 
     if rank == 0:
         results = Socket(ctx, zmq.PUSH, ipc(cfg.runtime_dir, "results"), bind=False)
         results.send(Ready("worker", {"num_blocks": runner.num_blocks}))
-    control.send(Ready(f"worker-{rank}", {"num_blocks": runner.num_blocks}))
+    info = {"num_blocks": runner.num_blocks}
+    if runner.quant_report is not None:
+        info["quantization"] = runner.quant_report.summary()
+    control.send(Ready(f"worker-{rank}", info))
     while True:
         if not _plan_comes_first(plans, runner):
             _send(results, runner.flush())

@@ -54,14 +54,33 @@ def _fix_interpreter() -> None:
         return cast(self, src, dst_type)
 
     interpreter.InterpreterBuilder.cast_impl = cast_impl
+    _fix_interpreter_8bit(interpreter, tl, np)
+
+
+def _fix_interpreter_8bit(interpreter, tl, np) -> None:
+    """Two more, met by the weight-quantized kernels: integer -> bfloat16 casts store the
+    integers' values as raw bfloat16 bits, and float -> fp8 (e4m3) casts round differently
+    from the GPU (and torch), which round to nearest even. Both go through torch here."""
+    cast = interpreter.InterpreterBuilder.cast_impl
     fp_to_fp = interpreter.InterpreterBuilder.create_fp_to_fp
+
+    def to_fp8(src, dst_type):
+        data = torch.from_numpy(src.data.astype(np.float32)).to(torch.float8_e4m3fn)
+        return interpreter.TensorHandle(data.view(torch.uint8).numpy(), tl.float8e4nv)
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar.is_int() and dst_type.scalar == tl.bfloat16:
+            src = interpreter.TensorHandle(src.data.astype(np.float32), tl.float32)
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.float8e4nv:
+            return to_fp8(src, dst_type)
+        return cast(self, src, dst_type)
 
     def create_fp_to_fp(self, src, dst_type, rounding_mode):
         if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.float8e4nv:
-            data = torch.from_numpy(src.data).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
-            return interpreter.TensorHandle(data, tl.float8e4nv)
+            return to_fp8(src, dst_type)
         return fp_to_fp(self, src, dst_type, rounding_mode)
 
+    interpreter.InterpreterBuilder.cast_impl = cast_impl
     interpreter.InterpreterBuilder.create_fp_to_fp = create_fp_to_fp
 
 

@@ -30,7 +30,7 @@ def test_dummy_model_holds_the_drawn_tensors(tmp_path):
     files = resolve_model(str(path))
     config = read_model_config(files)
     assert config.initializer_range == 0.05
-    model = load_model(config, files, torch.float32, "cpu", "dummy", seed=7)
+    model = load_model(config, files, torch.float32, "cpu", load_format="dummy", seed=7)
     drawn = dict(dummy_weights(config, torch.float32, "cpu", seed=7))
     params = dict(model.named_parameters())
     attn, mlp = "model.layers.1.self_attn.", "model.layers.1.mlp."

@@ -17,30 +17,57 @@ from conveyor.worker.layers.parallel import all_reduce, divide, tp_rank, tp_size
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           silu_mul: bool = False) -> torch.Tensor:
-    """F.linear(silu_and_mul(x) if silu_mul else x, weight, bias).
+           silu_mul: bool = False, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(silu_and_mul(x) if silu_mul else x, W, bias), W = weight, or weight * scale
+    where the layer is quantized (weight int8 or float8_e4m3fn [N, K], scale float32 [N, G]).
 
-    On CUDA with Triton, up to 16 rows (decode) take the skinny GEMM kernel, which streams the
-    weight at near full bandwidth where cuBLAS's small-M kernels reach about a third of it, and
-    computes silu_mul while loading x.
+    On CUDA with Triton, one row (single-stream decode) takes the skinny GEMM kernel, which
+    streams the weight at near full bandwidth where cuBLAS's small-M kernels reach about a third
+    of it, reads int8/fp8 weights as they are, and computes silu_mul while loading x. More rows:
+    cuBLAS for full-precision weights, the W8A16 Triton GEMM for int8 (dequantize + cuBLAS from
+    int8_gemm.CUBLAS_FROM_M rows), per-token fp8 activations and torch._scaled_mm for fp8. On
+    the CPU the quantized layers run the torch references.
     """
-    if x.is_cuda and triton_available():
-        from conveyor.kernels.skinny_gemm import skinny_gemm, takes
+    gpu = x.is_cuda and triton_available()
+    if gpu:
+        from conveyor.kernels import skinny_gemm
 
-        if takes(x, weight):
-            return skinny_gemm(x, weight, bias, silu_mul)
-    return F.linear(silu_and_mul(x) if silu_mul else x, weight, bias)
+        if skinny_gemm.takes(x, weight, scale):
+            return skinny_gemm.skinny_gemm(x, weight, bias, silu_mul, scale)
+    if silu_mul:
+        x = silu_and_mul(x)
+    if scale is None:
+        return F.linear(x, weight, bias)
+    if weight.dtype == torch.int8:
+        from conveyor.kernels import int8_gemm
+
+        if gpu and int8_gemm.takes(x, weight, scale):
+            if x.shape[0] < int8_gemm.CUBLAS_FROM_M:
+                return int8_gemm.int8_gemm(x, weight, scale, bias)
+            from conveyor.kernels.dequantize import dequantize
+
+            return F.linear(x, dequantize(weight, scale, x.dtype), bias)
+        return int8_gemm.int8_gemm_ref(x, weight, scale, bias)
+    from conveyor.kernels import fp8_gemm
+
+    if gpu and fp8_gemm.takes(x, weight, scale):
+        return fp8_gemm.fp8_gemm(x, weight, scale, bias)
+    return fp8_gemm.fp8_gemm_ref(x, weight, scale, bias)
 
 
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
     if param.shape != loaded_weight.shape:
         raise ValueError(f"shape mismatch: parameter {tuple(param.shape)}, "
                          f"checkpoint {tuple(loaded_weight.shape)}")
+    if (param.dtype == torch.int8) != (loaded_weight.dtype == torch.int8):
+        raise ValueError(f"dtype mismatch: parameter {param.dtype}, checkpoint "
+                         f"{loaded_weight.dtype} (int8 weights load only from int8)")
     param.data.copy_(loaded_weight)
 
 
-def _parameter(shape: tuple[int, ...], dtype: torch.dtype, loader) -> nn.Parameter:
-    param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+def _parameter(shape: tuple[int, ...], dtype: torch.dtype, loader,
+               device: torch.device | None = None) -> nn.Parameter:
+    param = nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
     param.weight_loader = loader
     return param
 
@@ -52,12 +79,22 @@ class LinearBase(nn.Module):
         super().__init__()
         self.weight = _parameter((out_local, in_local), dtype, self.weight_loader)
         self.bias = _parameter((out_local,), dtype, self.weight_loader) if bias else None
+        self.register_parameter("weight_scale", None)   # [N, G] when quantized (quantization.py)
 
     def weight_loader(self, param, loaded_weight, shard_id=None) -> None:
         default_weight_loader(param, loaded_weight)
 
+    def make_int8(self, groups: int) -> None:
+        """Load int8 weights and float32 scales [out_local, groups] from the checkpoint (GGUF
+        Q8_0) instead of full-precision weights. The scales are sliced like the weight (rows,
+        or columns: whole groups) by the same weight_loader."""
+        n, k = self.weight.shape
+        device = self.weight.device
+        self.weight = _parameter((n, k), torch.int8, self.weight_loader, device)
+        self.weight_scale = _parameter((n, groups), torch.float32, self.weight_loader, device)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, scale=self.weight_scale)
 
 
 class ReplicatedLinear(LinearBase):
@@ -154,4 +191,4 @@ class RowParallelLinear(LinearBase):
         """silu_mul: x is a fused gate/up output [T, 2 * input_local]; the layer's input is
         silu(gate) * up (fused into the kernel's loads at decode sizes)."""
         bias = self.bias if tp_rank() == 0 else None
-        return all_reduce(linear(x, self.weight, bias, silu_mul))
+        return all_reduce(linear(x, self.weight, bias, silu_mul, self.weight_scale))

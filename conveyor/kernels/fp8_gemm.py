@@ -1,0 +1,53 @@
+"""fp8 W8A8 GEMM: y = (q_x * s_x) @ (W * s_w)^T + bias, with x quantized per token on the fly
+(quant_fp8.py) and W float8_e4m3fn [N, K] quantized per output row at load (s_w [N, 1]).
+
+The product runs on the fp8 tensor cores through torch._scaled_mm with row-wise scales (scale_a
+[M, 1], scale_b [1, N], float32; cuBLASLt applies them in its epilogue), which wants K and N
+multiples of 16, W^T column-major (W [N, K] row-major is exactly that) and a bfloat16 output;
+fp16 models get the bf16 result cast. Needs compute capability 8.9+ (Ada, Hopper).
+"""
+import torch
+
+from conveyor.kernels._util import check
+from conveyor.kernels.quant_fp8 import quant_fp8, quant_fp8_ref
+
+
+def supported(device: torch.device) -> bool:
+    """Whether the device has fp8 tensor cores (compute capability 8.9 or newer)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def takes(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> bool:
+    n, k = weight.shape
+    return (x.is_cuda and x.dim() == 2 and x.dtype in (torch.float16, torch.bfloat16)
+            and x.stride(-1) == 1 and x.shape[1] == k and weight.dtype == torch.float8_e4m3fn
+            and weight.is_contiguous() and k % 16 == 0 and n % 16 == 0
+            and scale.shape == (n, 1) and scale.dtype == torch.float32 and scale.is_contiguous())
+
+
+def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+             bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ (weight [N, K] fp8 * scale [N, 1])^T + bias [N] -> y [M, N] in x's dtype."""
+    check(takes(x, weight, scale), f"fp8_gemm takes x [M, K] fp16/bf16 on CUDA, weight [N, K] "
+          f"float8_e4m3fn contiguous with K, N multiples of 16 and scale float32 [N, 1]; got "
+          f"x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}, "
+          f"scale {tuple(scale.shape)} {scale.dtype}")
+    if x.shape[0] == 0:
+        return x.new_empty(0, weight.shape[0])
+    q, s = quant_fp8(x)
+    y = torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=scale.view(1, -1),
+                         out_dtype=torch.bfloat16)
+    if bias is not None:
+        y += bias
+    return y.to(x.dtype)
+
+
+def fp8_gemm_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The same arithmetic in float32: x rounded to fp8 per token as the kernel does, both
+    operands scaled back, one matmul, rounded once (also the CPU path of fp8 models)."""
+    q, s = quant_fp8_ref(x)
+    y = (q.float() * s) @ (weight.float() * scale).T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)

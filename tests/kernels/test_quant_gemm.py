@@ -1,0 +1,188 @@
+"""The weight-quantized GEMMs against their torch references on fresh random inputs: the skinny
+GEMV reading int8/fp8 weights (row and group scales, fused SiLU-and-mul), the W8A16 tiled GEMM,
+per-token fp8 quantization, and the fp8 W8A8 GEMM through torch._scaled_mm (GPU only).
+
+Under Triton's CPU interpreter a program costs milliseconds: the shapes keep programs few.
+"""
+import pytest
+import torch
+
+from conveyor.kernels.dequantize import dequantize, dequantize_ref
+from conveyor.kernels.int8_gemm import int8_gemm, int8_gemm_ref, tiling
+from conveyor.kernels.quant_fp8 import quant_fp8, quant_fp8_ref
+from conveyor.kernels.skinny_gemm import skinny_gemm, skinny_gemm_ref, takes
+from conveyor.worker.layers.quantization import quantize_weight
+
+DTYPES = [torch.bfloat16, torch.float16]
+# the kernels round once; the references dequantize W to x's dtype first (int8_gemm_ref) or not
+TOL = {torch.float16: dict(atol=3e-3, rtol=3e-3), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+def quantized(n, k, device, mode="int8", groups=1):
+    """A random weight [n, k] scaled so that y ~ N(0, 1), quantized per row, or (groups > 1)
+    with random int8 values and one random scale per k / groups columns (as GGUF Q8_0)."""
+    if groups == 1:
+        q, s = quantize_weight(torch.randn(n, k, device=device) / k ** 0.5, mode)
+        return q, s
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8, device=device)
+    return q, torch.rand(n, groups, device=device) / (127 * k ** 0.5) * 2
+
+
+@pytest.mark.gpu
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k,groups,bias", [
+    (1, 64, 1, False),
+    (37, 1000, 1, True),          # K past whole blocks, N past whole programs
+    (100, 96, 3, True),           # group scales (GGUF Q8_0: 32 columns each)
+    (6144, 64, 2, False),         # 8 rows a program
+])
+def test_skinny_int8(device, dtype, n, k, groups, bias):
+    w, s = quantized(n, k, device, groups=groups)
+    x = torch.randn(1, k, device=device).to(dtype)
+    b = torch.randn(n, device=device).to(dtype) if bias else None
+    torch.testing.assert_close(skinny_gemm(x, w, b, scale=s), skinny_gemm_ref(x, w, b, scale=s),
+                               **TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k", [(37, 1000), (300, 128)])
+def test_skinny_fp8_weights(device, dtype, n, k):
+    w, s = quantized(n, k, device, "fp8")
+    x = torch.randn(1, k, device=device).to(dtype)
+    torch.testing.assert_close(skinny_gemm(x, w, scale=s), skinny_gemm_ref(x, w, scale=s),
+                               **TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.interpreter
+@pytest.mark.parametrize("groups", [1, 4])
+def test_skinny_int8_with_fused_silu_and_mul(device, groups):
+    n, k = 40, 256
+    w, s = quantized(n, k, device, groups=groups)
+    x = torch.randn(1, 2 * k, device=device).to(torch.bfloat16) * 3
+    torch.testing.assert_close(skinny_gemm(x, w, silu_mul=True, scale=s),
+                               skinny_gemm_ref(x, w, silu_mul=True, scale=s),
+                               **TOL[torch.bfloat16])
+
+
+def test_skinny_takes_only_what_it_can_do():
+    x = torch.empty(1, 64, dtype=torch.bfloat16)
+    w = torch.empty(8, 64, dtype=torch.int8)
+    assert takes(x, w, torch.empty(8, 1)) and takes(x, w, torch.empty(8, 2))
+    assert takes(x, w.view(torch.float8_e4m3fn), torch.empty(8, 1))
+    assert not takes(x, w)                                        # int8 needs a scale
+    assert not takes(x, w, torch.empty(8, 3))                     # 3 groups do not divide 64
+    assert not takes(x, w, torch.empty(8, 1, dtype=torch.float16))
+    assert not takes(x, w, torch.empty(8, 2)[:, :1])              # not contiguous
+    assert not takes(x, torch.empty(8, 64, dtype=torch.bfloat16), torch.empty(8, 1))
+
+
+@pytest.mark.gpu
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k,groups,bias", [
+    (2, 37, 1000, 1, True),       # odd N and K, decode-sized M
+    (17, 70, 96, 3, False),       # group scales, 32-row tiles
+    (40, 33, 128, 1, True),       # 64-row tiles
+    (65, 130, 200, 1, True),      # 64-row tiles, K not a whole step
+    (300, 129, 64, 2, False),     # 128-row tiles, several M tiles
+])
+def test_int8_gemm(device, dtype, m, n, k, groups, bias):
+    w, s = quantized(n, k, device, groups=groups)
+    x = torch.randn(m, k, device=device).to(dtype)
+    b = torch.randn(n, device=device).to(dtype) if bias else None
+    torch.testing.assert_close(int8_gemm(x, w, s, b), int8_gemm_ref(x, w, s, b), **TOL[dtype])
+
+
+def test_int8_gemm_tiling():
+    """Tiles grow with M; a decode batch on a Llama-8B or Qwen3-0.6B weight still makes at least
+    256 programs; tiles are whole tensor-core shapes."""
+    sizes = [tiling(m, 4096)[0] for m in (1, 16, 17, 64, 65, 256, 257, 8192)]
+    assert sizes == sorted(sizes) and sizes[0] == 16 and sizes[-1] == 128
+    for m in (2, 8, 16, 32, 64, 128, 256, 1023):
+        for n in (1024, 4096, 6144, 28672, 151936):
+            block_m, block_n, block_k, _, _ = tiling(m, n)
+            assert -(-m // block_m) * -(-n // block_n) >= 256 or block_n == 32
+            assert block_m % 16 == 0 and block_n % 32 == 0 and block_k % 32 == 0
+    assert tiling(8, 4096)[1] == 32 and tiling(8, 28672)[1] == 64 and tiling(4096, 4096)[1] == 128
+
+
+@pytest.mark.gpu
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mode,n,k,groups", [("int8", 5, 3000, 1), ("int8", 33, 96, 3),
+                                             ("fp8", 7, 1000, 1)])
+def test_dequantize(device, dtype, mode, n, k, groups):
+    w, s = quantized(n, k, device, mode, groups)
+    assert torch.equal(dequantize(w, s, dtype), dequantize_ref(w, s, dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,k", [(1, 64), (5, 1000), (3, 2500)])
+def test_quant_fp8_matches_torch_rounding(device, dtype, m, k):
+    rows = torch.logspace(-2, 2, m, device=device)[:, None]       # amax from 0.01 to 100
+    x = (torch.randn(m, k, device=device) * rows).to(dtype)
+    x[0, :7] = 0
+    q, s = quant_fp8(x)
+    q_ref, s_ref = quant_fp8_ref(x)
+    torch.testing.assert_close(s, s_ref, rtol=0, atol=0)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.interpreter
+def test_quant_fp8_of_a_zero_row_is_zero(device):
+    q, s = quant_fp8(torch.zeros(2, 40, device=device, dtype=torch.bfloat16))
+    assert (q.float() == 0).all() and (s > 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="fp8 tensor cores")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k,bias", [(2, 48, 64, False), (37, 1024, 512, True),
+                                        (300, 4096, 1024, True)])
+def test_fp8_gemm(dtype, m, n, k, bias):
+    from conveyor.kernels.fp8_gemm import fp8_gemm, fp8_gemm_ref, supported
+
+    if not supported(torch.device("cuda")):
+        pytest.skip("needs compute capability 8.9+")
+    w, s = quantized(n, k, "cuda", "fp8")
+    x = torch.randn(m, k, device="cuda").to(dtype)
+    b = torch.randn(n, device="cuda").to(dtype) if bias else None
+    torch.testing.assert_close(fp8_gemm(x, w, s, b), fp8_gemm_ref(x, w, s, b), **TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs")
+def test_quantized_linears_replay_in_a_cuda_graph():
+    """As the decode graphs run them: captured once, replayed on new inputs (M = 1: skinny int8
+    and fp8; M = 8: the W8A16 GEMM and the fp8 GEMM)."""
+    from conveyor.kernels.fp8_gemm import fp8_gemm_ref, supported
+    from conveyor.worker.layers.linear import linear
+
+    cases = [(1, "int8"), (8, "int8")]
+    if supported(torch.device("cuda")):
+        cases += [(1, "fp8"), (8, "fp8")]
+    ops = []
+    for m, mode in cases:
+        w, s = quantized(1024, 2048, "cuda", mode)
+        x = torch.randn(m, 2048, device="cuda", dtype=torch.bfloat16)
+        # fp8 at one row: the skinny GEMV reads the fp8 weight, x stays bf16 (W8A16-like)
+        ref = int8_gemm_ref if mode == "int8" else fp8_gemm_ref if m > 1 else None
+        ops.append((x, w, s, ref))
+        linear(x, w, scale=s)                                # warm-up: compiles
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [linear(x, w, scale=s) for x, w, s, _ in ops]
+    for _ in range(2):
+        for x, *_ in ops:
+            x.copy_(torch.randn_like(x))
+        graph.replay()
+        for out, (x, w, s, ref) in zip(outs, ops):
+            want = skinny_gemm_ref(x, w, scale=s) if ref is None else ref(x, w, s)
+            torch.testing.assert_close(out, want, **TOL[torch.bfloat16])
