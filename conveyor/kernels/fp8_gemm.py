@@ -37,8 +37,8 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     q, s = quant_fp8(x)
     y = torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=scale.view(1, -1),
                          out_dtype=torch.bfloat16)
-    if bias is not None:
-        y += bias
+    if bias is not None:      # in float32: the bf16 output is rounded once already
+        return (y.float() + bias.float()).to(x.dtype)
     return y.to(x.dtype)
 
 

@@ -134,6 +134,8 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         return y
     groups = 0 if scale is None else scale.shape[1]
     block_n, block_k, num_warps = tiling(n, k, silu_mul)
+    if weight.element_size() == 1:   # the same bytes per load as a 2-byte weight's tile
+        block_k = min(2 * block_k, max(16, 1 << (k - 1).bit_length()))
     _skinny_gemm_kernel[(-(-n // block_n),)](
         x, weight, scale if scale is not None else y, bias if bias is not None else y, y, n, k,
         weight.stride(0), groups, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
