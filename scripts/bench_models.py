@@ -19,25 +19,21 @@ from pathlib import Path
 
 import torch
 
+# what Llama 3.1 8B and 70B share
+_LLAMA31 = dict(num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False,
+                max_position_embeddings=131072, rms_norm_eps=1e-5,
+                rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
+                                 "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                 "original_max_position_embeddings": 8192})
 SHAPES = {
     "qwen3-0.6b": ("Qwen3Config", dict(
         num_hidden_layers=28, hidden_size=1024, num_attention_heads=16, num_key_value_heads=8,
         head_dim=128, intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True,
         rope_theta=1e6, max_position_embeddings=40960, rms_norm_eps=1e-6)),
-    "llama3.1-8b": ("LlamaConfig", dict(
-        num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
-        head_dim=128, intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False,
-        max_position_embeddings=131072, rms_norm_eps=1e-5,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
-                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 8192})),
-    "llama3.1-70b": ("LlamaConfig", dict(
-        num_hidden_layers=80, hidden_size=8192, num_attention_heads=64, num_key_value_heads=8,
-        head_dim=128, intermediate_size=28672, vocab_size=128256, tie_word_embeddings=False,
-        max_position_embeddings=131072, rms_norm_eps=1e-5,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
-                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 8192})),
+    "llama3.1-8b": ("LlamaConfig", dict(_LLAMA31, num_hidden_layers=32, hidden_size=4096,
+                                        num_attention_heads=32, intermediate_size=14336)),
+    "llama3.1-70b": ("LlamaConfig", dict(_LLAMA31, num_hidden_layers=80, hidden_size=8192,
+                                         num_attention_heads=64, intermediate_size=28672)),
 }
 
 
