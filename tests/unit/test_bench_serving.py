@@ -168,7 +168,10 @@ class FakeOpenAI(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def server():
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), FakeOpenAI)
+    # NOTE: the default listen backlog (5) drops the SYNs of a burst of connections, which are
+    # then retried after 1 s: a first token a second late on an idle server
+    httpd = type("Server", (ThreadingHTTPServer,), {"request_queue_size": 128})(
+        ("127.0.0.1", 0), FakeOpenAI)
     httpd.received = []
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
@@ -250,7 +253,8 @@ def test_batch_requests_unstreamed(server):
     url = f"http://127.0.0.1:{server.server_address[1]}"
     [rep] = bench.main(["--base-url", url, "--num-prompts", "10", "--random-input-len", "16",
                         "--random-output-len", "8", "--interactive-share", "0.3",
-                        "--interactive-input-len", "4", "--warmup", "0", "--no-batch-stream"])
+                        "--interactive-input-len", "4", "--interactive-ttft-slo", "5",
+                        "--warmup", "0", "--no-batch-stream"])
     streamed = [b["stream"] for _, _, b in server.received]
     assert streamed.count(True) == 3 and streamed.count(False) == 7
     batch = rep["classes"]["batch"]
