@@ -166,8 +166,9 @@ def _params_per_prompt(params, n: int) -> list[SamplingParams]:
 
 
 def _priority_per_prompt(priority, n: int) -> list[int]:
-    priorities = [priority or 0] * n if priority is None or isinstance(priority, int) \
-        else list(priority)
+    if priority is None:
+        priority = 0
+    priorities = [priority] * n if isinstance(priority, int) else list(priority)
     if len(priorities) != n:
         raise ValueError(f"got {len(priorities)} priorities for {n} prompts")
     for p in priorities:

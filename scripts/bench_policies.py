@@ -29,11 +29,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).parent))
 import bench_serving  # noqa: E402
 from bench_models import serve_process  # noqa: E402
+from stresskit.harness import parse_metrics  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -51,15 +51,10 @@ def counters(base_url: str) -> dict[str, float]:
     The server judges a first token when the scheduler takes it, so its attainment leaves out
     the HTTP path and the client; bench_serving's attainment includes them.
     """
-    text = httpx.get(f"{base_url}/metrics", timeout=30).text
-    samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
-
-    def value(name: str, **labels: str) -> float:
-        return next(s.value for s in samples
-                    if s.name == name and labels.items() <= s.labels.items())
-    return {"preemptions": value("conveyor_num_preemptions_total"),
-            "judged": value("conveyor_slo_judged_total", objective="ttft"),
-            "missed": value("conveyor_slo_missed_total", objective="ttft")}
+    metrics = parse_metrics(httpx.get(f"{base_url}/metrics", timeout=30).text)
+    return {"preemptions": metrics["conveyor_num_preemptions_total"],
+            "judged": metrics["conveyor_slo_judged_total{objective=ttft}"],
+            "missed": metrics["conveyor_slo_missed_total{objective=ttft}"]}
 
 
 def workload_args(args, base_url: str, rate: float, seed: int, warmup: int) -> list[str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FP8_MAX = 448.0                # the largest finite float8 e4m3 value (torch.float8_e4m3fn)
 
 
 def check(ok: bool, msg: str) -> None:

@@ -7,27 +7,27 @@ nearest even and stores. The input of fp8 W8A8 GEMMs (fp8_gemm.py).
 import torch
 
 from conveyor.kernels._triton import jit, require_triton, tl
-from conveyor.kernels._util import check
+from conveyor.kernels._util import FP8_MAX, check
 
-FP8_MAX = 448.0                  # torch.finfo(torch.float8_e4m3fn).max
 MIN_SCALE = 1e-12 / FP8_MAX      # an all-zero row gets a tiny scale, not a division by zero
 _BLOCK = 1024
 
 
 @jit
-def _quant_fp8_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr):
+def _quant_fp8_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr,
+                      FP8_MAX: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     amax = tl.zeros([BLOCK], dtype=tl.float32)
     for k in tl.range(0, K, BLOCK):
         x = tl.load(x_ptr + row * stride_x + k + cols, mask=k + cols < K, other=0.0)
         amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-    scale = tl.maximum(tl.max(amax, 0) / 448.0, 1e-12 / 448.0)
+    scale = tl.maximum(tl.max(amax, 0) / FP8_MAX, 1e-12 / FP8_MAX)
     tl.store(scale_ptr + row, scale)
     for k in tl.range(0, K, BLOCK):
         mask = k + cols < K
         x = tl.load(x_ptr + row * stride_x + k + cols, mask=mask, other=0.0).to(tl.float32)
-        q = tl.clamp(tl.div_rn(x, scale), -448.0, 448.0)   # as torch divides: exactly
+        q = tl.clamp(tl.div_rn(x, scale), -FP8_MAX, FP8_MAX)   # as torch divides: exactly
         tl.store(q_ptr + row * stride_q + k + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
@@ -43,7 +43,7 @@ def quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
     if m:
         _quant_fp8_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), BLOCK=_BLOCK,
-                                num_warps=4)
+                                FP8_MAX=FP8_MAX, num_warps=4)
     return q, scale
 
 

@@ -22,6 +22,7 @@ import torch
 
 from conveyor.kernels._triton import jit, require_triton, tl
 from conveyor.kernels._util import check
+from conveyor.kernels.dequantize import dequantize_ref
 
 M_MAX = 1
 _TILE = 4096             # elements of W per program and step
@@ -151,10 +152,7 @@ def skinny_gemm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     if silu_mul:
         gate, up = x.float().chunk(2, dim=-1)
         x = (torch.nn.functional.silu(gate) * up).to(x.dtype)
-    w = weight.float()
-    if scale is not None:
-        n, k = weight.shape
-        w = (w.view(n, scale.shape[1], -1) * scale[:, :, None]).view(n, k)
+    w = weight.float() if scale is None else dequantize_ref(weight, scale, torch.float32)
     y = x.float() @ w.T
     if bias is not None:
         y = y + bias.float()

@@ -9,9 +9,7 @@ and clamped to +-448 before the cast (saturating, as the torch reference does).
 import torch
 
 from conveyor.kernels._triton import jit, require_triton, tl
-from conveyor.kernels._util import check, next_pow2
-
-_FP8_MAX = 448.0
+from conveyor.kernels._util import FP8_MAX, check, next_pow2
 
 
 @jit
@@ -68,7 +66,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         KV_HEADS=kvh, HEAD_DIM=d, BLOCK_H=next_pow2(kvh), BLOCK_D=next_pow2(d),
-        PAGE_SIZE=kv_cache.shape[2], FP8=fp8, FP8_MAX=_FP8_MAX, num_warps=4)
+        PAGE_SIZE=kv_cache.shape[2], FP8=fp8, FP8_MAX=FP8_MAX, num_warps=4)
 
 
 def store_kv_ref(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,

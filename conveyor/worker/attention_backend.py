@@ -14,8 +14,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from conveyor.kernels._util import FP8_MAX
 from conveyor.worker.context import StepContext
-from conveyor.worker.kv_cache import FP8_DTYPE, FP8_MAX
+from conveyor.worker.kv_cache import FP8_DTYPE
 
 # Up to this many decodes, SDPA on the gathered K/V beats per-head bmm on CPU (measured: 0.16 vs
 # 0.30 ms at batch 2; 2.55 vs 2.20 ms at batch 32). A lone decode takes the per-sequence path.

@@ -12,7 +12,6 @@ import torch
 from conveyor.shared.config import EngineConfig, ModelConfig
 
 FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0                              # the largest finite e4m3 value
 
 
 def kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtype:

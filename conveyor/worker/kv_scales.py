@@ -13,9 +13,10 @@ import math
 import torch
 from torch import nn
 
+from conveyor.kernels._util import FP8_MAX
 from conveyor.shared.config import EngineConfig, ModelConfig
 from conveyor.worker.context import StepContext
-from conveyor.worker.kv_cache import FP8_MAX, allocate_kv_cache
+from conveyor.worker.kv_cache import allocate_kv_cache
 from conveyor.worker.layers.attention import Attention, default_backend
 
 CALIBRATION_TOKENS = 512

@@ -9,13 +9,13 @@ import torch.nn.functional as F
 from models_util import make_tiny_model
 
 from conveyor.cli import build_parser, engine_kwargs
+from conveyor.kernels.dequantize import dequantize_ref
 from conveyor.shared.config import EngineConfig
 from conveyor.shared.model_files import read_model_config, resolve_model
 from conveyor.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from conveyor.worker.layers.linear import RowParallelLinear, default_weight_loader, linear
 from conveyor.worker.layers.quantization import (
     FP8_MAX,
-    dequantize_weight,
     keep_matches,
     quantize_model,
     quantize_weight,
@@ -37,9 +37,9 @@ def test_int8_round_trip_is_within_half_a_step():
     q, scale = quantize_weight(w, "int8")
     assert q.dtype == torch.int8 and scale.shape == (w.shape[0], 1)
     assert q.abs().max() <= 127 and (q.abs().amax(1)[scale[:, 0] != 1] == 127).all()
-    err = (w - dequantize_weight(q, scale)).abs()
+    err = (w - dequantize_ref(q, scale, torch.float32)).abs()
     assert (err <= scale / 2 * (1 + 1e-6)).all()
-    assert (dequantize_weight(q, scale)[3] == 0).all()
+    assert (dequantize_ref(q, scale, torch.float32)[3] == 0).all()
 
 
 def test_fp8_round_trip_is_within_e4m3_rounding():
@@ -49,7 +49,7 @@ def test_fp8_round_trip_is_within_e4m3_rounding():
     q, scale = quantize_weight(w, "fp8")
     assert q.dtype == torch.float8_e4m3fn and scale.shape == (w.shape[0], 1)
     assert torch.allclose(q.float().abs().amax(1)[scale[:, 0] != 1], torch.tensor(FP8_MAX))
-    err = (w - dequantize_weight(q, scale)).abs()
+    err = (w - dequantize_ref(q, scale, torch.float32)).abs()
     bound = torch.maximum(w.abs() * 2 ** -4, scale * 2 ** -10)
     assert (err <= bound * (1 + 1e-6)).all()
     rel = err.sum() / w.abs().sum()
@@ -67,7 +67,7 @@ def test_group_scales_dequantize_per_block():
     q = torch.randint(-127, 128, (4, 64), dtype=torch.int8)
     scale = torch.rand(4, 2)
     want = torch.cat([q[:, :32].float() * scale[:, :1], q[:, 32:].float() * scale[:, 1:]], 1)
-    torch.testing.assert_close(dequantize_weight(q, scale), want)
+    torch.testing.assert_close(dequantize_ref(q, scale, torch.float32), want)
 
 
 def test_q8_0_blocks_are_what_gguf_dequantizes_to():
@@ -78,7 +78,7 @@ def test_q8_0_blocks_are_what_gguf_dequantizes_to():
     q, scale = q8_0_blocks(data)
     assert q.shape == (6, 96) and q.dtype == torch.int8 and scale.shape == (6, 3)
     ref = gguf.quants.dequantize(data, gguf.GGMLQuantizationType.Q8_0)
-    torch.testing.assert_close(dequantize_weight(q, scale), torch.from_numpy(ref),
+    torch.testing.assert_close(dequantize_ref(q, scale, torch.float32), torch.from_numpy(ref),
                                rtol=0, atol=0)
 
 
@@ -166,7 +166,7 @@ def test_quantized_layers_compute_with_their_dequantized_weights(mode):
     ref = {k: m.weight.detach().clone() for k, m in model.items()}
     report = quantize_model(model, mode, (), "cpu")
     assert sorted(report.quantized) == ["down", "embed", "head"]
-    deq = {k: dequantize_weight(m.weight, m.weight_scale) for k, m in model.items()}
+    deq = {k: dequantize_ref(m.weight, m.weight_scale, torch.float32) for k, m in model.items()}
     for k in deq:
         assert (deq[k] - ref[k]).abs().max() <= ref[k].abs().max() * 0.07
 

@@ -16,12 +16,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from conveyor.kernels.dequantize import dequantize_ref
+from conveyor.kernels._util import FP8_MAX
 
 log = logging.getLogger("conveyor.quantization")
 
 INT8_MAX = 127.0
-FP8_MAX = 448.0                     # torch.finfo(torch.float8_e4m3fn).max
 Q8_0_GROUP = 32                     # GGUF Q8_0: 32 int8 values and one fp16 scale per block
 _DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 
@@ -42,12 +41,6 @@ def quantize_weight(w: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Ten
     else:
         q = (w / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q, scale
-
-
-def dequantize_weight(q: torch.Tensor, scale: torch.Tensor,
-                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """q [N, K] * scale [N, G] (G groups of K / G columns per row) -> [N, K] in dtype."""
-    return dequantize_ref(q, scale, dtype)
 
 
 def keep_matches(name: str, patterns: tuple[re.Pattern, ...]) -> bool:
