@@ -3,14 +3,12 @@ from __future__ import annotations
 
 import os
 import re
-import select
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 
-from stresskit.harness import child_pids
+from stresskit.harness import child_pids, serving_line
 from stresskit.harness import pid_alive as alive  # noqa: F401  (for the tests)
 
 SMALL = ["--max-num-seqs", "64", "--kv-cache-memory-bytes", str(64 << 20),
@@ -40,15 +38,11 @@ def run_serve(*args: str, timeout: float = 240) -> subprocess.Popen:
 
 def start_server(*args: str, timeout: float = 240) -> Server:
     proc = run_serve(*SMALL, *args)
-    deadline = time.monotonic() + timeout
-    line = ""
     try:
-        while "serving on" not in line:
-            left = deadline - time.monotonic()
-            if left <= 0 or proc.poll() is not None:
-                raise RuntimeError(f"server did not start: {proc.stderr.read()[-2000:]}")
-            if select.select([proc.stdout], [], [], left)[0]:
-                line = proc.stdout.readline()
+        line = serving_line(proc, timeout)
+        if line is None:
+            os.killpg(proc.pid, signal.SIGKILL)     # so that its stderr ends
+            raise RuntimeError(f"server did not start: {proc.stderr.read()[-2000:]}")
         addresses = re.findall(r"tcp://[\d.]+:\d+", line)
         http = re.search(r"http://[\d.]+:\d+", line)
         return Server(proc, addresses, http and http.group(0), child_pids(proc.pid))

@@ -99,14 +99,10 @@ def launch(*args: str, api_key: str | None = None, curve_keys: str | Path | None
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=fd, text=True, cwd=ROOT,
                             start_new_session=True, env=env)
     os.close(fd)
-    deadline, line = time.monotonic() + timeout, ""
     try:
-        while "serving on" not in line:
-            left = deadline - time.monotonic()
-            if left <= 0 or proc.poll() is not None:
-                raise RuntimeError(f"the server did not start: {Path(log).read_text()[-3000:]}")
-            if select.select([proc.stdout], [], [], min(left, 1.0))[0]:
-                line = proc.stdout.readline()
+        line = serving_line(proc, timeout)
+        if line is None:
+            raise RuntimeError(f"the server did not start: {Path(log).read_text()[-3000:]}")
         http = re.search(r"http://[\d.]+:\d+", line)
         server = Server(proc, re.findall(r"tcp://[\d.]+:\d+", line), http and http.group(0),
                         child_pids(proc.pid), Path(log), api_key)
@@ -119,6 +115,28 @@ def launch(*args: str, api_key: str | None = None, curve_keys: str | Path | None
         proc.wait(30)
         Path(log).unlink(missing_ok=True)
         raise
+
+
+def serving_line(proc: subprocess.Popen, timeout: float) -> str | None:
+    """The line `conveyor serve` prints once it serves ("serving on ..."), or None if the
+    process exits or `timeout` seconds pass first.
+
+    NOTE: reads the pipe's bytes itself: select() on proc.stdout and then readline() misses a
+    line that arrived in the same read as the one before it (it waits in the file's buffer,
+    where select cannot see it; the quantization report comes just before "serving on").
+    """
+    fd, text = proc.stdout.fileno(), ""
+    deadline = time.monotonic() + timeout
+    while "serving on" not in text:
+        left = deadline - time.monotonic()
+        if left <= 0 or proc.poll() is not None:
+            return None
+        if select.select([fd], [], [], min(left, 1.0))[0]:
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                return None
+            text += chunk.decode(errors="replace")
+    return next(line for line in text.splitlines() if "serving on" in line)
 
 
 def child_pids(parent: int) -> dict[str, int]:
