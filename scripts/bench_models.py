@@ -122,11 +122,12 @@ def model_path(args, ap) -> str:
 
 
 def engine_flags(engine: dict) -> list[str]:
-    """EngineConfig keyword arguments as `conveyor serve` flags (--x, --no-x for booleans)."""
+    """EngineConfig keyword arguments as `conveyor serve` flags (--x, --no-x for booleans); an
+    argument left at None is left off, so serve takes its own default."""
     def flag(k, v):
         name = k.replace("_", "-")
         return f"--{name}" if v is True else f"--no-{name}" if v is False else f"--{name}={v}"
-    return [flag(k, v) for k, v in engine.items()]
+    return [flag(k, v) for k, v in engine.items() if v is not None]
 
 
 def append_json(path: str | None, result: dict) -> None:

@@ -1,11 +1,25 @@
 """Triton, or stand-ins that let the kernel files import (and their torch references run) where
-Triton is not installed. Launching a kernel there raises."""
+Triton is not installed. Launching a kernel there raises.
+
+Programmatic dependent launch (PDL, Hopper and later): a kernel launched with it may start while
+the kernel before it in the stream is still finishing, so its launch and the scheduling of its
+programs overlap that kernel's tail instead of following it. Each such kernel calls
+`grid_sync(USE_PDL)` before it touches global memory: that waits until the previous kernel has
+finished and its writes are visible, then lets the next kernel start launching. Because every
+PDL kernel waits, the order is transitive (a kernel finishes only after the one before it has),
+so a kernel may read anything any earlier kernel wrote. Kernels launched without it (torch's,
+cuBLAS's, NCCL's) wait for the whole of the previous kernel as usual. CONVEYOR_PDL=0 turns it off.
+"""
+import functools
+import os
+
 from conveyor.kernels import interpreting
 
 try:
     import triton
     import triton.language as tl
     from triton.language.extra import libdevice
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # CPU-only install
     triton = None
     libdevice = None
@@ -25,4 +39,29 @@ def require_triton() -> None:
         raise RuntimeError("this kernel needs Triton (and a CUDA GPU)")
 
 
-__all__ = ["interpreting", "jit", "libdevice", "require_triton", "tl", "triton"]
+@functools.cache
+def pdl() -> bool:
+    """Whether kernels launch with PDL: on a CUDA device of compute capability 9 or more, not
+    under the interpreter, unless CONVEYOR_PDL=0."""
+    if triton is None or interpreting() or os.environ.get("CONVEYOR_PDL", "1") == "0":
+        return False
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+
+
+def pdl_args() -> dict:
+    """The launch keywords of a kernel that calls grid_sync(USE_PDL) first."""
+    return {"USE_PDL": True, "launch_pdl": True} if pdl() else {"USE_PDL": False}
+
+
+@jit
+def grid_sync(USE_PDL: tl.constexpr):
+    """Wait for the previous kernel's writes, then let the next kernel launch (see above)."""
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+__all__ = ["grid_sync", "interpreting", "jit", "libdevice", "pdl", "pdl_args", "require_triton",
+           "tl", "triton"]

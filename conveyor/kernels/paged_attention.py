@@ -20,7 +20,7 @@ registers; k_scale folds into the softmax scale and v_scale into the output (no 
 """
 import torch
 
-from conveyor.kernels._triton import jit, require_triton, tl
+from conveyor.kernels._triton import grid_sync, jit, pdl_args, require_triton, tl
 from conveyor.kernels._util import check, next_pow2
 
 _LOG2E = 1.4426950408889634
@@ -51,7 +51,8 @@ def _paged_attention_kernel(
         stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TQ: tl.constexpr,
-        PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr):
+        PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr):
+    grid_sync(USE_PDL)
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -126,7 +127,8 @@ def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits,
                          stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
                          stride_ot, stride_oh,
                          HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                         SPLITS_PAD: tl.constexpr):
+                         SPLITS_PAD: tl.constexpr, USE_PDL: tl.constexpr):
+    grid_sync(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
@@ -230,12 +232,12 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         part_lse.stride(0), part_lse.stride(1),
         GROUP=group, HEAD_DIM=d, HEAD_DIM_PAD=next_pow2(d), BLOCK_M=block_m,
         BLOCK_N=block_n, TQ=tq, PAGE_SIZE=kv_cache.shape[2], SPLIT=split,
-        num_warps=warps, num_stages=stages)
+        num_warps=warps, num_stages=stages, **pdl_args())
     if split:
         _merge_splits_kernel[(t, heads)](
             part_out, part_lse, out, num_splits,
             part_out.stride(0), part_out.stride(1), part_out.stride(2),
             part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
             HEAD_DIM=d, HEAD_DIM_PAD=next_pow2(d), SPLITS_PAD=next_pow2(num_splits),
-            num_warps=4)
+            num_warps=4, **pdl_args())
     return out

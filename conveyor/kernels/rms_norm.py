@@ -4,14 +4,16 @@ by the weight. One program per row.
 """
 import torch
 
-from conveyor.kernels._triton import jit, require_triton, tl
+from conveyor.kernels._triton import grid_sync, jit, pdl_args, require_triton, tl
 from conveyor.kernels._util import check, next_pow2
 
 
 @jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps,
                      stride_x, stride_r, stride_o, stride_ro,
-                     N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+                     N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                     USE_PDL: tl.constexpr):
+    grid_sync(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -54,7 +56,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         _rms_norm_kernel[(t,)](x, r, weight, out, ro, eps, x.stride(0), r.stride(0),
                                out.stride(0), ro.stride(0), N=n, BLOCK=block,
                                HAS_RESIDUAL=residual is not None,
-                               num_warps=min(16, max(1, block // 256)))
+                               num_warps=min(16, max(1, block // 256)), **pdl_args())
     return out if residual is None else (out, res_out)
 
 

@@ -7,7 +7,7 @@ One program per token, all its heads.
 """
 import torch
 
-from conveyor.kernels._triton import jit, require_triton, tl
+from conveyor.kernels._triton import grid_sync, jit, pdl_args, require_triton, tl
 from conveyor.kernels._util import check, next_pow2
 
 
@@ -41,7 +41,8 @@ def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, eps,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, stride_st,
                    Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr, HALF: tl.constexpr,
                    BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                   QK_NORM: tl.constexpr):
+                   QK_NORM: tl.constexpr, USE_PDL: tl.constexpr):
+    grid_sync(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, BLOCK_HALF)
     cos = tl.load(cos_ptr + t * stride_ct + j, mask=j < HALF, other=0.0)
@@ -79,7 +80,8 @@ def rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Te
                          cos.stride(0), sin.stride(0),
                          Q_HEADS=heads, K_HEADS=k.shape[1], HALF=d // 2,
                          BLOCK_QH=next_pow2(heads), BLOCK_KH=next_pow2(k.shape[1]),
-                         BLOCK_HALF=next_pow2(d // 2), QK_NORM=norm, num_warps=4)
+                         BLOCK_HALF=next_pow2(d // 2), QK_NORM=norm, num_warps=4,
+                         **pdl_args())
 
 
 def rotary_qk_ref(q, k, cos, sin, q_norm_weight=None, k_norm_weight=None, eps=1e-6):

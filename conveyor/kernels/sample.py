@@ -26,7 +26,15 @@ partials. The logits are read once; the partials are 8 bytes per program.
 """
 import torch
 
-from conveyor.kernels._triton import interpreting, jit, libdevice, require_triton, tl
+from conveyor.kernels._triton import (
+    grid_sync,
+    interpreting,
+    jit,
+    libdevice,
+    pdl_args,
+    require_triton,
+    tl,
+)
 from conveyor.kernels._util import check, next_pow2
 
 SUB = 1024                  # columns per load (one Philox output each)
@@ -70,7 +78,9 @@ def _keep_best(best, best_col, row_ptr, cols, V, u, scale, RANDOM: tl.constexpr,
 @jit
 def _sample_chunk_kernel(logits_ptr, temperature_ptr, seed_ptr, part_score_ptr, part_col_ptr,
                          V, stride_row, tiles_per_chunk, num_chunks,
-                         SUB: tl.constexpr, GREEDY_ONLY: tl.constexpr, FAST: tl.constexpr):
+                         SUB: tl.constexpr, GREEDY_ONLY: tl.constexpr, FAST: tl.constexpr,
+                         USE_PDL: tl.constexpr):
+    grid_sync(USE_PDL)
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     temperature = 0.0
@@ -114,7 +124,9 @@ def _sample_chunk_kernel(logits_ptr, temperature_ptr, seed_ptr, part_score_ptr, 
 
 @jit
 def _sample_reduce_kernel(part_score_ptr, part_col_ptr, temperature_ptr, out_ptr, num_chunks,
-                          BLOCK_C: tl.constexpr, GREEDY_ONLY: tl.constexpr):
+                          BLOCK_C: tl.constexpr, GREEDY_ONLY: tl.constexpr,
+                          USE_PDL: tl.constexpr):
+    grid_sync(USE_PDL)
     row = tl.program_id(0)
     if not GREEDY_ONLY:
         if tl.load(temperature_ptr + row) < 0:
@@ -164,10 +176,11 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor | None = None,
     seeds = out if greedy_only else seeds
     _sample_chunk_kernel[(n, num_chunks)](
         logits, temperature, seeds, part_score, part_col, v, logits.stride(0), tiles_per_chunk,
-        num_chunks, SUB=SUB, GREEDY_ONLY=greedy_only, FAST=not interpreting(), num_warps=4)
+        num_chunks, SUB=SUB, GREEDY_ONLY=greedy_only, FAST=not interpreting(), num_warps=4,
+        **pdl_args())
     _sample_reduce_kernel[(n,)](part_score, part_col, temperature, out, num_chunks,
                                 BLOCK_C=next_pow2(num_chunks), GREEDY_ONLY=greedy_only,
-                                num_warps=1)
+                                num_warps=1, **pdl_args())
     return out
 
 

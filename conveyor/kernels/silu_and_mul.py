@@ -2,7 +2,7 @@
 import torch
 import torch.nn.functional as F
 
-from conveyor.kernels._triton import jit, require_triton, tl
+from conveyor.kernels._triton import grid_sync, jit, pdl_args, require_triton, tl
 from conveyor.kernels._util import check
 
 _BLOCK = 1024
@@ -10,7 +10,8 @@ _BLOCK = 1024
 
 @jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, INTER: tl.constexpr,
-                         BLOCK: tl.constexpr):
+                         BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    grid_sync(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < INTER
@@ -28,7 +29,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((t, i), dtype=x.dtype, device=x.device)
     if t:
         _silu_and_mul_kernel[(t, -(-i // _BLOCK))](x, out, x.stride(0), out.stride(0),
-                                                          INTER=i, BLOCK=_BLOCK, num_warps=4)
+                                                          INTER=i, BLOCK=_BLOCK, num_warps=4,
+                                                          **pdl_args())
     return out
 
 

@@ -20,7 +20,7 @@ multiply the row sums once at the end; group scales multiply W as it is loaded.
 """
 import torch
 
-from conveyor.kernels._triton import jit, require_triton, tl
+from conveyor.kernels._triton import grid_sync, jit, pdl_args, require_triton, tl
 from conveyor.kernels._util import check
 from conveyor.kernels.dequantize import dequantize_ref
 
@@ -44,8 +44,9 @@ def _load_x(x_ptr, ks, K, mask, SILU_MUL: tl.constexpr, dtype: tl.constexpr):
 def _skinny_gemm_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, N, K, stride_wn, stride_sn,
                         HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr,
                         SCALE: tl.constexpr, GROUP: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
     """SCALE: 0 none (W in x's dtype), 1 one per row, 2 one per GROUP columns of a row."""
+    grid_sync(USE_PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K)
     row_ok = rows[:, None] < N
@@ -142,7 +143,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         weight.stride(0), groups, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
         EVEN_K=k % block_k == 0, SCALE=0 if groups == 0 else 1 if groups == 1 else 2,
         GROUP=k // groups if groups > 1 else 1, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=num_warps, num_stages=_NUM_STAGES)
+        num_warps=num_warps, num_stages=_NUM_STAGES, **pdl_args())
     return y
 
 

@@ -8,7 +8,7 @@ and clamped to +-448 before the cast (saturating, as the torch reference does).
 """
 import torch
 
-from conveyor.kernels._triton import jit, require_triton, tl
+from conveyor.kernels._triton import grid_sync, jit, pdl_args, require_triton, tl
 from conveyor.kernels._util import FP8_MAX, check, next_pow2
 
 
@@ -18,7 +18,8 @@ def _store_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, k_inv_scale, v_inv_scale
                      stride_cb, stride_ckv, stride_cs, stride_ch,
                      KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
                      BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, FP8: tl.constexpr,
-                     FP8_MAX: tl.constexpr):
+                     FP8_MAX: tl.constexpr, USE_PDL: tl.constexpr):
+    grid_sync(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
@@ -66,7 +67,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         KV_HEADS=kvh, HEAD_DIM=d, BLOCK_H=next_pow2(kvh), BLOCK_D=next_pow2(d),
-        PAGE_SIZE=kv_cache.shape[2], FP8=fp8, FP8_MAX=FP8_MAX, num_warps=4)
+        PAGE_SIZE=kv_cache.shape[2], FP8=fp8, FP8_MAX=FP8_MAX, num_warps=4, **pdl_args())
 
 
 def store_kv_ref(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,

@@ -30,17 +30,18 @@ def generate(path: str, tp: int, *args: str):
 
 def assert_close_greedy(reference, results, tp: int) -> None:
     """Equal tokens, or each side's token in the other's top-5 at the first divergence."""
-    equal = 0
+    first = []
     for one, other in zip(reference, results):
         assert len(other.token_ids) == len(one.token_ids) == 32
         for i, (a, b) in enumerate(zip(one.token_ids, other.token_ids)):
             if a != b:
                 assert a in {lp.token_id for lp in other.outputs[0].logprobs[i]}, (tp, i, a, b)
                 assert b in {lp.token_id for lp in one.outputs[0].logprobs[i]}, (tp, i, a, b)
+                first.append(i)
                 break
         else:
-            equal += 1
-    print(f"tp={tp}: {equal} of {len(PROMPTS)} prompts equal for all 32 tokens")
+            first.append(None)
+    print(f"tp={tp}: first differing token of each prompt (None: all 32 equal): {first}")
 
 
 @pytest.fixture(scope="module")
