@@ -5,10 +5,7 @@ A decode step at batch B all-reduces the [B, hidden] activation twice per layer 
 after down_proj), once more after the embedding, and all-gathers the logits [B, vocab / N] once.
 For each batch size this times one all-reduce (eager, and on CUDA also replayed from a CUDA graph,
 as decode steps run) and one all-gather, the slowest rank's median, and reports
-2 x layers all-reduces per step. Every call is first checked for the right sum. On CUDA it also
-times the engine's one-shot all-reduce (conveyor/worker/layers/parallel.py) where the engine
-would take it (bf16, up to 512 KB), checked against NCCL's sum of the same random values; the
-per-step figure is then the engine's path.
+2 x layers all-reduces per step. Every call is first checked for the right sum.
 
     python scripts/bench_allreduce.py --world-size 8                     # Llama-3.1-70B, NCCL
     python scripts/bench_allreduce.py --backend gloo --world-size 4      # CPU
@@ -52,34 +49,19 @@ def timed(fn, device: torch.device, iters: int, repeats: int = 5) -> float:
     return statistics.median(runs)
 
 
-def graphed(fn, calls: int):
-    """A CUDA graph of `calls` calls of fn, and a function that replays it."""
+def graphed(x: torch.Tensor, calls: int):
+    """A CUDA graph of `calls` all-reduces of x, and a function that replays it."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):            # NCCL's first calls on a stream stay out of capture
         for _ in range(3):
-            fn()
+            dist.all_reduce(x)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(calls):
-            fn()
+            dist.all_reduce(x)
     return graph.replay
-
-
-def check_one_shot(x: torch.Tensor, rank: int) -> None:
-    """The one-shot sum of random values against NCCL's (bf16 sums of the same values in
-    another order: within a rounding of the result)."""
-    from conveyor.worker.layers.parallel import all_reduce
-
-    torch.manual_seed(rank)
-    x.copy_(torch.randn_like(x))
-    expected = x.clone()
-    dist.all_reduce(expected)
-    got = all_reduce(x)
-    if not torch.allclose(got.float(), expected.float(), rtol=2 ** -7, atol=1e-2):
-        raise RuntimeError(f"one-shot all-reduce of {tuple(x.shape)} differs from NCCL's by "
-                           f"{(got.float() - expected.float()).abs().max().item()}")
 
 
 def check_sum(x: torch.Tensor, rank: int, world: int, what: str) -> None:
@@ -103,17 +85,8 @@ def measure(batch: int, rank: int, args, device: torch.device) -> dict:
            "allreduce_s": timed(lambda: dist.all_reduce(x), device, args.iters)}
     if device.type == "cuda" and args.graph:
         calls = 2 * args.layers
-        replay = graphed(lambda: dist.all_reduce(x), calls)
+        replay = graphed(x, calls)
         row["allreduce_graph_s"] = timed(replay, device, 10) / calls
-    from conveyor.worker.layers.parallel import all_reduce, one_shot_takes
-
-    if one_shot_takes(x):
-        check_one_shot(x, rank)
-        x.zero_()
-        row["one_shot_s"] = timed(lambda: all_reduce(x), device, args.iters)
-        if args.graph:
-            replay = graphed(lambda: all_reduce(x), 2 * args.layers)
-            row["one_shot_graph_s"] = timed(replay, device, 10) / (2 * args.layers)
     logits = torch.randn(batch, -(-args.vocab // world), dtype=dtype, device=device)
     parts = [torch.empty_like(logits) for _ in range(world)]       # [B, vocab / N] each
     row["allgather_s"] = timed(lambda: dist.all_gather(parts, logits), device, args.iters)
@@ -130,35 +103,27 @@ def rank_main(rank: int, args, rendezvous: str, out_file: str) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group(args.backend, init_method=f"file://{rendezvous}", rank=rank,
                             world_size=world, device_id=device if device.type == "cuda" else None)
-    if device.type == "cuda" and args.one_shot:
-        from conveyor.worker.layers.parallel import enable_one_shot
-
-        enable_one_shot(device)
     rows = [measure(batch, rank, args, device) for batch in args.batch]
     # the slowest rank's figures
-    for r in rows:
-        keys = sorted(k for k in r if k.endswith("_s"))
-        t = torch.tensor([r[k] for k in keys], dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        r.update(zip(keys, t.tolist()))
+    keys = [k for k in rows[0] if k.endswith("_s")]
+    t = torch.tensor([[r[k] for k in keys] for r in rows], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
     if rank == 0:
+        for r, values in zip(rows, t.tolist()):
+            r.update(zip(keys, values))
         Path(out_file).write_text(json.dumps(rows))
     dist.destroy_process_group()
 
 
 def report(rows: list[dict], args) -> list[dict]:
     results = []
-    def us(r, key):
-        return round(r[key] * 1e6, 2) if key in r else None
-
     for r in rows:
         per_call = r.get("allreduce_graph_s", r["allreduce_s"])
-        per_call = r.get("one_shot_graph_s", r.get("one_shot_s", per_call))
         res = {"backend": args.backend, "world_size": args.world_size, "dtype": args.dtype,
                "hidden": args.hidden, "layers": args.layers, "batch": r["batch"],
                "allreduce_us": round(r["allreduce_s"] * 1e6, 2),
-               "allreduce_graph_us": us(r, "allreduce_graph_s"),
-               "one_shot_us": us(r, "one_shot_s"), "one_shot_graph_us": us(r, "one_shot_graph_s"),
+               "allreduce_graph_us": (round(r["allreduce_graph_s"] * 1e6, 2)
+                                      if "allreduce_graph_s" in r else None),
                "allreduce_busbw_gbs": round(r["bytes"] * 2 * (args.world_size - 1)
                                             / args.world_size / per_call / 1e9, 2),
                "allreduce_per_step_ms": round(2 * args.layers * per_call * 1e3, 3),
@@ -166,17 +131,13 @@ def report(rows: list[dict], args) -> list[dict]:
         results.append(res)
     print(f"{args.backend}, {args.world_size} ranks, [batch, {args.hidden}] {args.dtype}, "
           f"2 x {args.layers} all-reduces per step")
-    print("| batch | all-reduce us | in a CUDA graph us | one-shot us | one-shot in a graph us "
-          "| bus GB/s | per step ms | logits all-gather us |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
-
-    def cell(v):
-        return "-" if v is None else f"{v:.1f}"
-
+    print("| batch | all-reduce us | in a CUDA graph us | bus GB/s | per step ms "
+          "| logits all-gather us |")
+    print("|---:|---:|---:|---:|---:|---:|")
     for res in results:
-        print(f"| {res['batch']} | {res['allreduce_us']:.1f} | {cell(res['allreduce_graph_us'])} | "
-              f"{cell(res['one_shot_us'])} | {cell(res['one_shot_graph_us'])} | "
-              f"{res['allreduce_busbw_gbs']:.1f} | "
+        graph = res["allreduce_graph_us"]
+        print(f"| {res['batch']} | {res['allreduce_us']:.1f} | "
+              f"{'-' if graph is None else f'{graph:.1f}'} | {res['allreduce_busbw_gbs']:.1f} | "
               f"{res['allreduce_per_step_ms']:.3f} | {res['allgather_logits_us']:.1f} |")
     return results
 
@@ -195,8 +156,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--iters", type=int, default=200, help="calls per timed run")
     ap.add_argument("--no-graph", dest="graph", action="store_false",
                     help="on CUDA, time eager calls only")
-    ap.add_argument("--no-one-shot", dest="one_shot", action="store_false",
-                    help="on CUDA, time NCCL only (as --disable-custom-all-reduce runs)")
     ap.add_argument("--json", help="append one JSON line per batch size to this file")
     args = ap.parse_args(argv)
     args.batch = [int(b) for b in args.batch.split(",")]

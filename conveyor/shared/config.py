@@ -47,9 +47,6 @@ class EngineConfig:
     # "auto" (the model dtype) | "fp8" (alias "fp8_e4m3"): e4m3 with per-layer scales
     kv_cache_dtype: str = "auto"
     enforce_eager: bool = False
-    # tensor parallel on CUDA: small all-reduces through a one-shot symmetric-memory kernel
-    # rather than NCCL (conveyor/worker/layers/parallel.py); True keeps NCCL for all of them
-    disable_custom_all_reduce: bool = False
     async_scheduling: bool = True            # plan step N+1 while step N runs (overlap)
 
     def __post_init__(self) -> None:

@@ -2,14 +2,6 @@
 
 The group is the default torch.distributed process group; without one, tp_size is 1 and the
 collectives are no-ops, so every layer runs unchanged in a single process.
-
-Small all-reduces (decode steps: [batch, hidden] activations) go through a one-shot all-reduce
-over PyTorch's symmetric memory where `enable_one_shot` set it up: every rank copies its part
-into a buffer all ranks can read over NVLink, and each reads and sums all of them in one kernel
-that begins and ends with a barrier between the ranks (so the buffer is free again when it
-returns). Inside a CUDA graph on two H200s that is 7 us an all-reduce against NCCL's 19 us,
-which at 2 x 32 all-reduces a Llama-3.1-8B decode step is 0.8 ms (scripts/bench_allreduce.py).
-Larger messages, other dtypes and the CPU (gloo) use torch.distributed.
 """
 from __future__ import annotations
 
@@ -31,45 +23,9 @@ def divide(numerator: int, denominator: int) -> int:
     return numerator // denominator
 
 
-ONE_SHOT_BYTES = 512 << 10      # the one-shot path's largest message: [32, 8192] bf16
-_one_shot: torch.Tensor | None = None       # this rank's symmetric buffer, once set up
-
-
-def enable_one_shot(device: torch.device) -> bool:
-    """Set up the one-shot all-reduce for bf16 on this CUDA device (collective: every rank
-    calls it). False where PyTorch's symmetric memory is missing or fails to set up."""
-    global _one_shot
-    try:
-        import torch.distributed._symmetric_memory as symm_mem
-
-        buffer = symm_mem.empty(ONE_SHOT_BYTES // 2, dtype=torch.bfloat16, device=device)
-        symm_mem.rendezvous(buffer, dist.group.WORLD.group_name)
-        torch.ops.symm_mem.one_shot_all_reduce   # noqa: B018 (raises if the op is missing)
-    except (ImportError, AttributeError, RuntimeError) as e:
-        print(f"conveyor: one-shot all-reduce unavailable ({e}); using NCCL", flush=True)
-        return False
-    _one_shot = buffer
-    return True
-
-
-def one_shot_takes(x: torch.Tensor) -> bool:
-    """Whether all_reduce sends x through the one-shot path (16-byte multiples for its
-    vector loads)."""
-    nbytes = x.numel() * x.element_size()
-    return (_one_shot is not None and x.dtype == torch.bfloat16 and x.is_cuda
-            and x.is_contiguous() and nbytes <= ONE_SHOT_BYTES and nbytes % 16 == 0)
-
-
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """The sum of x over the ranks: x itself, summed in place, or a new tensor (one-shot)."""
-    if tp_size() == 1:
-        return x
-    if one_shot_takes(x):
-        part = _one_shot[:x.numel()]
-        part.copy_(x.view(-1))
-        out = torch.ops.symm_mem.one_shot_all_reduce(part, "sum", dist.group.WORLD.group_name)
-        return out.view(x.shape)
-    dist.all_reduce(x)
+    if tp_size() > 1:
+        dist.all_reduce(x)
     return x
 
 
