@@ -24,6 +24,7 @@ def max_model_len(config: EngineConfig, model: ModelConfig) -> int:
 class EngineCore:
     def __init__(self, config: EngineConfig, files: ModelFiles | None = None):
         from conveyor.worker.model_runner import ModelRunner
+        from conveyor.worker.profiling import StepProfiler
 
         self.config = config
         policy = make_policy(config.scheduling_policy)   # a bad name fails before the model loads
@@ -31,6 +32,7 @@ class EngineCore:
         self.model_config = read_model_config(self.files)
         self.max_model_len = max_model_len(config, self.model_config)
         self.runner = ModelRunner(config, self.model_config, self.files, self.max_model_len)
+        self.profiler = StepProfiler.from_env(0, self.runner.device)
         self.scheduler = Scheduler(config, self.runner.num_blocks, self.model_config.eos_token_ids,
                                    self.max_model_len, policy)
 
@@ -51,6 +53,8 @@ class EngineCore:
             plan = self.scheduler.schedule()
             if plan is None:
                 break
+            if self.profiler is not None:
+                self.profiler.before_step()
             result = self.runner.submit(decode(encode(plan), (StepPlan,)))
             if result is not None:
                 outputs = self._update(result)

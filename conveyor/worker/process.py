@@ -25,6 +25,7 @@ def worker_main(ctx: zmq.Context, control: Socket, cfg: ServeConfig, rank: int) 
     import torch.distributed as dist
 
     from conveyor.worker.model_runner import ModelRunner
+    from conveyor.worker.profiling import StepProfiler
 
     tp = cfg.engine.tensor_parallel_size
     if cfg.engine.device == "cuda":
@@ -45,6 +46,7 @@ def worker_main(ctx: zmq.Context, control: Socket, cfg: ServeConfig, rank: int) 
     files = resolve_model(cfg.engine.model)
     model = read_model_config(files)
     runner = ModelRunner(cfg.engine, model, files, max_model_len(cfg.engine, model), device)
+    profiler = StepProfiler.from_env(rank, device)
     plans = Socket(ctx, zmq.PULL, ipc(cfg.runtime_dir, f"worker-{rank}"), bind=False,
                    allowed=(StepPlan, Shutdown))
     results = None
@@ -61,9 +63,13 @@ def worker_main(ctx: zmq.Context, control: Socket, cfg: ServeConfig, rank: int) 
             continue
         _, plan = plans.recv()
         if isinstance(plan, Shutdown):
+            if profiler is not None:
+                profiler.finish()
             return
         if not isinstance(plan, StepPlan):
             raise RuntimeError(f"unreadable step plan from the scheduler: {plan.error}")
+        if profiler is not None:
+            profiler.before_step()
         if cfg.engine.async_scheduling:
             _send(results, runner.submit(plan))
         else:                                # one step at a time: no result to wait for later

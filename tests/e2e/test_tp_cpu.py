@@ -77,3 +77,18 @@ def test_quantized_tp2_stays_close_to_tp1(tmp_path):
                 assert a in {lp.token_id for lp in other.logprobs[i]}, (i, a, b)
                 assert b in set(one.logprobs[i]), (i, a, b)
                 break
+
+
+def test_each_worker_writes_its_profile_window(tmp_path, monkeypatch):
+    """CONVEYOR_PROFILE_DIR: every rank of a served engine profiles steps 1-3 and writes a trace
+    and a table; at TP=2 the table holds the all-reduces."""
+    path = str(make_tiny_model("llama", tmp_path / "llama", **SHAPE))
+    out = tmp_path / "profile"
+    monkeypatch.setenv("CONVEYOR_PROFILE_DIR", str(out))
+    monkeypatch.setenv("CONVEYOR_PROFILE_STEPS", "1:3")
+    assert len(served_tokens(path, 2)[0]) == GREEDY.max_tokens
+    for rank in (0, 1):
+        table = (out / f"worker-{rank}.txt").read_text()
+        assert table.startswith(f"worker {rank}: steps 1 to 3 (3 steps)")
+        assert "allreduce" in table.replace("_", "").lower()
+        assert (out / f"worker-{rank}.json").stat().st_size > 0

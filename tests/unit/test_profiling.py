@@ -1,0 +1,55 @@
+"""conveyor/worker/profiling.py: the step window, a window cut short, and bad settings."""
+import pytest
+import torch
+
+from conveyor.worker.profiling import StepProfiler
+
+CPU = torch.device("cpu")
+
+
+def test_off_unless_a_folder_is_given(monkeypatch):
+    monkeypatch.delenv("CONVEYOR_PROFILE_DIR", raising=False)
+    assert StepProfiler.from_env(0, CPU) is None
+
+
+@pytest.mark.parametrize("steps", ["3", "a:b", "1:0", "-1:2"])
+def test_a_bad_window_is_refused(monkeypatch, tmp_path, steps):
+    monkeypatch.setenv("CONVEYOR_PROFILE_DIR", str(tmp_path))
+    monkeypatch.setenv("CONVEYOR_PROFILE_STEPS", steps)
+    with pytest.raises(ValueError, match="CONVEYOR_PROFILE_STEPS"):
+        StepProfiler.from_env(0, CPU)
+
+
+def test_the_window_covers_its_steps_only(tmp_path):
+    prof = StepProfiler(str(tmp_path), 1, start=2, count=2, device=CPU)
+    marks = []
+    for step in range(6):
+        prof.before_step()
+        torch.ones(8).add_(step)          # one op per step, inside the window or not
+        marks.append((tmp_path / "worker-1.txt").exists())
+    assert marks == [False, False, False, False, True, True]
+    assert (tmp_path / "worker-1.txt").read_text().startswith("worker 1: steps 2 to 3 (2 steps)")
+
+
+def test_shutdown_writes_a_window_cut_short(tmp_path):
+    prof = StepProfiler(str(tmp_path), 0, start=0, count=100, device=CPU)
+    prof.before_step()
+    prof.before_step()
+    prof.finish()
+    prof.finish()                         # nothing left open: a no-op
+    assert (tmp_path / "worker-0.txt").read_text().startswith("worker 0: steps 0 to 1 (2 steps)")
+    assert (tmp_path / "worker-0.json").exists()
+
+
+def test_the_offline_engine_profiles_as_worker_0(tmp_path, monkeypatch):
+    from models_util import make_tiny_model
+
+    from conveyor import LLM, SamplingParams
+
+    monkeypatch.setenv("CONVEYOR_PROFILE_DIR", str(tmp_path / "profile"))
+    monkeypatch.setenv("CONVEYOR_PROFILE_STEPS", "1:2")
+    llm = LLM(model=str(make_tiny_model("llama", tmp_path / "llama")), skip_tokenizer_init=True,
+              kv_cache_memory_bytes=16 << 20)
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    table = (tmp_path / "profile" / "worker-0.txt").read_text()
+    assert table.startswith("worker 0: steps 1 to 2 (2 steps)") and "aten::" in table
