@@ -31,8 +31,8 @@ class EngineCore:
         self.files = files or resolve_model(config.model)
         self.model_config = read_model_config(self.files)
         self.max_model_len = max_model_len(config, self.model_config)
+        self.profiler = StepProfiler.from_env(0, config.device == "cuda")
         self.runner = ModelRunner(config, self.model_config, self.files, self.max_model_len)
-        self.profiler = StepProfiler.from_env(0, self.runner.device)
         self.scheduler = Scheduler(config, self.runner.num_blocks, self.model_config.eos_token_ids,
                                    self.max_model_len, policy)
 

@@ -45,8 +45,8 @@ def worker_main(ctx: zmq.Context, control: Socket, cfg: ServeConfig, rank: int) 
                                 rank=rank, world_size=tp)
     files = resolve_model(cfg.engine.model)
     model = read_model_config(files)
+    profiler = StepProfiler.from_env(rank, device.type == "cuda")
     runner = ModelRunner(cfg.engine, model, files, max_model_len(cfg.engine, model), device)
-    profiler = StepProfiler.from_env(rank, device)
     plans = Socket(ctx, zmq.PULL, ipc(cfg.runtime_dir, f"worker-{rank}"), bind=False,
                    allowed=(StepPlan, Shutdown))
     results = None

@@ -18,17 +18,19 @@ import torch
 
 
 class StepProfiler:
-    def __init__(self, out_dir: str, rank: int, start: int, count: int, device: torch.device):
+    def __init__(self, out_dir: str, rank: int, start: int, count: int, cuda: bool):
         if start < 0 or count < 1:
             raise ValueError(f"CONVEYOR_PROFILE_STEPS must be START:COUNT with START >= 0 and "
                              f"COUNT >= 1, got {start}:{count}")
         self.out = Path(out_dir)
-        self.rank, self.start, self.count, self.device = rank, start, count, device
+        self.rank, self.start, self.count, self.cuda = rank, start, count, cuda
         self.steps = 0
         self.prof: torch.profiler.profile | None = None
 
     @classmethod
-    def from_env(cls, rank: int, device: torch.device) -> StepProfiler | None:
+    def from_env(cls, rank: int, cuda: bool) -> StepProfiler | None:
+        """The profiler the environment asks for, or None; a bad window raises ValueError
+        (called before the model loads, so that it fails fast)."""
         out_dir = os.environ.get("CONVEYOR_PROFILE_DIR")
         if not out_dir:
             return None
@@ -38,13 +40,13 @@ class StepProfiler:
         except ValueError:
             raise ValueError(f"CONVEYOR_PROFILE_STEPS must be START:COUNT, "
                              f"got {window!r}") from None
-        return cls(out_dir, rank, start, count, device)
+        return cls(out_dir, rank, start, count, cuda)
 
     def before_step(self) -> None:
         """Call before each step is run: starts and stops the window."""
         if self.steps == self.start:
             activities = [torch.profiler.ProfilerActivity.CPU]
-            if self.device.type == "cuda":
+            if self.cuda:
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self.prof = torch.profiler.profile(activities=activities)
             self.prof.start()
@@ -56,13 +58,13 @@ class StepProfiler:
         """Stop and write the window, if one is open."""
         if self.prof is None:
             return
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if self.cuda:
+            torch.cuda.synchronize()
         self.prof.stop()
         self.out.mkdir(parents=True, exist_ok=True)
         stem = self.out / f"worker-{self.rank}"
         self.prof.export_chrome_trace(f"{stem}.json")
-        sort = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
+        sort = "self_cuda_time_total" if self.cuda else "self_cpu_time_total"
         steps = min(self.steps, self.start + self.count) - self.start
         table = self.prof.key_averages().table(sort_by=sort, row_limit=60, max_name_column_width=90)
         Path(f"{stem}.txt").write_text(f"worker {self.rank}: steps {self.start} to "

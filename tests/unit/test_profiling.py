@@ -4,12 +4,10 @@ import torch
 
 from conveyor.worker.profiling import StepProfiler
 
-CPU = torch.device("cpu")
-
 
 def test_off_unless_a_folder_is_given(monkeypatch):
     monkeypatch.delenv("CONVEYOR_PROFILE_DIR", raising=False)
-    assert StepProfiler.from_env(0, CPU) is None
+    assert StepProfiler.from_env(0, cuda=False) is None
 
 
 @pytest.mark.parametrize("steps", ["3", "a:b", "1:0", "-1:2"])
@@ -17,11 +15,11 @@ def test_a_bad_window_is_refused(monkeypatch, tmp_path, steps):
     monkeypatch.setenv("CONVEYOR_PROFILE_DIR", str(tmp_path))
     monkeypatch.setenv("CONVEYOR_PROFILE_STEPS", steps)
     with pytest.raises(ValueError, match="CONVEYOR_PROFILE_STEPS"):
-        StepProfiler.from_env(0, CPU)
+        StepProfiler.from_env(0, cuda=False)
 
 
 def test_the_window_covers_its_steps_only(tmp_path):
-    prof = StepProfiler(str(tmp_path), 1, start=2, count=2, device=CPU)
+    prof = StepProfiler(str(tmp_path), 1, start=2, count=2, cuda=False)
     marks = []
     for step in range(6):
         prof.before_step()
@@ -32,7 +30,7 @@ def test_the_window_covers_its_steps_only(tmp_path):
 
 
 def test_shutdown_writes_a_window_cut_short(tmp_path):
-    prof = StepProfiler(str(tmp_path), 0, start=0, count=100, device=CPU)
+    prof = StepProfiler(str(tmp_path), 0, start=0, count=100, cuda=False)
     prof.before_step()
     prof.before_step()
     prof.finish()
