@@ -1,8 +1,10 @@
 """One ZeroMQ socket helper for every process: typed messages in, typed messages out.
 
 `Socket` wraps any socket type (PUSH, PULL, ROUTER, DEALER), binds or connects it, caps incoming
-messages (ZMQ_MAXMSGSIZE) and decodes only the allowed types. A bad frame is logged and comes back
-as an `ErrorReply` to answer or drop, never as an exception. Internal sockets are ipc:// paths in a
+messages (ZMQ_MAXMSGSIZE) and decodes only the allowed types. A bad frame comes back as an
+`ErrorReply` to answer or drop, never as an exception, and is logged: the first at once, then at
+most one line every 10 s per socket with the count dropped since, so a client cannot flood the
+log. Internal sockets are ipc:// paths in a
 private per-instance runtime directory.
 """
 from __future__ import annotations
@@ -11,6 +13,7 @@ import logging
 import shutil
 import socket
 import tempfile
+import time
 from pathlib import Path
 
 import msgspec
@@ -27,6 +30,8 @@ from conveyor.shared.messages import (
 
 log = logging.getLogger(__name__)
 
+WARN_EVERY_S = 10.0       # at most one malformed-message warning per socket in this many seconds
+
 
 class _WithId(msgspec.Struct):
     id: str
@@ -41,6 +46,8 @@ class Socket:
         self.kind = kind
         self.allowed = allowed
         self.max_bytes = max_bytes
+        self._warned_at = float("-inf")
+        self._unlogged = 0                   # malformed messages dropped since the last warning
         self.sock.setsockopt(zmq.MAXMSGSIZE, max_bytes + 64)
         self.sock.setsockopt(zmq.LINGER, 0)
         if kind == zmq.ROUTER:
@@ -75,8 +82,17 @@ class Socket:
         try:
             return peer, decode(frames, self.allowed, self.max_bytes)
         except MessageError as e:
-            log.warning("dropped a malformed message on %s: %s", self.address, e)
+            self._warn(e)
             return peer, ErrorReply(_request_id(frames), str(e))
+
+    def _warn(self, error: MessageError) -> None:
+        now = time.monotonic()
+        if now - self._warned_at < WARN_EVERY_S:
+            self._unlogged += 1
+            return
+        more = f" ({self._unlogged} more since the last warning)" if self._unlogged else ""
+        log.warning("dropped a malformed message on %s: %s%s", self.address, error, more)
+        self._warned_at, self._unlogged = now, 0
 
     def close(self, linger_ms: int = 0) -> None:
         self.sock.close(linger_ms)

@@ -78,3 +78,21 @@ def test_a_shared_http_port_is_never_shared_between_instances():
         frontend.close()
     finally:
         first.close()
+
+
+def test_a_flood_of_malformed_frames_logs_one_line_then_the_count(ctx, tmp_path, caplog,
+                                                                   monkeypatch):
+    from conveyor.shared import sockets
+
+    server = Socket(ctx, zmq.ROUTER, ipc(tmp_path, "s"), bind=True, allowed=(GenerateRequest,))
+    client = Socket(ctx, zmq.DEALER, ipc(tmp_path, "s"), bind=False)
+    with caplog.at_level("WARNING", logger="conveyor.shared.sockets"):
+        for _ in range(50):
+            client.send_frames([b"junk"])
+            assert isinstance(server.recv()[1], ErrorReply)   # every one still answered
+        assert len(caplog.records) == 1
+        monkeypatch.setattr(sockets, "WARN_EVERY_S", 0.0)     # the window has passed
+        client.send_frames([b"junk"])
+        server.recv()
+    assert len(caplog.records) == 2
+    assert "(49 more since the last warning)" in caplog.records[1].getMessage()
