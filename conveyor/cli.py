@@ -186,7 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="frontend i listens on ZMQ_PORT + i (0: any free port)")
     srv.add_argument("--frontends", type=int, default=1, help="number of frontend processes")
     srv.add_argument("--zmq-curve-keys", default=None, metavar="DIR",
-                     help="require CurveZMQ: server keypair in DIR (created if missing)")
+                     help="require CurveZMQ: server keypair in DIR (created if missing); with "
+                          "DIR/clients/, only the client public keys (*.key) there")
     srv.add_argument("--startup-timeout", type=float, default=600.0, metavar="SECONDS")
     srv.add_argument("--skip-tokenizer-init", action="store_true",
                      help="load no tokenizer: prompts and outputs are token ids only")

@@ -132,17 +132,32 @@ def result_of(msg: GenerateOutput, prompt_ids: list[int] | None = None) -> Gener
                           sorted(outs, key=lambda c: c.index))
 
 
-def _socket(ctx: zmq.Context, address: str, server_public_key) -> zmq.Socket:
+def _curve_keys(server_public_key, client_key) -> tuple[bytes, bytes, bytes] | None:
+    """(server public, client public, client secret) for a CurveZMQ client, or None."""
+    if server_public_key is None:
+        if client_key is not None:
+            raise ValueError("client_key needs server_public_key (CurveZMQ)")
+        return None
+    if isinstance(server_public_key, (str, Path)):
+        server_public_key, _ = zmq.auth.load_certificate(server_public_key)
+    if client_key is None:
+        return server_public_key, *zmq.curve_keypair()
+    public, secret = zmq.auth.load_certificate(client_key)
+    if secret is None:
+        raise ValueError(f"client_key {client_key} holds no secret key: pass the "
+                         f"NAME.key_secret file that zmq.auth.create_certificates wrote")
+    return server_public_key, public, secret
+
+
+def _socket(ctx: zmq.Context, address: str, server_public_key, client_key=None) -> zmq.Socket:
+    curve = _curve_keys(server_public_key, client_key)     # bad keys raise before any socket
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES + 64)
     sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
-    if server_public_key is not None:
-        if isinstance(server_public_key, (str, Path)):
-            server_public_key, _ = zmq.auth.load_certificate(server_public_key)
-        sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
-        sock.curve_serverkey = server_public_key
+    if curve is not None:
+        sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = curve
     sock.connect(address)
     return sock
 
@@ -170,11 +185,14 @@ class Client:
     """A blocking client. Not thread-safe: use one per thread (or AsyncClient)."""
 
     def __init__(self, address: str, *, server_public_key: bytes | str | Path | None = None,
-                 timeout: float | None = None):
+                 client_key: str | Path | None = None, timeout: float | None = None):
+        """server_public_key: the server's CurveZMQ public key (or its server.key file);
+        client_key: this client's NAME.key_secret certificate, for a server that admits only
+        the clients in its DIR/clients (default: a fresh keypair)."""
         self.address = address
         self.timeout = timeout
         self._ctx = zmq.Context()
-        self._sock = _socket(self._ctx, address, server_public_key)
+        self._sock = _socket(self._ctx, address, server_public_key, client_key)
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
@@ -282,10 +300,11 @@ class Client:
 class AsyncClient:
     """The same as Client, in asyncio; many requests may run concurrently on one client."""
 
-    def __init__(self, address: str, *, server_public_key: bytes | str | Path | None = None):
+    def __init__(self, address: str, *, server_public_key: bytes | str | Path | None = None,
+                 client_key: str | Path | None = None):
         self.address = address
         self._ctx = zmq.asyncio.Context()
-        self._sock = _socket(self._ctx, address, server_public_key)
+        self._sock = _socket(self._ctx, address, server_public_key, client_key)
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._ids = itertools.count()
         self._queues: dict[str, asyncio.Queue] = {}

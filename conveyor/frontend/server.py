@@ -35,7 +35,13 @@ from conveyor.shared.messages import (
 )
 from conveyor.shared.model_files import DEFAULT_MODEL_NAME, read_model_config, resolve_model
 from conveyor.shared.process import StartupError
-from conveyor.shared.sockets import Socket, ipc, load_curve_keys, tcp_listener
+from conveyor.shared.sockets import (
+    Socket,
+    authorized_clients,
+    ipc,
+    load_curve_keys,
+    tcp_listener,
+)
 
 log = logging.getLogger(__name__)
 _DRAIN_POLL_S = 0.05
@@ -70,6 +76,14 @@ class Frontend:
         actx = zmq.asyncio.Context.shadow(ctx.underlying)
         cfg = self.cfg
         curve = load_curve_keys(cfg.zmq_curve_keys) if cfg.zmq_curve_keys else None
+        auth = None
+        clients = authorized_clients(cfg.zmq_curve_keys) if curve else None
+        if clients is not None:      # a ZAP handler on this context, before any handshake
+            from zmq.auth.thread import ThreadAuthenticator
+
+            auth = ThreadAuthenticator(ctx, log=logging.getLogger("conveyor.zap"))
+            auth.start()
+            auth.configure_curve(domain="*", location=str(clients))
         address = f"tcp://{cfg.host}:{cfg.zmq_port + self.index if cfg.zmq_port else '*'}"
         try:
             self.clients = Socket(actx, zmq.ROUTER, address, bind=True,
@@ -112,6 +126,8 @@ class Frontend:
             self.core.state = DEAD
             self.core.fail_all("the server is shutting down", 503)
             self.clients.close(linger_ms=2000)
+            if auth is not None:
+                auth.stop()
 
     async def _pump(self, socket: Socket, handle) -> None:
         while True:

@@ -148,6 +148,13 @@ def ipc(runtime_dir: str | Path, name: str) -> str:
     return f"ipc://{Path(runtime_dir) / name}"
 
 
+def authorized_clients(folder: str | Path) -> Path | None:
+    """folder/clients if it exists: then only clients whose public key is in one of its *.key
+    certificates may connect (read at start)."""
+    clients = Path(folder) / "clients"
+    return clients if clients.is_dir() else None
+
+
 def load_curve_keys(folder: str | Path) -> tuple[bytes, bytes]:
     """The server keypair in folder (server.key, server.key_secret), created there if missing."""
     import zmq.auth
