@@ -133,6 +133,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     initializer_range: float = 0.02          # std of random (load_format="dummy") weights
+    # "fp8": the checkpoint stores its linear weights in float8 e4m3 with scales (config.json's
+    # quantization_config; checkpoint_quantization below); None: full precision
+    quantization: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -169,7 +172,33 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             initializer_range=float(cfg.get("initializer_range") or 0.02),
+            quantization=checkpoint_quantization(cfg.get("quantization_config")),
         )
+
+
+def checkpoint_quantization(qc: dict[str, Any] | None) -> str | None:
+    """The quantization a checkpoint's config.json declares, where conveyor loads it as it is:
+    fp8 weights with per-tensor or per-channel scales, in the formats vLLM calls "fp8" (AutoFP8,
+    `quant_method: fp8`) and "compressed-tensors" (llm-compressor's float 8-bit weights). Other
+    formats raise ValueError."""
+    if not qc:
+        return None
+    method = qc.get("quant_method")
+    if method == "fp8":
+        if qc.get("weight_block_size"):
+            raise ValueError("fp8 checkpoints with block-wise scales (weight_block_size) are not "
+                             "supported; per-tensor and per-channel scales are")
+        return "fp8"
+    if method == "compressed-tensors":
+        groups = list((qc.get("config_groups") or {}).values())
+        weights = [g.get("weights") or {} for g in groups]
+        if weights and all(w.get("type") == "float" and w.get("num_bits") == 8
+                           and w.get("strategy") in ("tensor", "channel") for w in weights):
+            return "fp8"
+        raise ValueError("of compressed-tensors checkpoints, conveyor loads float 8-bit weights "
+                         "with tensor or channel scales only")
+    raise ValueError(f"checkpoint quantization {method!r} is not supported (conveyor loads fp8 "
+                     f"checkpoints, and quantizes full-precision ones with --quantization)")
 
 
 @dataclass(frozen=True)

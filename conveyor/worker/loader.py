@@ -9,7 +9,10 @@ error.
 With --quantization the layers are quantized after loading (layers/quantization.py); on a GPU
 the model is built and loaded on the host and each layer goes to the device as it is quantized,
 so the device never holds the whole model in full precision. GGUF Q8_0 tensors of linear layers
-are then loaded as they are (int8 with one scale per 32 values) instead of dequantized.
+are then loaded as they are (int8 with one scale per 32 values) instead of dequantized, and so
+are an fp8 checkpoint's float8 weights (config.quantization == "fp8"), with their per-tensor or
+per-channel `weight_scale` as one scale per row; its static `input_scale`s are not used
+(activations are quantized per token as they come).
 """
 from __future__ import annotations
 
@@ -35,8 +38,9 @@ def load_model(config: ModelConfig, files: ModelFiles, dtype: torch.dtype,
                keep: tuple[re.Pattern, ...] = (), load_format: str = "auto", seed: int = 0
                ) -> nn.Module:
     """The model with its weights, on `device`, in eval mode; with `quantization` its layers
-    not matching `keep` are quantized, and `model.quant_report` says what was done (None
-    without quantization). load_format "dummy" draws random weights (worker/dummy_weights.py).
+    not matching `keep` are quantized (or, from an fp8 checkpoint, loaded quantized), and
+    `model.quant_report` says what was done (None without quantization). load_format "dummy"
+    draws random weights (worker/dummy_weights.py).
     """
     model_class = get_model_class(config.architecture)
     with torch.device("cpu" if quantization else device):
@@ -52,9 +56,60 @@ def load_model(config: ModelConfig, files: ModelFiles, dtype: torch.dtype,
         int8_names = _keep_q8_0(model, reader, keep) if quantization == "int8" else set()
         load_weights(model, gguf_weights(reader, int8_names))
     else:
-        load_weights(model, safetensors_weights(files.path))
-    model.quant_report = quantize_model(model, quantization, keep, device)
+        fp8_rows = _take_fp8(model, files.path) if config.quantization == "fp8" else {}
+        load_weights(model, _fp8_scales(safetensors_weights(files.path), fp8_rows))
+    from_checkpoint = config.quantization is not None and load_format != "dummy"
+    model.quant_report = quantize_model(model, quantization, keep, device, from_checkpoint)
     return model.eval()
+
+
+def _take_fp8(model: nn.Module, folder: Path) -> dict[str, int]:
+    """Make the linear layers whose checkpoint weights are float8 e4m3 take fp8 weights and one
+    scale per row; returns {checkpoint weight name: its rows} of those weights."""
+    from safetensors import safe_open
+
+    parts: dict[str, dict[str, tuple[bool, int]]] = {}   # our module -> {name: (fp8, rows)}
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                if name.endswith(".weight"):
+                    t = f.get_slice(name)
+                    module = _packed_name(name, model.packed_modules)[0].removesuffix(".weight")
+                    parts.setdefault(module, {})[name] = (t.get_dtype() == "F8_E4M3",
+                                                          t.get_shape()[0])
+    modules = dict(model.named_modules())
+    rows = {}
+    for module_name, weights in parts.items():
+        fp8 = [is_fp8 for is_fp8, _ in weights.values()]
+        if not any(fp8):
+            continue
+        module = modules.get(module_name)
+        if not (isinstance(module, LinearBase) and all(fp8)):
+            raise ValueError(f"{module_name}: fp8 checkpoint weights load only into linear "
+                             f"layers whose every part is fp8")
+        module.make_quantized(torch.float8_e4m3fn, 1)
+        rows.update({name: n for name, (_, n) in weights.items()})
+    return rows
+
+
+def _fp8_scales(weights: Weights, fp8_rows: dict[str, int]) -> Weights:
+    """An fp8 checkpoint's tensors as load_weights takes them: each weight_scale (one per
+    tensor, or one per channel) as float32 [rows, 1]; input_scale dropped."""
+    for name, tensor in weights:
+        if not fp8_rows:
+            yield name, tensor
+        elif name.endswith(".input_scale"):
+            continue
+        elif name.endswith(".weight_scale"):
+            rows = fp8_rows.get(name.removesuffix("_scale"))
+            if rows is None:
+                raise ValueError(f"{name}: a scale for a weight that is not fp8")
+            if tensor.numel() not in (1, rows):
+                raise ValueError(f"{name}: expected one scale or {rows} (one per row), got "
+                                 f"{tuple(tensor.shape)}")
+            yield name, tensor.float().reshape(-1, 1).expand(rows, 1).contiguous()
+        else:
+            yield name, tensor
 
 
 def _keep_q8_0(model: nn.Module, reader, keep: tuple[re.Pattern, ...]) -> set[str]:
@@ -77,7 +132,7 @@ def _keep_q8_0(model: nn.Module, reader, keep: tuple[re.Pattern, ...]) -> set[st
         if (isinstance(module, LinearBase) and all(parts.values())
                 and not keep_matches(module_name, keep)
                 and module.weight.shape[1] % Q8_0_GROUP == 0):
-            module.make_int8(module.weight.shape[1] // Q8_0_GROUP)
+            module.make_quantized(torch.int8, module.weight.shape[1] // Q8_0_GROUP)
             names.update(parts)
     return names
 

@@ -31,7 +31,7 @@ from conveyor.worker.kv_cache import (
 )
 from conveyor.worker.kv_scales import calibrate_kv_scales, set_kv_scales
 from conveyor.worker.layers.parallel import broadcast_tensor, min_over_ranks, tp_rank
-from conveyor.worker.layers.quantization import QuantReport, check_device
+from conveyor.worker.layers.quantization import QuantReport, check_device, resolve_mode
 from conveyor.worker.loader import load_model
 from conveyor.worker.sampler import LogprobTensors, SampledTensors, Sampler, SeqSamplingState
 
@@ -67,9 +67,10 @@ class ModelRunner:
         self.dtype = getattr(torch, config.torch_dtype_name)
         self.kv_dtype = kv_cache_dtype(config, self.dtype)    # the pool's: float8 or self.dtype
         torch.manual_seed(config.seed)
-        check_device(config.quantization, self.device)
+        quantization = resolve_mode(config.quantization, model_config.quantization)
+        check_device(quantization, self.device)
         self.model = load_model(model_config, files, self.dtype, self.device,
-                                config.quantization, config.keep_patterns, config.load_format,
+                                quantization, config.keep_patterns, config.load_format,
                                 config.seed)
         self.quant_report: QuantReport | None = self.model.quant_report
         # fp8 pool: per-layer (k_scale, v_scale), measured before sizing and graph capture

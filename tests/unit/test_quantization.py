@@ -198,7 +198,7 @@ def test_linear_without_scale_is_f_linear():
 
 def test_int8_parameters_load_only_int8():
     layer = RowParallelLinear(64, 8)
-    layer.make_int8(2)
+    layer.make_quantized(torch.int8, 2)
     assert layer.weight.dtype == torch.int8 and layer.weight_scale.shape == (8, 2)
     with pytest.raises(ValueError, match="dtype mismatch"):
         layer.weight.weight_loader(layer.weight, torch.randn(8, 64))

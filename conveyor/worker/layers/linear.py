@@ -55,13 +55,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return fp8_gemm.fp8_gemm_ref(x, weight, scale, bias)
 
 
+_ONE_BYTE = (torch.int8, torch.float8_e4m3fn)
+
+
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
     if param.shape != loaded_weight.shape:
         raise ValueError(f"shape mismatch: parameter {tuple(param.shape)}, "
                          f"checkpoint {tuple(loaded_weight.shape)}")
-    if (param.dtype == torch.int8) != (loaded_weight.dtype == torch.int8):
+    if (param.dtype in _ONE_BYTE or loaded_weight.dtype in _ONE_BYTE) and (
+            param.dtype != loaded_weight.dtype):
         raise ValueError(f"dtype mismatch: parameter {param.dtype}, checkpoint "
-                         f"{loaded_weight.dtype} (int8 weights load only from int8)")
+                         f"{loaded_weight.dtype} (1-byte weights load only from their own dtype)")
     param.data.copy_(loaded_weight)
 
 
@@ -84,13 +88,14 @@ class LinearBase(nn.Module):
     def weight_loader(self, param, loaded_weight, shard_id=None) -> None:
         default_weight_loader(param, loaded_weight)
 
-    def make_int8(self, groups: int) -> None:
-        """Load int8 weights and float32 scales [out_local, groups] from the checkpoint (GGUF
-        Q8_0) instead of full-precision weights. The scales are sliced like the weight (rows,
-        or columns: whole groups) by the same weight_loader."""
+    def make_quantized(self, dtype: torch.dtype, groups: int) -> None:
+        """Load 1-byte weights (int8 from GGUF Q8_0, float8_e4m3fn from an fp8 checkpoint) and
+        float32 scales [out_local, groups] from the checkpoint instead of full-precision
+        weights. The scales are sliced like the weight (rows, or columns: whole groups) by the
+        same weight_loader; one scale per row is never split by columns."""
         n, k = self.weight.shape
         device = self.weight.device
-        self.weight = _parameter((n, k), torch.int8, self.weight_loader, device)
+        self.weight = _parameter((n, k), dtype, self.weight_loader, device)
         self.weight_scale = _parameter((n, groups), torch.float32, self.weight_loader, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -181,8 +186,8 @@ class RowParallelLinear(LinearBase):
         super().__init__(divide(input_size, tp_size()), output_size, bias, dtype)
 
     def weight_loader(self, param, loaded_weight, shard_id=None) -> None:
-        if param.dim() == 1:
-            default_weight_loader(param, loaded_weight)
+        if param.dim() == 1 or (param is self.weight_scale and loaded_weight.shape[1] == 1):
+            default_weight_loader(param, loaded_weight)      # the bias; one scale per row
             return
         size = param.shape[1]
         default_weight_loader(param, loaded_weight.narrow(1, tp_rank() * size, size))

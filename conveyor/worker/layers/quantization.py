@@ -60,16 +60,20 @@ class QuantReport:
     mode: str                                   # "int8" | "fp8"
     dtype: str                                  # the model's (activation) dtype
     quantized: list[str] = field(default_factory=list)     # per-row scales, quantized here
-    prequantized: list[str] = field(default_factory=list)  # GGUF Q8_0 blocks kept in int8
-    kept: list[str] = field(default_factory=list)          # matched --keep-precision
+    # loaded quantized: GGUF Q8_0 blocks kept in int8, or an fp8 checkpoint's layers
+    prequantized: list[str] = field(default_factory=list)
+    kept: list[str] = field(default_factory=list)          # --keep-precision, or left so by
+    #                                                        an fp8 checkpoint
     bytes_before: int = 0                       # of the weights of quantized/prequantized layers
     bytes_after: int = 0                        # the same layers: 1-byte weights + scales
 
     def summary(self) -> str:
         parts = [f"{self.mode}: quantized {len(self.quantized)} layers"]
-        if self.prequantized:
+        if self.prequantized and self.mode == "int8":
             parts.append(f"kept {len(self.prequantized)} GGUF Q8_0 layers in int8 "
                          f"(group {Q8_0_GROUP})")
+        elif self.prequantized:
+            parts.append(f"loaded {len(self.prequantized)} layers in fp8 from the checkpoint")
         mib = f"({self.bytes_before / 2**20:,.1f} MiB -> {self.bytes_after / 2**20:,.1f} MiB)"
         kept = ", ".join(self.kept) if self.kept else "none"
         return f"{', '.join(parts)} {mib}; kept in {self.dtype}: {kept}"
@@ -79,9 +83,22 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def resolve_mode(requested: str | None, checkpoint: str | None) -> str | None:
+    """The quantization to run: --quantization, or the checkpoint's own (an fp8 checkpoint
+    loads as fp8; asking for another mode is an error)."""
+    if checkpoint is None or requested in (None, checkpoint):
+        return checkpoint or requested
+    raise ValueError(f"the checkpoint is already quantized ({checkpoint}): leave quantization "
+                     f"unset or set it to {checkpoint!r}, not {requested!r}")
+
+
 def quantize_model(model: nn.Module, mode: str | None, keep: tuple[re.Pattern, ...],
-                   device: torch.device | str) -> QuantReport | None:
+                   device: torch.device | str, from_checkpoint: bool = False
+                   ) -> QuantReport | None:
     """Quantize `model`'s layers one at a time on `device` and move the model there.
+
+    from_checkpoint: the checkpoint came quantized (fp8): its quantized layers are reported and
+    the layers it left in full precision stay so.
 
     The model may sit on the CPU (load_model builds it there when quantizing on a GPU): each
     layer's full-precision weight goes to the device, is quantized there, and its host copy is
@@ -103,7 +120,7 @@ def quantize_model(model: nn.Module, mode: str | None, keep: tuple[re.Pattern, .
             report.bytes_after += _nbytes(weight) + _nbytes(module.weight_scale)
             module.to(device)
             continue
-        if keep_matches(name, keep):
+        if from_checkpoint or keep_matches(name, keep):
             report.kept.append(name)
             continue
         if id(weight) not in done:

@@ -1,0 +1,148 @@
+"""Loading checkpoints that are already fp8 (the formats vLLM calls "fp8" and
+"compressed-tensors"): float8 e4m3 linear weights with one scale per tensor or per output
+channel, loaded as they are. The reference is transformers running the checkpoint's own numbers:
+each quantized linear layer computes with its dequantized weight, and its input rounded to e4m3
+per token (scale = the token's amax / 448), as the format's dynamic activation scheme says.
+"""
+import json
+import shutil
+
+import pytest
+import torch
+from models_util import make_tiny_model
+from serve_util import start_server
+
+from conveyor import LLM, SamplingParams
+from conveyor.client import Client
+
+pytestmark = pytest.mark.slow
+
+E4M3_MAX = 448.0
+PROMPTS = [[5, 17, 200, 31], list(range(40, 77)), [9] * 3 + list(range(100, 120))]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+ENGINE = dict(skip_tokenizer_init=True, kv_cache_memory_bytes=32 << 20, max_model_len=256)
+
+
+def quantization_config(method: str, strategy: str) -> dict:
+    if method == "fp8":
+        return {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    scheme = {"targets": ["Linear"],
+              "weights": {"num_bits": 8, "type": "float", "strategy": strategy,
+                          "symmetric": True, "dynamic": False},
+              "input_activations": {"num_bits": 8, "type": "float", "strategy": "token",
+                                    "dynamic": True}}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized",
+            "config_groups": {"group_0": scheme}, "ignore": ["lm_head"]}
+
+
+def make_fp8_checkpoint(src, dst, method: str, strategy: str) -> dict[str, tuple]:
+    """dst: src's checkpoint with every decoder linear weight in e4m3 and its weight_scale (a
+    scalar per tensor, or [N, 1] per channel), plus a static input_scale (unused). Returns
+    {weight name: (e4m3 weight, scale)}."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(src / "model.safetensors")
+    out, quantized = {}, {}
+    for name, t in tensors.items():
+        if name.startswith("model.layers.") and name.endswith("proj.weight"):
+            amax = t.abs().amax(1, keepdim=True) if strategy == "channel" else t.abs().amax()
+            scale = (amax / E4M3_MAX).float()
+            q = (t / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+            stem = name.removesuffix("weight")
+            out[name], out[stem + "weight_scale"] = q, scale
+            out[stem + "input_scale"] = torch.tensor(0.5)
+            quantized[name] = (q, scale)
+        else:
+            out[name] = t
+    dst.mkdir()
+    save_file(out, dst / "model.safetensors")
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = quantization_config(method, strategy)
+    (dst / "config.json").write_text(json.dumps(config))
+    return quantized
+
+
+def reference_tokens(src, quantized: dict[str, tuple]) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+
+    def e4m3_per_token(module, args):
+        x = args[0]
+        scale = x.abs().amax(-1, keepdim=True) / E4M3_MAX
+        return ((x / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float() * scale,)
+
+    modules = dict(model.named_modules())
+    for name, (q, scale) in quantized.items():
+        linear = modules[name.removesuffix(".weight")]
+        linear.weight.data = q.float() * scale
+        linear.register_forward_pre_hook(e4m3_per_token)
+    tokens = []
+    with torch.inference_mode():
+        for p in PROMPTS:
+            out = model.generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12,
+                                 do_sample=False, pad_token_id=0,
+                                 attention_mask=torch.ones(1, len(p), dtype=torch.long))
+            tokens.append(out[0, len(p):].tolist())
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_model("llama", tmp_path_factory.mktemp("src") / "llama",
+                           max_position_embeddings=512)
+
+
+@pytest.mark.parametrize("method,strategy", [("fp8", "tensor"), ("compressed-tensors", "channel"),
+                                             ("compressed-tensors", "tensor")])
+def test_fp8_checkpoint_matches_transformers_on_its_numbers(tiny, tmp_path, method, strategy):
+    quantized = make_fp8_checkpoint(tiny, tmp_path / "fp8", method, strategy)
+    llm = LLM(model=str(tmp_path / "fp8"), **ENGINE)      # fp8 from the checkpoint, not a flag
+    report = llm.quantization_report
+    assert report.mode == "fp8" and len(report.prequantized) == 2 * 4   # qkv, o, gate_up, down
+    assert not report.quantized and "lm_head" in report.kept
+    assert "loaded 8 layers in fp8 from the checkpoint" in report.summary()
+    ours = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert ours == reference_tokens(tiny, quantized)
+
+
+def test_fp8_checkpoint_at_tp2_stays_close_to_tp1(tiny, tmp_path):
+    """Column-parallel layers split the per-channel scales by rows; row-parallel ones keep each
+    row's scale whole. Not bit-equal to TP=1: a row-parallel layer's rank rounds its half of each
+    token to e4m3 with its own scale. So: greedy tokens equal or, at the first divergence, each
+    side's token in the other's top-5 (STYLE.md), and the first token's logprob within 0.25
+    (measured: 0.077 on this model, whose weights are large: initializer_range 0.2)."""
+    make_fp8_checkpoint(tiny, tmp_path / "fp8", "compressed-tensors", "channel")
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
+    llm = LLM(model=str(tmp_path / "fp8"), **ENGINE)
+    reference = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    server = start_server("--model", str(tmp_path / "fp8"), "--tp", "2",
+                          "--skip-tokenizer-init", "--port", "-1")
+    try:
+        with Client(server.addresses[0], timeout=60) as client:
+            served = [r.outputs[0] for r in client.generate(PROMPTS, params)]
+    finally:
+        server.kill_all()
+    for one, other in zip(reference, served):
+        first = one.token_ids[0]
+        theirs = {lp.token_id: lp.logprob for lp in other.logprobs[0]}
+        assert abs(one.logprobs[0][first].logprob - theirs[first]) < 0.25
+        for i, (a, b) in enumerate(zip(one.token_ids, other.token_ids)):
+            if a != b:
+                assert a in {lp.token_id for lp in other.logprobs[i]}, (i, a, b)
+                assert b in set(one.logprobs[i]), (i, a, b)
+                break
+
+
+def test_bad_fp8_checkpoints_are_refused_clearly(tiny, tmp_path):
+    make_fp8_checkpoint(tiny, tmp_path / "fp8", "fp8", "channel")
+    with pytest.raises(ValueError, match="already quantized"):
+        LLM(model=str(tmp_path / "fp8"), quantization="int8", **ENGINE)
+    for qc, match in (({"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise"),
+                      ({"quant_method": "gptq", "bits": 4}, "'gptq' is not supported")):
+        bad = tmp_path / f"bad-{match[:5]}"
+        shutil.copytree(tmp_path / "fp8", bad)
+        config = json.loads((bad / "config.json").read_text())
+        (bad / "config.json").write_text(json.dumps({**config, "quantization_config": qc}))
+        with pytest.raises(ValueError, match=match):
+            LLM(model=str(bad), **ENGINE)
