@@ -2,7 +2,7 @@
 layer's attention and the KV bytes it reads, for decode batches and a prefill chunk.
 
 Decodes are memory-bound: the fp8 pool reads half the bytes, so the goal is close to half the
-time. The prefill row shows what converting fp8 tiles to bf16 in registers costs where the
+time. The prefill row shows what converting fp8 tiles to fp16 in registers costs where the
 kernel is compute-bound. Each figure: CALLS calls in one CUDA graph over as many copies of the
 pool as keep the working set at 4x the L2, median of REPS replays (scripts/bench_kernels.py).
 
