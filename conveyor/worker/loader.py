@@ -12,10 +12,13 @@ so the device never holds the whole model in full precision. GGUF Q8_0 tensors o
 are then loaded as they are (int8 with one scale per 32 values) instead of dequantized, and so
 are an fp8 checkpoint's float8 weights (config.quantization == "fp8"), with their per-tensor or
 per-channel `weight_scale` as one scale per row; its static `input_scale`s are not used
-(activations are quantized per token as they come).
+(activations are quantized per token as they come). Its per-layer KV cache scales
+(`self_attn.k_scale` / `v_scale`, or AutoFP8's `k_proj` / `v_proj.output_scale`) become
+`model.checkpoint_kv_scales`, which an fp8 KV pool uses instead of calibrating.
 """
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -57,7 +60,9 @@ def load_model(config: ModelConfig, files: ModelFiles, dtype: torch.dtype,
         load_weights(model, gguf_weights(reader, int8_names))
     else:
         fp8_rows = _take_fp8(model, files.path) if config.quantization == "fp8" else {}
-        load_weights(model, _fp8_scales(safetensors_weights(files.path), fp8_rows))
+        kv_scales: dict[tuple[int, str], float] = {}
+        load_weights(model, _fp8_scales(safetensors_weights(files.path), fp8_rows, kv_scales))
+        model.checkpoint_kv_scales = _per_layer(kv_scales, config.num_hidden_layers)
     from_checkpoint = config.quantization is not None and load_format != "dummy"
     model.quant_report = quantize_model(model, quantization, keep, device, from_checkpoint)
     return model.eval()
@@ -92,14 +97,22 @@ def _take_fp8(model: nn.Module, folder: Path) -> dict[str, int]:
     return rows
 
 
-def _fp8_scales(weights: Weights, fp8_rows: dict[str, int]) -> Weights:
+_KV_SCALE = re.compile(r"model\.layers\.(\d+)\.self_attn\."
+                       r"(?:([kv])_scale|([kv])_proj\.output_scale)$")
+
+
+def _fp8_scales(weights: Weights, fp8_rows: dict[str, int],
+                kv_scales: dict[tuple[int, str], float]) -> Weights:
     """An fp8 checkpoint's tensors as load_weights takes them: each weight_scale (one per
-    tensor, or one per channel) as float32 [rows, 1]; input_scale dropped."""
+    tensor, or one per channel) as float32 [rows, 1]; input_scale dropped; the KV cache scales
+    put in kv_scales[(layer, "k" or "v")]."""
     for name, tensor in weights:
         if not fp8_rows:
             yield name, tensor
         elif name.endswith(".input_scale"):
             continue
+        elif m := _KV_SCALE.match(name):
+            kv_scales[int(m.group(1)), m.group(2) or m.group(3)] = float(tensor.float().max())
         elif name.endswith(".weight_scale"):
             rows = fp8_rows.get(name.removesuffix("_scale"))
             if rows is None:
@@ -184,6 +197,18 @@ def _brief(names: list[str], limit: int = 8) -> str:
         return "none"
     more = f" and {len(names) - limit} more" if len(names) > limit else ""
     return ", ".join(names[:limit]) + more
+
+
+def _per_layer(kv_scales: dict[tuple[int, str], float], layers: int
+               ) -> list[tuple[float, float]] | None:
+    """[(k_scale, v_scale)] per layer, if the checkpoint gave both for every layer."""
+    if not kv_scales:
+        return None
+    if len(kv_scales) != 2 * layers or any(s <= 0 or not math.isfinite(s)
+                                           for s in kv_scales.values()):
+        raise ValueError(f"the checkpoint's KV cache scales must be positive, one k and one v "
+                         f"for each of the {layers} layers; got {len(kv_scales)}")
+    return [(kv_scales[i, "k"], kv_scales[i, "v"]) for i in range(layers)]
 
 
 def safetensors_weights(folder: Path) -> Weights:

@@ -35,10 +35,17 @@ def quantization_config(method: str, strategy: str) -> dict:
             "config_groups": {"group_0": scheme}, "ignore": ["lm_head"]}
 
 
-def make_fp8_checkpoint(src, dst, method: str, strategy: str) -> dict[str, tuple]:
+def kv_scale(layer: int, kind: str) -> float:
+    return 0.01 * (layer + 1) * (2 if kind == "v" else 1)
+
+
+def make_fp8_checkpoint(src, dst, method: str, strategy: str, kv_names: str | None = None
+                        ) -> dict[str, tuple]:
     """dst: src's checkpoint with every decoder linear weight in e4m3 and its weight_scale (a
-    scalar per tensor, or [N, 1] per channel), plus a static input_scale (unused). Returns
-    {weight name: (e4m3 weight, scale)}."""
+    scalar per tensor, or [N, 1] per channel), plus a static input_scale (unused); with
+    kv_names, KV cache scales kv_scale(layer, k|v) named self_attn.k_scale ("k_scale") or
+    self_attn.k_proj.output_scale ("output_scale"). Returns {weight name: (e4m3 weight,
+    scale)}."""
     from safetensors.torch import load_file, save_file
 
     tensors = load_file(src / "model.safetensors")
@@ -54,6 +61,12 @@ def make_fp8_checkpoint(src, dst, method: str, strategy: str) -> dict[str, tuple
             quantized[name] = (q, scale)
         else:
             out[name] = t
+    layers = json.loads((src / "config.json").read_text())["num_hidden_layers"]
+    for i in range(layers if kv_names else 0):
+        for kind in "kv":
+            stem = f"model.layers.{i}.self_attn."
+            key = stem + (f"{kind}_scale" if kv_names == "k_scale" else f"{kind}_proj.output_scale")
+            out[key] = torch.tensor(kv_scale(i, kind))
     dst.mkdir()
     save_file(out, dst / "model.safetensors")
     config = json.loads((src / "config.json").read_text())
@@ -134,10 +147,34 @@ def test_fp8_checkpoint_at_tp2_stays_close_to_tp1(tiny, tmp_path):
                 break
 
 
+@pytest.mark.parametrize("kv_names", ["k_scale", "output_scale"])
+def test_the_checkpoints_kv_scales_serve_the_fp8_pool(tiny, tmp_path, kv_names):
+    """An fp8 KV pool takes the checkpoint's per-layer scales instead of calibrating; without
+    one the scales are read and unused."""
+    make_fp8_checkpoint(tiny, tmp_path / "fp8", "compressed-tensors", "channel", kv_names)
+    llm = LLM(model=str(tmp_path / "fp8"), kv_cache_dtype="fp8", **ENGINE)
+    expected = [pytest.approx(kv_scale(i, kind)) for i in range(2) for kind in "kv"]
+    assert [s for pair in llm.engine.runner.kv_scales for s in pair] == expected
+    attn = [m for m in llm.engine.runner.model.modules() if hasattr(m, "k_scale")]
+    assert [s for a in attn for s in (a.k_scale, a.v_scale)] == expected
+    assert len(llm.generate(PROMPTS, GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 12
+    plain = LLM(model=str(tmp_path / "fp8"), **ENGINE)
+    assert plain.engine.runner.kv_scales is None
+
+
 def test_bad_fp8_checkpoints_are_refused_clearly(tiny, tmp_path):
+    from safetensors.torch import load_file, save_file
+
     make_fp8_checkpoint(tiny, tmp_path / "fp8", "fp8", "channel")
     with pytest.raises(ValueError, match="already quantized"):
         LLM(model=str(tmp_path / "fp8"), quantization="int8", **ENGINE)
+    make_fp8_checkpoint(tiny, tmp_path / "partial", "fp8", "tensor", "k_scale")
+    partial = tmp_path / "partial" / "model.safetensors"
+    tensors = load_file(partial)            # one layer's v scale missing
+    del tensors["model.layers.1.self_attn.v_scale"]
+    save_file(tensors, partial)
+    with pytest.raises(ValueError, match="KV cache scales"):
+        LLM(model=str(tmp_path / "partial"), **ENGINE)
     for qc, match in (({"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise"),
                       ({"quant_method": "gptq", "bits": 4}, "'gptq' is not supported")):
         bad = tmp_path / f"bad-{match[:5]}"
