@@ -133,8 +133,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     initializer_range: float = 0.02          # std of random (load_format="dummy") weights
-    # "fp8": the checkpoint stores its linear weights in float8 e4m3 with scales (config.json's
-    # quantization_config; checkpoint_quantization below); None: full precision
+    # "fp8" / "int8": the checkpoint stores its linear weights in float8 e4m3 / int8 with scales
+    # (config.json's quantization_config; checkpoint_quantization below); None: full precision
     quantization: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -178,9 +178,10 @@ class ModelConfig:
 
 def checkpoint_quantization(qc: dict[str, Any] | None) -> str | None:
     """The quantization a checkpoint's config.json declares, where conveyor loads it as it is:
-    fp8 weights with per-tensor or per-channel scales, in the formats vLLM calls "fp8" (AutoFP8,
-    `quant_method: fp8`) and "compressed-tensors" (llm-compressor's float 8-bit weights). Other
-    formats raise ValueError."""
+    1-byte weights with per-tensor or per-channel scales, in the formats vLLM calls "fp8"
+    (AutoFP8, `quant_method: fp8`) and "compressed-tensors" (llm-compressor's float 8-bit
+    weights, or symmetric int 8-bit ones stored as int8: its "int-quantized" W8A8 models, run
+    here as W8A16). Other formats raise ValueError."""
     if not qc:
         return None
     method = qc.get("quant_method")
@@ -192,11 +193,15 @@ def checkpoint_quantization(qc: dict[str, Any] | None) -> str | None:
     if method == "compressed-tensors":
         groups = list((qc.get("config_groups") or {}).values())
         weights = [g.get("weights") or {} for g in groups]
-        if weights and all(w.get("type") == "float" and w.get("num_bits") == 8
-                           and w.get("strategy") in ("tensor", "channel") for w in weights):
-            return "fp8"
-        raise ValueError("of compressed-tensors checkpoints, conveyor loads float 8-bit weights "
-                         "with tensor or channel scales only")
+        kinds = {w.get("type") for w in weights}
+        if (len(kinds) == 1 and all(w.get("num_bits") == 8 and w.get("symmetric", True)
+                                    and w.get("strategy") in ("tensor", "channel")
+                                    for w in weights)
+                and (kinds == {"float"} or qc.get("format") == "int-quantized")):
+            return "fp8" if kinds == {"float"} else "int8"
+        raise ValueError("of compressed-tensors checkpoints, conveyor loads 8-bit weights with "
+                         "tensor or channel scales only: float, or symmetric int stored as int8 "
+                         "(format int-quantized)")
     raise ValueError(f"checkpoint quantization {method!r} is not supported (conveyor loads fp8 "
                      f"checkpoints, and quantizes full-precision ones with --quantization)")
 

@@ -10,11 +10,11 @@ With --quantization the layers are quantized after loading (layers/quantization.
 the model is built and loaded on the host and each layer goes to the device as it is quantized,
 so the device never holds the whole model in full precision. GGUF Q8_0 tensors of linear layers
 are then loaded as they are (int8 with one scale per 32 values) instead of dequantized, and so
-are an fp8 checkpoint's float8 weights (config.quantization == "fp8"), with their per-tensor or
-per-channel `weight_scale` as one scale per row; its static `input_scale`s are not used
-(activations are quantized per token as they come). Its per-layer KV cache scales
-(`self_attn.k_scale` / `v_scale`, or AutoFP8's `k_proj` / `v_proj.output_scale`) become
-`model.checkpoint_kv_scales`, which an fp8 KV pool uses instead of calibrating.
+are a quantized checkpoint's 1-byte weights (config.quantization "fp8" or "int8"), with their
+per-tensor or per-channel `weight_scale` as one scale per row; static `input_scale`s are not
+used (fp8 activations are quantized per token as they come; int8 runs W8A16). Per-layer KV
+cache scales (`self_attn.k_scale` / `v_scale`, or AutoFP8's `k_proj` / `v_proj.output_scale`)
+become `model.checkpoint_kv_scales`, which an fp8 KV pool uses instead of calibrating.
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def load_model(config: ModelConfig, files: ModelFiles, dtype: torch.dtype,
                keep: tuple[re.Pattern, ...] = (), load_format: str = "auto", seed: int = 0
                ) -> nn.Module:
     """The model with its weights, on `device`, in eval mode; with `quantization` its layers
-    not matching `keep` are quantized (or, from an fp8 checkpoint, loaded quantized), and
+    not matching `keep` are quantized (or, from a quantized checkpoint, loaded so), and
     `model.quant_report` says what was done (None without quantization). load_format "dummy"
     draws random weights (worker/dummy_weights.py).
     """
@@ -59,40 +59,47 @@ def load_model(config: ModelConfig, files: ModelFiles, dtype: torch.dtype,
         int8_names = _keep_q8_0(model, reader, keep) if quantization == "int8" else set()
         load_weights(model, gguf_weights(reader, int8_names))
     else:
-        fp8_rows = _take_fp8(model, files.path) if config.quantization == "fp8" else {}
+        rows = _take_quantized(model, files.path, config.quantization)
         kv_scales: dict[tuple[int, str], float] = {}
-        load_weights(model, _fp8_scales(safetensors_weights(files.path), fp8_rows, kv_scales))
+        load_weights(model, _with_scales(safetensors_weights(files.path), rows, kv_scales))
         model.checkpoint_kv_scales = _per_layer(kv_scales, config.num_hidden_layers)
     from_checkpoint = config.quantization is not None and load_format != "dummy"
     model.quant_report = quantize_model(model, quantization, keep, device, from_checkpoint)
     return model.eval()
 
 
-def _take_fp8(model: nn.Module, folder: Path) -> dict[str, int]:
-    """Make the linear layers whose checkpoint weights are float8 e4m3 take fp8 weights and one
-    scale per row; returns {checkpoint weight name: its rows} of those weights."""
+_STORED = {"fp8": ("F8_E4M3", torch.float8_e4m3fn), "int8": ("I8", torch.int8)}
+
+
+def _take_quantized(model: nn.Module, folder: Path, mode: str | None) -> dict[str, int]:
+    """For a checkpoint quantized in `mode` ("fp8" or "int8"): make the linear layers whose
+    checkpoint weights are stored in it take 1-byte weights and one scale per row; returns
+    {checkpoint weight name: its rows} of those weights ({} for other checkpoints)."""
     from safetensors import safe_open
 
-    parts: dict[str, dict[str, tuple[bool, int]]] = {}   # our module -> {name: (fp8, rows)}
+    if mode is None:
+        return {}
+    stored, dtype = _STORED[mode]
+    parts: dict[str, dict[str, tuple[bool, int]]] = {}   # our module -> {name: (1-byte, rows)}
     for file in sorted(Path(folder).glob("*.safetensors")):
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
                 if name.endswith(".weight"):
                     t = f.get_slice(name)
                     module = _packed_name(name, model.packed_modules)[0].removesuffix(".weight")
-                    parts.setdefault(module, {})[name] = (t.get_dtype() == "F8_E4M3",
+                    parts.setdefault(module, {})[name] = (t.get_dtype() == stored,
                                                           t.get_shape()[0])
     modules = dict(model.named_modules())
     rows = {}
     for module_name, weights in parts.items():
-        fp8 = [is_fp8 for is_fp8, _ in weights.values()]
-        if not any(fp8):
+        quantized = [q for q, _ in weights.values()]
+        if not any(quantized):
             continue
         module = modules.get(module_name)
-        if not (isinstance(module, LinearBase) and all(fp8)):
-            raise ValueError(f"{module_name}: fp8 checkpoint weights load only into linear "
-                             f"layers whose every part is fp8")
-        module.make_quantized(torch.float8_e4m3fn, 1)
+        if not (isinstance(module, LinearBase) and all(quantized)):
+            raise ValueError(f"{module_name}: {mode} checkpoint weights load only into linear "
+                             f"layers whose every part is {mode}")
+        module.make_quantized(dtype, 1)
         rows.update({name: n for name, (_, n) in weights.items()})
     return rows
 
@@ -101,22 +108,22 @@ _KV_SCALE = re.compile(r"model\.layers\.(\d+)\.self_attn\."
                        r"(?:([kv])_scale|([kv])_proj\.output_scale)$")
 
 
-def _fp8_scales(weights: Weights, fp8_rows: dict[str, int],
-                kv_scales: dict[tuple[int, str], float]) -> Weights:
-    """An fp8 checkpoint's tensors as load_weights takes them: each weight_scale (one per
+def _with_scales(weights: Weights, rows_of: dict[str, int],
+                 kv_scales: dict[tuple[int, str], float]) -> Weights:
+    """A quantized checkpoint's tensors as load_weights takes them: each weight_scale (one per
     tensor, or one per channel) as float32 [rows, 1]; input_scale dropped; the KV cache scales
-    put in kv_scales[(layer, "k" or "v")]."""
+    put in kv_scales[(layer, "k" or "v")]. Other checkpoints' tensors pass unchanged."""
     for name, tensor in weights:
-        if not fp8_rows:
+        if not rows_of:
             yield name, tensor
         elif name.endswith(".input_scale"):
             continue
         elif m := _KV_SCALE.match(name):
             kv_scales[int(m.group(1)), m.group(2) or m.group(3)] = float(tensor.float().max())
         elif name.endswith(".weight_scale"):
-            rows = fp8_rows.get(name.removesuffix("_scale"))
+            rows = rows_of.get(name.removesuffix("_scale"))
             if rows is None:
-                raise ValueError(f"{name}: a scale for a weight that is not fp8")
+                raise ValueError(f"{name}: a scale for a weight that is not quantized")
             if tensor.numel() not in (1, rows):
                 raise ValueError(f"{name}: expected one scale or {rows} (one per row), got "
                                  f"{tuple(tensor.shape)}")

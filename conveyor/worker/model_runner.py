@@ -75,7 +75,7 @@ class ModelRunner:
         self.quant_report: QuantReport | None = self.model.quant_report
         # fp8 pool: per-layer (k_scale, v_scale), measured before sizing and graph capture
         self.kv_scales: list[tuple[float, float]] | None = None
-        if config.kv_cache_fp8:       # the checkpoint's own scales (an fp8 one's), else measured
+        if config.kv_cache_fp8:       # a quantized checkpoint's own scales, else measured
             self.kv_scales = getattr(self.model, "checkpoint_kv_scales", None) or (
                 calibrate_kv_scales(self.model, model_config, config, max_model_len, self.dtype,
                                     self.device))

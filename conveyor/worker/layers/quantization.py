@@ -60,20 +60,22 @@ class QuantReport:
     mode: str                                   # "int8" | "fp8"
     dtype: str                                  # the model's (activation) dtype
     quantized: list[str] = field(default_factory=list)     # per-row scales, quantized here
-    # loaded quantized: GGUF Q8_0 blocks kept in int8, or an fp8 checkpoint's layers
+    # loaded quantized: GGUF Q8_0 blocks kept in int8, or a quantized checkpoint's layers
     prequantized: list[str] = field(default_factory=list)
     kept: list[str] = field(default_factory=list)          # --keep-precision, or left so by
-    #                                                        an fp8 checkpoint
+    #                                                        a quantized checkpoint
     bytes_before: int = 0                       # of the weights of quantized/prequantized layers
     bytes_after: int = 0                        # the same layers: 1-byte weights + scales
+    from_checkpoint: bool = False               # the checkpoint came quantized (not GGUF)
 
     def summary(self) -> str:
         parts = [f"{self.mode}: quantized {len(self.quantized)} layers"]
-        if self.prequantized and self.mode == "int8":
+        if self.prequantized and self.from_checkpoint:
+            parts.append(f"loaded {len(self.prequantized)} layers in {self.mode} from the "
+                         f"checkpoint")
+        elif self.prequantized:
             parts.append(f"kept {len(self.prequantized)} GGUF Q8_0 layers in int8 "
                          f"(group {Q8_0_GROUP})")
-        elif self.prequantized:
-            parts.append(f"loaded {len(self.prequantized)} layers in fp8 from the checkpoint")
         mib = f"({self.bytes_before / 2**20:,.1f} MiB -> {self.bytes_after / 2**20:,.1f} MiB)"
         kept = ", ".join(self.kept) if self.kept else "none"
         return f"{', '.join(parts)} {mib}; kept in {self.dtype}: {kept}"
@@ -97,8 +99,8 @@ def quantize_model(model: nn.Module, mode: str | None, keep: tuple[re.Pattern, .
                    ) -> QuantReport | None:
     """Quantize `model`'s layers one at a time on `device` and move the model there.
 
-    from_checkpoint: the checkpoint came quantized (fp8): its quantized layers are reported and
-    the layers it left in full precision stay so.
+    from_checkpoint: the checkpoint came quantized (fp8 or int8): its quantized layers are
+    reported and the layers it left in full precision stay so.
 
     The model may sit on the CPU (load_model builds it there when quantizing on a GPU): each
     layer's full-precision weight goes to the device, is quantized there, and its host copy is
@@ -108,7 +110,8 @@ def quantize_model(model: nn.Module, mode: str | None, keep: tuple[re.Pattern, .
     device = torch.device(device)
     if mode is None:
         return None
-    report = QuantReport(mode, str(next(model.parameters()).dtype).removeprefix("torch."))
+    report = QuantReport(mode, str(next(model.parameters()).dtype).removeprefix("torch."),
+                         from_checkpoint=from_checkpoint)
     done: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}    # id(original weight) -> result
     for name, module in model.named_modules():
         if not quantizable(module):

@@ -1,8 +1,9 @@
-"""Loading checkpoints that are already fp8 (the formats vLLM calls "fp8" and
-"compressed-tensors"): float8 e4m3 linear weights with one scale per tensor or per output
-channel, loaded as they are. The reference is transformers running the checkpoint's own numbers:
-each quantized linear layer computes with its dequantized weight, and its input rounded to e4m3
-per token (scale = the token's amax / 448), as the format's dynamic activation scheme says.
+"""Loading checkpoints that are already quantized (the formats vLLM calls "fp8" and
+"compressed-tensors"): float8 e4m3 or int8 linear weights with one scale per tensor or per
+output channel, loaded as they are. The reference is transformers running the checkpoint's own
+numbers: each quantized linear layer computes with its dequantized weight; for fp8 its input is
+rounded to e4m3 per token (scale = the token's amax / 448), as the format's dynamic activation
+scheme says; int8 runs W8A16 here (activations unrounded), so its reference rounds nothing.
 """
 import json
 import shutil
@@ -18,20 +19,24 @@ from conveyor.client import Client
 pytestmark = pytest.mark.slow
 
 E4M3_MAX = 448.0
+INT8_MAX = 127.0
 PROMPTS = [[5, 17, 200, 31], list(range(40, 77)), [9] * 3 + list(range(100, 120))]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 ENGINE = dict(skip_tokenizer_init=True, kv_cache_memory_bytes=32 << 20, max_model_len=256)
 
 
 def quantization_config(method: str, strategy: str) -> dict:
+    """method: "fp8" (AutoFP8), "compressed-tensors" (fp8) or "compressed-tensors-int8"
+    (llm-compressor's int-quantized W8A8)."""
     if method == "fp8":
         return {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    kind = "int" if method.endswith("int8") else "float"
     scheme = {"targets": ["Linear"],
-              "weights": {"num_bits": 8, "type": "float", "strategy": strategy,
+              "weights": {"num_bits": 8, "type": kind, "strategy": strategy,
                           "symmetric": True, "dynamic": False},
-              "input_activations": {"num_bits": 8, "type": "float", "strategy": "token",
+              "input_activations": {"num_bits": 8, "type": kind, "strategy": "token",
                                     "dynamic": True}}
-    return {"quant_method": "compressed-tensors", "format": "float-quantized",
+    return {"quant_method": "compressed-tensors", "format": f"{kind}-quantized",
             "config_groups": {"group_0": scheme}, "ignore": ["lm_head"]}
 
 
@@ -39,13 +44,14 @@ def kv_scale(layer: int, kind: str) -> float:
     return 0.01 * (layer + 1) * (2 if kind == "v" else 1)
 
 
-def make_fp8_checkpoint(src, dst, method: str, strategy: str, kv_names: str | None = None
-                        ) -> dict[str, tuple]:
-    """dst: src's checkpoint with every decoder linear weight in e4m3 and its weight_scale (a
-    scalar per tensor, or [N, 1] per channel), plus a static input_scale (unused); with
-    kv_names, KV cache scales kv_scale(layer, k|v) named self_attn.k_scale ("k_scale") or
-    self_attn.k_proj.output_scale ("output_scale"). Returns {weight name: (e4m3 weight,
-    scale)}."""
+def make_checkpoint(src, dst, method: str, strategy: str, kv_names: str | None = None
+                    ) -> dict[str, tuple]:
+    """dst: src's checkpoint with every decoder linear weight in e4m3 (int8 for the int8
+    method) and its weight_scale (a scalar per tensor, or [N, 1] per channel), plus a static
+    input_scale (unused); with kv_names, KV cache scales kv_scale(layer, k|v) named
+    self_attn.k_scale ("k_scale") or self_attn.k_proj.output_scale ("output_scale"). Returns
+    {weight name: (1-byte weight, scale)}."""
+    int8 = method.endswith("int8")
     from safetensors.torch import load_file, save_file
 
     tensors = load_file(src / "model.safetensors")
@@ -53,8 +59,11 @@ def make_fp8_checkpoint(src, dst, method: str, strategy: str, kv_names: str | No
     for name, t in tensors.items():
         if name.startswith("model.layers.") and name.endswith("proj.weight"):
             amax = t.abs().amax(1, keepdim=True) if strategy == "channel" else t.abs().amax()
-            scale = (amax / E4M3_MAX).float()
-            q = (t / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+            scale = (amax / (INT8_MAX if int8 else E4M3_MAX)).float()
+            if int8:
+                q = (t / scale).round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+            else:
+                q = (t / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
             stem = name.removesuffix("weight")
             out[name], out[stem + "weight_scale"] = q, scale
             out[stem + "input_scale"] = torch.tensor(0.5)
@@ -75,7 +84,8 @@ def make_fp8_checkpoint(src, dst, method: str, strategy: str, kv_names: str | No
     return quantized
 
 
-def reference_tokens(src, quantized: dict[str, tuple]) -> list[list[int]]:
+def reference_tokens(src, quantized: dict[str, tuple], round_inputs: bool = True
+                     ) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
@@ -89,7 +99,8 @@ def reference_tokens(src, quantized: dict[str, tuple]) -> list[list[int]]:
     for name, (q, scale) in quantized.items():
         linear = modules[name.removesuffix(".weight")]
         linear.weight.data = q.float() * scale
-        linear.register_forward_pre_hook(e4m3_per_token)
+        if round_inputs:
+            linear.register_forward_pre_hook(e4m3_per_token)
     tokens = []
     with torch.inference_mode():
         for p in PROMPTS:
@@ -106,17 +117,19 @@ def tiny(tmp_path_factory):
                            max_position_embeddings=512)
 
 
-@pytest.mark.parametrize("method,strategy", [("fp8", "tensor"), ("compressed-tensors", "channel"),
-                                             ("compressed-tensors", "tensor")])
-def test_fp8_checkpoint_matches_transformers_on_its_numbers(tiny, tmp_path, method, strategy):
-    quantized = make_fp8_checkpoint(tiny, tmp_path / "fp8", method, strategy)
-    llm = LLM(model=str(tmp_path / "fp8"), **ENGINE)      # fp8 from the checkpoint, not a flag
+@pytest.mark.parametrize("method,strategy", [
+    ("fp8", "tensor"), ("compressed-tensors", "channel"), ("compressed-tensors", "tensor"),
+    ("compressed-tensors-int8", "channel"), ("compressed-tensors-int8", "tensor")])
+def test_checkpoint_matches_transformers_on_its_numbers(tiny, tmp_path, method, strategy):
+    mode = "int8" if method.endswith("int8") else "fp8"
+    quantized = make_checkpoint(tiny, tmp_path / "q", method, strategy)
+    llm = LLM(model=str(tmp_path / "q"), **ENGINE)      # the mode comes from the checkpoint
     report = llm.quantization_report
-    assert report.mode == "fp8" and len(report.prequantized) == 2 * 4   # qkv, o, gate_up, down
+    assert report.mode == mode and len(report.prequantized) == 2 * 4   # qkv, o, gate_up, down
     assert not report.quantized and "lm_head" in report.kept
-    assert "loaded 8 layers in fp8 from the checkpoint" in report.summary()
+    assert f"loaded 8 layers in {mode} from the checkpoint" in report.summary()
     ours = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
-    assert ours == reference_tokens(tiny, quantized)
+    assert ours == reference_tokens(tiny, quantized, round_inputs=mode == "fp8")
 
 
 def test_fp8_checkpoint_at_tp2_stays_close_to_tp1(tiny, tmp_path):
@@ -125,7 +138,7 @@ def test_fp8_checkpoint_at_tp2_stays_close_to_tp1(tiny, tmp_path):
     token to e4m3 with its own scale. So: greedy tokens equal or, at the first divergence, each
     side's token in the other's top-5 (STYLE.md), and the first token's logprob within 0.25
     (measured: 0.077 on this model, whose weights are large: initializer_range 0.2)."""
-    make_fp8_checkpoint(tiny, tmp_path / "fp8", "compressed-tensors", "channel")
+    make_checkpoint(tiny, tmp_path / "fp8", "compressed-tensors", "channel")
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
     llm = LLM(model=str(tmp_path / "fp8"), **ENGINE)
     reference = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
@@ -151,7 +164,7 @@ def test_fp8_checkpoint_at_tp2_stays_close_to_tp1(tiny, tmp_path):
 def test_the_checkpoints_kv_scales_serve_the_fp8_pool(tiny, tmp_path, kv_names):
     """An fp8 KV pool takes the checkpoint's per-layer scales instead of calibrating; without
     one the scales are read and unused."""
-    make_fp8_checkpoint(tiny, tmp_path / "fp8", "compressed-tensors", "channel", kv_names)
+    make_checkpoint(tiny, tmp_path / "fp8", "compressed-tensors", "channel", kv_names)
     llm = LLM(model=str(tmp_path / "fp8"), kv_cache_dtype="fp8", **ENGINE)
     expected = [pytest.approx(kv_scale(i, kind)) for i in range(2) for kind in "kv"]
     assert [s for pair in llm.engine.runner.kv_scales for s in pair] == expected
@@ -165,10 +178,10 @@ def test_the_checkpoints_kv_scales_serve_the_fp8_pool(tiny, tmp_path, kv_names):
 def test_bad_fp8_checkpoints_are_refused_clearly(tiny, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    make_fp8_checkpoint(tiny, tmp_path / "fp8", "fp8", "channel")
+    make_checkpoint(tiny, tmp_path / "fp8", "fp8", "channel")
     with pytest.raises(ValueError, match="already quantized"):
         LLM(model=str(tmp_path / "fp8"), quantization="int8", **ENGINE)
-    make_fp8_checkpoint(tiny, tmp_path / "partial", "fp8", "tensor", "k_scale")
+    make_checkpoint(tiny, tmp_path / "partial", "fp8", "tensor", "k_scale")
     partial = tmp_path / "partial" / "model.safetensors"
     tensors = load_file(partial)            # one layer's v scale missing
     del tensors["model.layers.1.self_attn.v_scale"]
@@ -176,7 +189,9 @@ def test_bad_fp8_checkpoints_are_refused_clearly(tiny, tmp_path):
     with pytest.raises(ValueError, match="KV cache scales"):
         LLM(model=str(tmp_path / "partial"), **ENGINE)
     for qc, match in (({"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise"),
-                      ({"quant_method": "gptq", "bits": 4}, "'gptq' is not supported")):
+                      ({"quant_method": "gptq", "bits": 4}, "'gptq' is not supported"),
+                      ({**quantization_config("compressed-tensors-int8", "channel"),
+                        "format": "pack-quantized"}, "int-quantized")):
         bad = tmp_path / f"bad-{match[:5]}"
         shutil.copytree(tmp_path / "fp8", bad)
         config = json.loads((bad / "config.json").read_text())
