@@ -50,3 +50,29 @@ def start_server(*args: str, timeout: float = 240) -> Server:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(30)
         raise
+
+
+def served_outputs(prompts, params, *args: str) -> list:
+    """`conveyor serve *args` (no HTTP), then each prompt's first completion through the ZMQ
+    client; the server is killed afterwards."""
+    from conveyor.client import Client
+
+    server = start_server(*args, "--port", "-1")
+    try:
+        with Client(server.addresses[0], timeout=60) as client:
+            return [r.outputs[0] for r in client.generate(prompts, params)]
+    finally:
+        server.kill_all()
+
+
+def assert_top5_close(reference: list, served: list) -> None:
+    """STYLE.md's rule between in-process completions (logprobs: dicts by token id) and served
+    ones (logprobs: lists): greedy tokens equal or, at the first divergence, each side's token
+    in the other's top 5."""
+    for one, other in zip(reference, served, strict=True):
+        assert len(one.token_ids) == len(other.token_ids)
+        for i, (a, b) in enumerate(zip(one.token_ids, other.token_ids)):
+            if a != b:
+                assert a in {lp.token_id for lp in other.logprobs[i]}, (i, a, b)
+                assert b in set(one.logprobs[i]), (i, a, b)
+                break

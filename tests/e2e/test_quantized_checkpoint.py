@@ -11,10 +11,9 @@ import shutil
 import pytest
 import torch
 from models_util import make_tiny_model
-from serve_util import start_server
+from serve_util import assert_top5_close, served_outputs
 
 from conveyor import LLM, SamplingParams
-from conveyor.client import Client
 
 pytestmark = pytest.mark.slow
 
@@ -142,22 +141,13 @@ def test_fp8_checkpoint_at_tp2_stays_close_to_tp1(tiny, tmp_path):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
     llm = LLM(model=str(tmp_path / "fp8"), **ENGINE)
     reference = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-    server = start_server("--model", str(tmp_path / "fp8"), "--tp", "2",
-                          "--skip-tokenizer-init", "--port", "-1")
-    try:
-        with Client(server.addresses[0], timeout=60) as client:
-            served = [r.outputs[0] for r in client.generate(PROMPTS, params)]
-    finally:
-        server.kill_all()
+    served = served_outputs(PROMPTS, params, "--model", str(tmp_path / "fp8"), "--tp", "2",
+                            "--skip-tokenizer-init")
+    assert_top5_close(reference, served)
     for one, other in zip(reference, served):
         first = one.token_ids[0]
         theirs = {lp.token_id: lp.logprob for lp in other.logprobs[0]}
         assert abs(one.logprobs[0][first].logprob - theirs[first]) < 0.25
-        for i, (a, b) in enumerate(zip(one.token_ids, other.token_ids)):
-            if a != b:
-                assert a in {lp.token_id for lp in other.logprobs[i]}, (i, a, b)
-                assert b in set(one.logprobs[i]), (i, a, b)
-                break
 
 
 @pytest.mark.parametrize("kv_names", ["k_scale", "output_scale"])
