@@ -131,6 +131,27 @@ def test_checkpoint_matches_transformers_on_its_numbers(tiny, tmp_path, method, 
     assert ours == reference_tokens(tiny, quantized, round_inputs=mode == "fp8")
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("method", ["compressed-tensors", "compressed-tensors-int8"])
+def test_checkpoint_on_the_gpu_stays_close_to_the_cpu(tiny, tmp_path, method):
+    """The same checkpoint through the GPU kernels (CUDA graphs; bf16 activations, so by the
+    top-5 rule against the float32 CPU run): the prompts decode together (the batched GEMMs),
+    then one alone (the one-row GEMV reading the checkpoint's bytes)."""
+    make_checkpoint(tiny, tmp_path / "q", method, "channel")
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
+    cpu = LLM(model=str(tmp_path / "q"), **ENGINE)
+    gpu = LLM(model=str(tmp_path / "q"), device="cuda", gpu_memory_utilization=0.3, **ENGINE)
+    for prompts in (PROMPTS, PROMPTS[:1]):
+        reference = [o.outputs[0] for o in cpu.generate(prompts, params, use_tqdm=False)]
+        ours = [o.outputs[0] for o in gpu.generate(prompts, params, use_tqdm=False)]
+        for one, other in zip(reference, ours, strict=True):
+            for i, (a, b) in enumerate(zip(one.token_ids, other.token_ids)):
+                if a != b:
+                    assert a in set(other.logprobs[i]) and b in set(one.logprobs[i]), (i, a, b)
+                    break
+
+
 def test_fp8_checkpoint_at_tp2_stays_close_to_tp1(tiny, tmp_path):
     """Column-parallel layers split the per-channel scales by rows; row-parallel ones keep each
     row's scale whole. Not bit-equal to TP=1: a row-parallel layer's rank rounds its half of each
