@@ -65,14 +65,24 @@ def served_outputs(prompts, params, *args: str) -> list:
         server.kill_all()
 
 
-def assert_top5_close(reference: list, served: list) -> None:
-    """STYLE.md's rule between in-process completions (logprobs: dicts by token id) and served
-    ones (logprobs: lists): greedy tokens equal or, at the first divergence, each side's token
-    in the other's top 5."""
-    for one, other in zip(reference, served, strict=True):
-        assert len(one.token_ids) == len(other.token_ids)
-        for i, (a, b) in enumerate(zip(one.token_ids, other.token_ids)):
+def _top_ids(entry) -> set[int]:
+    """The token ids of one position's logprobs: in-process ones are dicts by token id, served
+    ones lists of Logprob."""
+    return set(entry) if isinstance(entry, dict) else {lp.token_id for lp in entry}
+
+
+def assert_top5_close(reference: list, other: list) -> list[int | None]:
+    """STYLE.md's rule between two runs' completions (in-process or served, with top-5
+    logprobs): greedy tokens equal or, at the first divergence, each side's token in the
+    other's top 5. Returns each completion's first differing position (None: all equal)."""
+    first = []
+    for one, two in zip(reference, other, strict=True):
+        assert len(one.token_ids) == len(two.token_ids)
+        first.append(None)
+        for i, (a, b) in enumerate(zip(one.token_ids, two.token_ids)):
             if a != b:
-                assert a in {lp.token_id for lp in other.logprobs[i]}, (i, a, b)
-                assert b in set(one.logprobs[i]), (i, a, b)
+                assert a in _top_ids(two.logprobs[i]), (i, a, b)
+                assert b in _top_ids(one.logprobs[i]), (i, a, b)
+                first[-1] = i
                 break
+    return first

@@ -203,7 +203,8 @@ def checkpoint_quantization(qc: dict[str, Any] | None) -> str | None:
                          "tensor or channel scales only: float, or symmetric int stored as int8 "
                          "(format int-quantized)")
     raise ValueError(f"checkpoint quantization {method!r} is not supported (conveyor loads fp8 "
-                     f"checkpoints, and quantizes full-precision ones with --quantization)")
+                     f"and int8 checkpoints, and quantizes full-precision ones with "
+                     f"--quantization)")
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,7 @@
 messages (ZMQ_MAXMSGSIZE) and decodes only the allowed types. A bad frame comes back as an
 `ErrorReply` to answer or drop, never as an exception, and is logged: the first at once, then at
 most one line every 10 s per socket with the count dropped since, so a client cannot flood the
-log. Internal sockets are ipc:// paths in a
-private per-instance runtime directory.
+log. Internal sockets are ipc:// paths in a private per-instance runtime directory.
 """
 from __future__ import annotations
 

@@ -42,12 +42,14 @@ def load_model(config: ModelConfig, files: ModelFiles, dtype: torch.dtype,
                ) -> nn.Module:
     """The model with its weights, on `device`, in eval mode; with `quantization` its layers
     not matching `keep` are quantized (or, from a quantized checkpoint, loaded so), and
-    `model.quant_report` says what was done (None without quantization). load_format "dummy"
-    draws random weights (worker/dummy_weights.py).
+    `model.quant_report` says what was done (None without quantization);
+    `model.checkpoint_kv_scales` holds the checkpoint's KV cache scales, if it has them.
+    load_format "dummy" draws random weights (worker/dummy_weights.py).
     """
     model_class = get_model_class(config.architecture)
     with torch.device("cpu" if quantization else device):
         model = model_class(config, dtype)
+    model.checkpoint_kv_scales = None
     if load_format == "dummy":
         from conveyor.worker.dummy_weights import dummy_weights
 
@@ -80,28 +82,35 @@ def _take_quantized(model: nn.Module, folder: Path, mode: str | None) -> dict[st
     if mode is None:
         return {}
     stored, dtype = _STORED[mode]
-    parts: dict[str, dict[str, tuple[bool, int]]] = {}   # our module -> {name: (1-byte, rows)}
+    rows, is_stored = {}, {}                 # checkpoint weight name -> rows, -> stored in mode
     for file in sorted(Path(folder).glob("*.safetensors")):
-        with safe_open(file, framework="pt") as f:
+        with safe_open(file, framework="pt") as f:     # the header only: no tensor is read
             for name in f.keys():
                 if name.endswith(".weight"):
                     t = f.get_slice(name)
-                    module = _packed_name(name, model.packed_modules)[0].removesuffix(".weight")
-                    parts.setdefault(module, {})[name] = (t.get_dtype() == stored,
-                                                          t.get_shape()[0])
-    modules = dict(model.named_modules())
-    rows = {}
-    for module_name, weights in parts.items():
-        quantized = [q for q, _ in weights.values()]
-        if not any(quantized):
+                    rows[name], is_stored[name] = t.get_shape()[0], t.get_dtype() == stored
+    taken = {}
+    for module_name, (module, parts) in _by_module(model, is_stored).items():
+        if not any(parts.values()):
             continue
-        module = modules.get(module_name)
-        if not (isinstance(module, LinearBase) and all(quantized)):
+        if not (isinstance(module, LinearBase) and all(parts.values())):
             raise ValueError(f"{module_name}: {mode} checkpoint weights load only into linear "
                              f"layers whose every part is {mode}")
         module.make_quantized(dtype, 1)
-        rows.update({name: n for name, (_, n) in weights.items()})
-    return rows
+        taken.update({name: rows[name] for name in parts})
+    return taken
+
+
+def _by_module(model: nn.Module, flags: dict[str, bool]
+               ) -> dict[str, tuple[nn.Module | None, dict[str, bool]]]:
+    """Checkpoint weights grouped by the module of ours they load into (q/k/v into qkv_proj):
+    module name -> (the module, or None if we have none; {checkpoint name: its flag})."""
+    modules = dict(model.named_modules())
+    grouped: dict[str, tuple[nn.Module | None, dict[str, bool]]] = {}
+    for name, flag in flags.items():
+        module = _packed_name(name, model.packed_modules)[0].removesuffix(".weight")
+        grouped.setdefault(module, (modules.get(module), {}))[1][name] = flag
+    return grouped
 
 
 _KV_SCALE = re.compile(r"model\.layers\.(\d+)\.self_attn\."
@@ -138,17 +147,13 @@ def _keep_q8_0(model: nn.Module, reader, keep: tuple[re.Pattern, ...]) -> set[st
     are); returns the checkpoint names to load without dequantizing."""
     import gguf
 
-    q8_0: dict[str, dict[str, bool]] = {}      # our module -> {checkpoint name: is Q8_0}
+    is_q8_0 = {}                              # checkpoint weight name -> stored as Q8_0
     for tensor in reader.tensors:
         name = gguf_to_hf_name(tensor.name)
-        if name is None or not name.endswith(".weight"):
-            continue
-        module = _packed_name(name, model.packed_modules)[0].removesuffix(".weight")
-        q8_0.setdefault(module, {})[name] = tensor.tensor_type == gguf.GGMLQuantizationType.Q8_0
-    modules = dict(model.named_modules())
+        if name is not None and name.endswith(".weight"):
+            is_q8_0[name] = tensor.tensor_type == gguf.GGMLQuantizationType.Q8_0
     names = set()
-    for module_name, parts in q8_0.items():
-        module = modules.get(module_name)
+    for module_name, (module, parts) in _by_module(model, is_q8_0).items():
         if (isinstance(module, LinearBase) and all(parts.values())
                 and not keep_matches(module_name, keep)
                 and module.weight.shape[1] % Q8_0_GROUP == 0):

@@ -76,9 +76,8 @@ class ModelRunner:
         # fp8 pool: per-layer (k_scale, v_scale), measured before sizing and graph capture
         self.kv_scales: list[tuple[float, float]] | None = None
         if config.kv_cache_fp8:       # a quantized checkpoint's own scales, else measured
-            self.kv_scales = getattr(self.model, "checkpoint_kv_scales", None) or (
-                calibrate_kv_scales(self.model, model_config, config, max_model_len, self.dtype,
-                                    self.device))
+            self.kv_scales = self.model.checkpoint_kv_scales or calibrate_kv_scales(
+                self.model, model_config, config, max_model_len, self.dtype, self.device)
             set_kv_scales(self.model, self.kv_scales)
         self.sampler = Sampler(model_config.vocab_size, model_config.eos_token_ids, config.seed,
                                self.device)

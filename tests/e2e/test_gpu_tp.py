@@ -8,6 +8,7 @@ at TP=1 and at the largest TP here."""
 
 import pytest
 import torch
+from serve_util import assert_top5_close
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")]
@@ -30,17 +31,8 @@ def generate(path: str, tp: int, *args: str):
 
 def assert_close_greedy(reference, results, tp: int) -> None:
     """Equal tokens, or each side's token in the other's top-5 at the first divergence."""
-    first = []
-    for one, other in zip(reference, results):
-        assert len(other.token_ids) == len(one.token_ids) == 32
-        for i, (a, b) in enumerate(zip(one.token_ids, other.token_ids)):
-            if a != b:
-                assert a in {lp.token_id for lp in other.outputs[0].logprobs[i]}, (tp, i, a, b)
-                assert b in {lp.token_id for lp in one.outputs[0].logprobs[i]}, (tp, i, a, b)
-                first.append(i)
-                break
-        else:
-            first.append(None)
+    assert all(len(r.token_ids) == 32 for r in reference + results)
+    first = assert_top5_close([r.outputs[0] for r in reference], [r.outputs[0] for r in results])
     print(f"tp={tp}: first differing token of each prompt (None: all 32 equal): {first}")
 
 
