@@ -58,13 +58,13 @@ def perplexity(llm: LLM, text) -> tuple[float, int]:
     return math.exp(-sum(lps) / len(lps)), len(lps)
 
 
-def run(device: str, kv_cache_dtype: str, text, prompts, **model) -> dict:
+def run(device: str, kv_cache_dtype: str, text, prompts, top: int = TOP, **model) -> dict:
     llm = LLM(device=device, kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=64,
               enable_prefix_caching=False, max_num_seqs=4, max_model_len=1024,
               gpu_memory_utilization=0.3, **model)
     pool_dtype = llm.engine.runner.kv_caches[0].dtype
     ppl, n = perplexity(llm, text)
-    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, logprobs=TOP)
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, logprobs=top)
     greedy = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
     del llm
     gc.collect()
@@ -74,8 +74,8 @@ def run(device: str, kv_cache_dtype: str, text, prompts, **model) -> dict:
 
 
 def check_quality(device: str, text=TEXT, prompts=GREEDY_PROMPTS, bound: float = 0.02,
-                  **model) -> None:
-    auto, fp8 = (run(device, dtype, text, prompts, **model) for dtype in ("auto", "fp8"))
+                  top: int = TOP, **model) -> None:
+    auto, fp8 = (run(device, dtype, text, prompts, top, **model) for dtype in ("auto", "fp8"))
     assert fp8["pool_dtype"] == torch.float8_e4m3fn and auto["pool_dtype"] != fp8["pool_dtype"]
     assert auto["tokens"] >= 300, "the text should be a few hundred tokens"
     rel = fp8["ppl"] / auto["ppl"] - 1
@@ -86,7 +86,12 @@ def check_quality(device: str, text=TEXT, prompts=GREEDY_PROMPTS, bound: float =
     for prompt, a, b in zip(prompts, auto["greedy"], fp8["greedy"]):
         for j, (x, y) in enumerate(zip(a.token_ids, b.token_ids)):
             if x != y:
-                assert x in b.logprobs[j] and y in a.logprobs[j], (
+                la, lb = a.logprobs[j], b.logprobs[j]
+                print(f"first divergence at token {j}: auto's token ranks "
+                      f"{lb[x].rank if x in lb else f'> {top}'} under fp8, fp8's "
+                      f"{la[y].rank if y in la else f'> {top}'} under auto; auto's top "
+                      f"{top} span {la[x].logprob - min(v.logprob for v in la.values()):.3f}")
+                assert x in lb and y in la, (
                     f"{prompt!r}: first divergence at token {j}: {x} (auto) vs {y} (fp8)")
                 break
 
