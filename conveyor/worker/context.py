@@ -22,6 +22,8 @@ class StepContext:
     query_lens_cpu: list[int]        # host copies, so the torch backend never syncs the device
     seq_lens_cpu: list[int]
     num_decodes: int = 0             # the first num_decodes sequences have one query token each
+    decode_order: torch.Tensor | None = None   # [B] int32, decode-only steps: the sequences by
+                                               # context length, longest first (attention's order)
 
     @property
     def block_size(self) -> int:

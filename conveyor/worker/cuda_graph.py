@@ -33,6 +33,7 @@ class DecodeGraphs:
         self.inputs[2].fill_(-1)
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.order = torch.arange(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -43,7 +44,8 @@ class DecodeGraphs:
                            query_start_loc=self.query_start_loc[:bs + 1],
                            seq_lens=self.seq_lens[:bs], block_tables=self.block_tables[:bs],
                            kv_caches=self.kv_caches, query_lens_cpu=[1] * bs,
-                           seq_lens_cpu=[1] * bs, num_decodes=bs)
+                           seq_lens_cpu=[1] * bs, num_decodes=bs,
+                           decode_order=self.order[:bs])
 
     @torch.inference_mode()
     def _capture(self) -> None:
@@ -63,16 +65,18 @@ class DecodeGraphs:
         """The smallest captured batch size that holds n sequences."""
         return next(s for s in self.sizes if s >= n)
 
-    def run(self, n: int, tokens: torch.Tensor, seq_lens: torch.Tensor,
+    def run(self, n: int, tokens: torch.Tensor, seq_lens: torch.Tensor, order: torch.Tensor,
             block_tables: torch.Tensor, table_rows: torch.Tensor) -> torch.Tensor:
         """One decode token for each of n sequences; returns the final hidden states [n, hidden].
 
-        tokens [3, bs] (ids, positions, slots) and seq_lens [bs] are already padded to the graph
-        size bs; the block tables are rows table_rows [n] of block_tables. All on the device.
+        tokens [3, bs] (ids, positions, slots), seq_lens [bs] and order [bs] (the rows by
+        context length, longest first) are already padded to the graph size bs; the block
+        tables are rows table_rows [n] of block_tables. All on the device.
         """
         bs = self.size_for(n)
         self.inputs[:, :bs].copy_(tokens)
         self.seq_lens[:bs].copy_(seq_lens)
+        self.order[:bs].copy_(order)
         torch.index_select(block_tables, 0, table_rows, out=self.block_tables[:n])
         self.graphs[bs].replay()
         return self.outputs[bs][:n]

@@ -309,15 +309,16 @@ class ModelRunner:
             tokens3[0].index_copy_(0, dev["gather_rows"],
                                    prev.sampled.index_select(0, dev["gather_from"]))
         if use_graph:
-            hidden = graphs.run(num_seqs, tokens3, dev["seq_lens"], self.block_tables,
-                                dev["slots"])
+            hidden = graphs.run(num_seqs, tokens3, dev["seq_lens"], dev["order"],
+                                self.block_tables, dev["slots"])
         else:
             ctx = StepContext(
                 slot_mapping=tokens3[2], query_start_loc=dev["query_start_loc"].int(),
                 seq_lens=dev["seq_lens"].int(),
                 block_tables=self.block_tables.index_select(0, dev["slots"]),
                 kv_caches=self.kv_caches, query_lens_cpu=query_lens, seq_lens_cpu=seq_lens,
-                num_decodes=num_decodes)
+                num_decodes=num_decodes,
+                decode_order=dev["order"].int() if num_decodes == num_seqs else None)
             hidden = self.model(tokens3[0], tokens3[1], ctx)
         if logits_rows:  # profiling: the largest logits a step can make, and their float32 copy
             self.model.compute_logits(hidden[-1:].expand(logits_rows, -1)).float()
@@ -332,7 +333,8 @@ class ModelRunner:
         """The step's integer inputs, built with numpy and sent to the device in one copy.
 
         tokens [3, padded] (token ids, positions, KV slots; padding rows: 0, 0, -1), seq_lens
-        [max(padded, B)] (padding 0), query_start_loc [B + 1], slots [B] (block-table rows),
+        [max(padded, B)] (padding 0), order [max(padded, B)] for a decode-only step (the rows of
+        seq_lens, longest first; else empty), query_start_loc [B + 1], slots [B] (block-table rows),
         rows [R] (hidden rows to compute logits for), gather_rows and gather_from [G] (token-id
         rows to take from the previous step's draw, and its rows there); and the block-table
         entries added since the last step, written into the device table.
@@ -351,7 +353,9 @@ class ModelRunner:
         writes, self._table_writes = self._table_writes, []
         write_len = sum(len(b) for _, b in writes)
         b_pad = num_seqs + padded - num_tokens
-        sizes = {"tokens": 3 * padded, "seq_lens": b_pad, "query_start_loc": num_seqs + 1,
+        decodes = num_tokens == num_seqs
+        sizes = {"tokens": 3 * padded, "seq_lens": b_pad, "order": b_pad if decodes else 0,
+                 "query_start_loc": num_seqs + 1,
                  "slots": num_seqs, "rows": len(rows), "gather_rows": len(gather_rows),
                  "gather_from": len(gather_rows), "write_at": write_len, "write_ids": write_len}
         total = sum(sizes.values())
@@ -378,6 +382,9 @@ class ModelRunner:
         at = 3 * padded
         host[at:at + num_seqs] = seq_lens
         host[at + num_seqs:at + b_pad] = 0
+        if decodes:
+            host[at + b_pad:at + 2 * b_pad] = np.argsort(-host[at:at + b_pad], kind="stable")
+            at += b_pad
         at += b_pad
         host[at] = 0
         np.cumsum(query_lens, out=host[at + 1:at + num_seqs + 1])

@@ -36,7 +36,8 @@ class TritonAttentionBackend:
             splits = default_num_splits(num_seqs, kv_cache.shape[3], _num_sms(q.device.index or 0))
         out = paged_attention(q, kv_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
                               scale, 1 if decode_only else max(ctx.query_lens_cpu),
-                              num_splits=splits, k_scale=k_scale, v_scale=v_scale)
+                              num_splits=splits, k_scale=k_scale, v_scale=v_scale,
+                              seq_order=ctx.decode_order if decode_only else None)
         used = num_seqs if decode_only else sum(ctx.query_lens_cpu)
         if used < q.shape[0]:
             out[used:].zero_()

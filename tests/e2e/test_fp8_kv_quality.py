@@ -120,7 +120,12 @@ def test_fp8_kv_cache_quality_random_llama_gpu(tmp_path):
     with the tiny test models, models_util: hidden 64 at init 0.2 lose 4.7 %; hidden 256 at
     init 0.02 or 0.05, 0.2 %.) On the H200 this model measured +3.3 % (2026-11-30), so its
     bound is 5 %: the issue's 2 % is for the default model, which meets it on CPU (+0.5 %);
-    a wrong scale or a misread tile costs far more than 5 %."""
+    a wrong scale or a misread tile costs far more than 5 %.
+
+    At the first divergence of greedy decoding each side's token must be in the other's top 20,
+    not 5: this model's top logprobs are flat (the top 20 span 0.7-1.3 nats, the top 5 about
+    0.15), so fp8's rounding reorders them; measured on the H200, each side's token ranked 2 to
+    6 in the other's list (5 prompts)."""
     from bench_models import build_random_model
 
     path = build_random_model("llama3.1-8b", tmp_path / "llama", num_hidden_layers=4)
@@ -133,4 +138,4 @@ def test_fp8_kv_cache_quality_random_llama_gpu(tmp_path):
     gc.collect()
     torch.cuda.empty_cache()
     check_quality("cuda", prompt + cont, [prompt, prompt[:7], list(range(500, 530))], bound=0.05,
-                  **model)
+                  top=20, **model)

@@ -98,10 +98,21 @@ def test_paged_attention(dtype, block_size, group, head_dim, case):
     scale = head_dim ** -0.5
     cache = ctx.kv_caches[0]
     want = TorchAttentionBackend().forward(q.float(), cache.float(), ctx, scale)
-    for splits in (1, 3) if not prefills else (1,):
+    for splits, order in _variants(ctx, prefills):
         got = paged_attention(q, cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
-                              scale, max(ctx.query_lens_cpu), num_splits=splits)
+                              scale, max(ctx.query_lens_cpu), num_splits=splits,
+                              seq_order=order)
         torch.testing.assert_close(got.float(), want, **TOL[dtype])
+
+
+def _variants(ctx, prefills, splits=(1, 3)):
+    """(num_splits, seq_order) to run a batch with: decode-only batches also split, and in the
+    decode order (longest first, as the runner gives it) and in a random order."""
+    if prefills:
+        return [(1, None)]
+    longest = torch.argsort(ctx.seq_lens, descending=True, stable=True).int()
+    shuffled = torch.randperm(len(ctx.seq_lens_cpu), device=ctx.seq_lens.device).int()
+    return [(n, None) for n in splits] + [(splits[-1], longest), (1, shuffled)]
 
 
 @pytest.mark.parametrize("splits", [1, 2, 16])
@@ -195,10 +206,10 @@ def _attention_fp8_case(dtype, block_size, group, head_dim, decodes, prefills, s
     # the reference reads the same fp8 bytes (exact in float32) and applies the same scales
     want = TorchAttentionBackend().forward(q.float(), cache, ctx, scale, K_SCALE, V_SCALE)
     tol = {k: x * V_SCALE for k, x in TOL[dtype].items()}
-    for n in splits:
+    for n, order in _variants(ctx, prefills, splits):
         got = paged_attention(q, cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
                               scale, max(ctx.query_lens_cpu), num_splits=n, k_scale=K_SCALE,
-                              v_scale=V_SCALE)
+                              v_scale=V_SCALE, seq_order=order)
         torch.testing.assert_close(got.float(), want, **tol)
 
 
