@@ -3,7 +3,8 @@
 GEMMs: the skinny GEMM against F.linear (cuBLAS) on the Qwen3-0.6B and Llama-3.1-8B decode
 shapes at M = 1 (single-stream decode); the down projection also with SiLU-and-mul fused against the
 silu_and_mul kernel followed by F.linear. Sampling: the fused kernel against the torch math it
-replaces (float32 copy, exponential_, log_, addcmul, argmax), at N = 1 and 256 x 151,936.
+replaces (float32 copy, exponential_, log_, addcmul, argmax), at N = 1 and 256 x 151,936; and
+top-p rows by the rejection kernel against the torch path's softmax, full sort and race.
 
 Each figure is GPU time per call: CALLS calls captured in one CUDA graph (as decode runs), each
 on its own copy of the weights or logits so that they come from HBM as in a model, not from the
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 from conveyor.kernels.dequantize import dequantize
 from conveyor.kernels.int8_gemm import int8_gemm
 from conveyor.kernels.sample import sample
+from conveyor.kernels.sample_nucleus import sample_nucleus
 from conveyor.kernels.silu_and_mul import silu_and_mul
 from conveyor.kernels.skinny_gemm import skinny_gemm
 from conveyor.worker.layers.linear import linear
@@ -186,6 +188,28 @@ def bench_sample(n: int, greedy: bool) -> tuple[float, float, int]:
     return graph_us(ours), graph_us(theirs), n * VOCAB * 2
 
 
+def bench_top_p(n: int, top_p: float = 0.9) -> tuple[float, float, int]:
+    """Top-p rows: the rejection kernel against the sampler's torch path (softmax, full sort,
+    cumsum, scatter back, then the exponential race)."""
+    logits = [torch.randn(n, VOCAB, device="cuda").to(torch.bfloat16)
+              for _ in range(copies(n * VOCAB * 2))]
+    pick = [logits[i % len(logits)] for i in range(CALLS)]
+    rows = torch.arange(n, device="cuda")
+    t, p, none = (torch.full((n,), v, device="cuda") for v in (0.6, top_p, 0.0))
+    seeds = torch.arange(n, device="cuda")
+
+    def torch_path(x):      # the sampler's _top_p, with its p already on the device
+        x = x.float() / t[:, None]
+        sorted_probs, order = x.softmax(-1).sort(-1, descending=True)
+        drop = (sorted_probs.cumsum(-1) - sorted_probs) >= p[:, None]
+        x = x.masked_fill(torch.empty_like(drop).scatter_(1, order, drop), float("-inf"))
+        return (x - torch.empty_like(x).exponential_().log_()).argmax(-1)
+
+    ours = [lambda x=x: sample_nucleus(x, rows, t, p, none, seeds) for x in pick]
+    theirs = [lambda x=x: torch_path(x) for x in pick]
+    return graph_us(ours), graph_us(theirs), n * VOCAB * 2
+
+
 def row(name: str, ours: float, theirs: float, nbytes: int) -> str:
     return (f"| {name} | {ours:8.1f} | {nbytes / ours / 1e3:6.0f} | {theirs:8.1f} | "
             f"{nbytes / theirs / 1e3:6.0f} | {theirs / ours:5.2f}x |")
@@ -232,6 +256,9 @@ def base_table(shapes: list[str]) -> None:
             ours, theirs, nbytes = bench_sample(n, greedy)
             kind = "greedy" if greedy else "temperature 0.6"
             print(row(f"sample {kind} [{n}x{VOCAB}] bf16", ours, theirs, nbytes), flush=True)
+        ours, theirs, nbytes = bench_top_p(n)
+        print(row(f"sample top-p 0.9, T 0.6 [{n}x{VOCAB}] bf16", ours, theirs, nbytes),
+              flush=True)
     print("\nGEMMs of one decode step (layers x (qkv, o, gate_up, silu+down) + lm_head):")
     for shape, m, ours, theirs in totals:
         print(f"  {shape} M={m}: skinny {ours / 1e3:.3f} ms, torch {theirs / 1e3:.3f} ms")

@@ -20,9 +20,13 @@ Draws are exponential races (kernels/sample.py): round n's noise is Philox keyed
 seed at counters n * tiles * SUB + (the column's counter there), so a row's draw depends only
 on its logits, its parameters and its seed. Scores are in log2 units (x * log2(e) / T).
 
-Grid (R,): one program a row (rows index the logits, so a filtered subset needs no copy). At
-256 rows of 151,936 bf16 logits a read of every row is 78 MB; the torch path sorts 39 M float32
-values with their indices instead.
+Grid (R,): one program a row (rows index the logits, so a filtered subset needs no copy), 8
+warps so that a lone row still keeps an SM busy. At 256 rows of 151,936 bf16 logits a read of
+every row is 78 MB; the torch path sorts 39 M float32 values with their indices instead.
+Prediction (not yet measured, `scripts/bench_kernels.py`): a read costs about what the fused
+temperature kernel does (Philox and two log2 a value, 1 TB/s there: ~75 us at 256 rows), so
+~0.2-0.4 ms for 256 rows against a few ms for the sort path; at one row ~0.1 ms, about the
+torch path's.
 """
 import torch
 
@@ -166,7 +170,7 @@ def sample_nucleus(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.
         return out
     _nucleus_kernel[(r,)](logits, rows, temperature, top_p, min_p, seeds, out, v,
                           logits.stride(0), SUB=SUB, MAX_ROUNDS=MAX_ROUNDS,
-                          FAST=not interpreting(), num_warps=4,
+                          FAST=not interpreting(), num_warps=8,
                           **pdl_args())
     return out
 

@@ -6,9 +6,12 @@ Each filter runs batched over only the rows that use it. `sample_tensors` never 
 (its results stay there until the caller reads them); `sample` is it plus the read.
 
 On CUDA with Triton, greedy and temperature-only rows are drawn by one fused kernel
-(conveyor/kernels/sample.py) from the logits in the model's dtype; rows with top-k, top-p or
-min-p keep the torch path. The kernel's noise is Philox keyed per row (`_row_keys`), so those
-draws differ from the CPU's torch.Generator ones (same distribution); CPU runs are unchanged.
+(conveyor/kernels/sample.py) from the logits in the model's dtype, and rows with top-p or min-p
+but no top-k by a rejection kernel that needs no sort (conveyor/kernels/sample_nucleus.py; it
+keeps a tie at the top-p boundary whole, where the sort cuts it in the sort's order); rows with
+top-k keep the torch path (one topk, then the filters on the [R, K] values). The kernels' noise
+is Philox keyed per row (`_row_keys`), so those draws differ from the CPU's torch.Generator ones
+(same distribution); CPU runs are unchanged.
 """
 from __future__ import annotations
 
@@ -150,22 +153,32 @@ class Sampler:
 
     def _sample_fused(self, x: torch.Tensor, states: list[SeqSamplingState]) -> torch.Tensor:
         """x: [N, V] logits (any float dtype, rows may be strided). Greedy and temperature-only
-        rows in one kernel; rows with top-k, top-p or min-p on the torch path."""
+        rows in one kernel, rows with top-p or min-p (no top-k) in the rejection kernel, rows
+        with top-k on the torch path."""
         from conveyor.kernels.sample import sample
+        from conveyor.kernels.sample_nucleus import sample_nucleus
 
         params = [s.params for s in states]
         if all(p.greedy for p in params):
             return sample(x)
         filtered = [i for i, p in enumerate(params) if not p.greedy and self._filters(p)]
+        top_k = [i for i in filtered if 0 < params[i].top_k < self.vocab_size]
+        nucleus = [i for i in filtered if not 0 < params[i].top_k < self.vocab_size]
         temperature = [p.temperature for p in params]
         for i in filtered:
-            temperature[i] = -1.0   # the kernel skips the row (token -1); the torch path fills it
-        token_ids = sample(x, _tensor(temperature, x.device, torch.float32),
-                           _tensor(self._row_keys(states), x.device))
+            temperature[i] = -1.0   # the kernel skips the row (token -1); another path fills it
+        keys = _tensor(self._row_keys(states), x.device)
+        token_ids = sample(x, _tensor(temperature, x.device, torch.float32), keys)
         self.num_fused_draws += 1
-        if filtered:
-            idx = _tensor(filtered, x.device)
-            token_ids[idx] = self._sample_random(x[idx].float(), [states[i] for i in filtered])
+        if nucleus:
+            idx = _tensor(nucleus, x.device)
+            per_row = np.array([[params[i].temperature, params[i].top_p, params[i].min_p]
+                                for i in nucleus], dtype=np.float32).T.copy()
+            t, top_p, min_p = _tensor(per_row, x.device)
+            token_ids[idx] = sample_nucleus(x, idx, t, top_p, min_p, keys[idx])
+        if top_k:
+            idx = _tensor(top_k, x.device)
+            token_ids[idx] = self._sample_random(x[idx].float(), [states[i] for i in top_k])
         return token_ids
 
     def _filters(self, p: SamplingParams) -> bool:

@@ -1,6 +1,7 @@
 """The Sampler on its fused-kernel path (CUDA; on CPU under Triton's interpreter, by forcing it):
-greedy and temperature rows through the kernel, the other rows through torch, penalties and
-min_tokens bans applied first, seeded requests independent of the batch."""
+greedy and temperature rows through the kernel, top-p and min-p rows through the rejection
+kernel, top-k rows through torch, penalties and min_tokens bans applied first, seeded requests
+independent of the batch."""
 import pytest
 import torch
 
@@ -39,7 +40,7 @@ def test_mixed_batch(device):
         {"temperature": 0, "min_tokens": 2},                 # EOS banned: the next best
         {"temperature": 0.8, "top_k": 3},                    # torch path, among the top 3
         {"temperature": 0, "repetition_penalty": 100.0},     # EOS seen: 50 / 100 < 40
-        {"temperature": 1.0, "top_p": 0.5, "seed": 5},       # torch path: EOS (p ~ 1)
+        {"temperature": 1.0, "top_p": 0.5, "seed": 5},       # rejection kernel: EOS (p ~ 1)
         {"temperature": 0.7, "logprobs": 2},                 # kernel: EOS (p ~ 1)
         {"temperature": 1.0, "min_tokens": 5, "seed": 1},    # kernel, EOS banned
         {"temperature": 0, "min_p": 0.5},                    # greedy ignores min_p
@@ -58,6 +59,34 @@ def test_mixed_batch(device):
     assert [lp is None for lp in out.logprobs] == [i != 5 for i in range(8)]
 
 
+def test_top_p_and_min_p_rows(device):
+    """Rows with top-p or min-p and no top-k draw within their nucleus (of the penalised,
+    banned logits), strided bf16 logits and an edited float32 copy alike; a top-k row with
+    top-p stays within its top k."""
+    from conveyor.kernels.sample_nucleus import nucleus_ref
+
+    logits = (torch.randn(6, V + 11, device=device) * 2).to(torch.bfloat16)
+    params = [
+        {"temperature": 0.8, "top_p": 0.6},
+        {"temperature": 1.2, "min_p": 0.2},
+        {"temperature": 1.0, "top_p": 0.9, "min_p": 0.05, "seed": 3},
+        {"temperature": 1.0},                                  # the fused kernel
+        {"temperature": 0.9, "top_p": 0.7, "min_tokens": 4},   # EOS banned (a float32 copy)
+        {"temperature": 1.0, "top_k": 4, "top_p": 0.5},        # torch path
+    ]
+    sampler = Sampler(V, (EOS,), 0, device)
+    for _ in range(3):
+        tokens = sampler.sample(logits, states(device, *params)).token_ids
+        x = logits[:, :V].float().cpu()
+        x[4, EOS] = float("-inf")
+        for i in (0, 1, 2, 4):
+            p = params[i]
+            keep = nucleus_ref(x[i], p["temperature"], p.get("top_p", 1.0), p.get("min_p", 0.0))
+            assert keep[tokens[i]], (i, tokens[i])
+        assert tokens[4] != EOS
+        assert tokens[5] in x[5].topk(4).indices.tolist()
+
+
 def test_a_seeded_request_draws_the_same_in_any_batch(device):
     logits = torch.randn(6, V, device=device)
     seeded = {"temperature": 1.0, "seed": 1234}
@@ -65,6 +94,12 @@ def test_a_seeded_request_draws_the_same_in_any_batch(device):
     for step in range(3):                    # the draw changes with the tokens generated so far
         want = alone.sample(logits[2:3], states(device, seeded, output=range(step))).token_ids
         others = [{"temperature": 1.0}, {"temperature": 0}, {"top_k": 5}]
+        seeded_p = {"temperature": 1.0, "seed": 77, "top_p": 0.8}
+        want_p = alone.sample(logits[4:5], states(device, seeded_p, output=range(step))
+                              ).token_ids
+        got_p = batched.sample(logits[[5, 4]], states(device, {"top_p": 0.5}, seeded_p,
+                                                      output=range(step))).token_ids
+        assert got_p[1] == want_p[0]
         got = batched.sample(logits[[0, 1, 2, 3]], states(
             device, others[0], others[1], seeded, others[2], output=range(step))).token_ids
         assert got[2] == want[0]
