@@ -16,7 +16,7 @@ is Philox keyed per row (`_row_keys`), so those draws differ from the CPU's torc
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -33,6 +33,9 @@ class SeqSamplingState:
     prompt_len: int
     token_ids: list[int]                     # prompt + output so far; the worker appends each token
     generator: torch.Generator | None        # seeded from params.seed; None: the shared generator
+    # token_ids as int64, for the penalties: converted as tokens arrive, not every step
+    _array: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64), repr=False)
+    _converted: int = 0
 
     @classmethod
     def new(cls, params: SamplingParams, token_ids: list[int], prompt_len: int,
@@ -46,6 +49,19 @@ class SeqSamplingState:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.prompt_len
+
+    def token_array(self) -> np.ndarray:
+        """token_ids as an int64 array (a view, valid until the next call). Only the tokens
+        appended since the last call are converted (token_ids only grows)."""
+        n = len(self.token_ids)
+        if n > len(self._array):
+            grown = np.empty(max(n, 2 * len(self._array), 64), dtype=np.int64)
+            grown[:self._converted] = self._array[:self._converted]
+            self._array = grown
+        if n > self._converted:
+            self._array[self._converted:n] = self.token_ids[self._converted:]
+            self._converted = n
+        return self._array[:n]
 
 
 @dataclass
@@ -235,7 +251,7 @@ class Sampler:
     def _apply_penalties(self, x: torch.Tensor, states: list[SeqSamplingState]) -> torch.Tensor:
         """x: [R, V] logits of rows with some penalty. Returns penalised logits [R, V]."""
         V = self.vocab_size
-        outputs = _padded([s.token_ids[s.prompt_len:] for s in states], V, x.device)  # [R, Lo]
+        outputs = _padded([s.token_array()[s.prompt_len:] for s in states], V, x.device)  # [R, Lo]
         counts = torch.zeros(x.shape[0], V + 1, device=x.device)  # [R, V + 1]; column V: padding
         counts.scatter_add_(1, outputs, torch.ones_like(outputs, dtype=counts.dtype))
         counts = counts[:, :V]  # [R, V]
@@ -245,7 +261,7 @@ class Sampler:
             return _tensor([getattr(s.params, name) for s in states], x.device)[:, None]
 
         if any(s.params.repetition_penalty != 1 for s in states):
-            prompts = _padded([s.token_ids[:s.prompt_len] for s in states], V, x.device)  # [R, Lp]
+            prompts = _padded([s.token_array()[:s.prompt_len] for s in states], V, x.device)
             seen = torch.zeros(x.shape[0], V + 1, dtype=torch.bool, device=x.device)
             seen.scatter_(1, prompts, torch.ones_like(prompts, dtype=torch.bool))
             seen = seen[:, :V] | in_output  # [R, V]
@@ -415,10 +431,10 @@ def _min_p(x: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
     return x.masked_fill_(probs < min_p * probs.amax(-1, keepdim=True), float("-inf"))
 
 
-def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
-    """Token lists as one [R, max_len] int64 tensor, right-padded with `pad`."""
+def _padded(rows: list[np.ndarray], pad: int, device: torch.device) -> torch.Tensor:
+    """Token arrays as one [R, max_len] int64 tensor, right-padded with `pad`."""
     padded = np.full((len(rows), max(map(len, rows))), pad, dtype=np.int64)
-    for i, r in enumerate(rows):  # numpy converts a row of ints several times faster than torch
+    for i, r in enumerate(rows):
         padded[i, : len(r)] = r
     return _tensor(padded, device)
 

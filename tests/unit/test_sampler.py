@@ -266,3 +266,19 @@ def test_columns_past_the_vocabulary_are_never_sampled():
     out = sampler().sample(logits, [seq(temperature=0), seq(logprobs=1)])
     assert all(t < V for t in out.token_ids)
     assert out.logprobs[1].logprobs[0] == pytest.approx(-torch.log(torch.tensor(V)).item())
+
+
+def test_token_array_follows_the_appended_tokens():
+    """The penalties read token_ids through an array converted as tokens arrive: it must equal
+    token_ids after any number of appends (across its regrowths), and the penalties must see the
+    latest tokens."""
+    s = seq(prompt=range(5), output=(1, 2), temperature=1.0, presence_penalty=2.0)
+    for step in range(200):
+        assert s.token_array().tolist() == s.token_ids
+        s.token_ids.append(step % V)
+    logits = torch.zeros(1, V)
+    s = seq(prompt=(0,), output=(3,), temperature=0, presence_penalty=2.0)
+    sam = sampler()
+    assert sam.sample(logits, [s]).token_ids[0] != 3       # 3 is penalised; ties take the first
+    s.token_ids.append(0)
+    assert sam.sample(logits, [s]).token_ids[0] not in (0, 3)
