@@ -76,6 +76,13 @@ def _keep_best(best, best_col, row_ptr, cols, V, u, scale, RANDOM: tl.constexpr,
 
 
 @jit
+def _best_of_lanes(best, best_col):
+    """The best score over the lanes and its first column (torch.argmax's rule for ties)."""
+    score = tl.max(best, 0)
+    return score, tl.min(tl.where(best == score, best_col, 2147483647), 0)
+
+
+@jit
 def _sample_chunk_kernel(logits_ptr, temperature_ptr, seed_ptr, part_score_ptr, part_col_ptr,
                          V, stride_row, tiles_per_chunk, num_chunks,
                          SUB: tl.constexpr, GREEDY_ONLY: tl.constexpr, FAST: tl.constexpr,
@@ -116,8 +123,7 @@ def _sample_chunk_kernel(logits_ptr, temperature_ptr, seed_ptr, part_score_ptr, 
             for j in tl.static_range(4):
                 best, best_col = _keep_best(best, best_col, row_ptr, cols + j * SUB, V, 0, 1.0,
                                             False, FAST)
-    score = tl.max(best, 0)
-    col = tl.min(tl.where(best == score, best_col, 2147483647), 0)
+    score, col = _best_of_lanes(best, best_col)
     tl.store(part_score_ptr + row * num_chunks + chunk, score)
     tl.store(part_col_ptr + row * num_chunks + chunk, col)
 
@@ -219,19 +225,25 @@ def exp_noise_ref(u: torch.Tensor) -> torch.Tensor:
     return torch.where(low & (t < 0.0625), series * _LOG2E, log)
 
 
+def race_noise_ref(seeds: torch.Tensor, v: int, first_counter: int = 0) -> torch.Tensor:
+    """log2 of the kernel's noise for rows keyed by seeds [N] over columns [0, v): [N, V]
+    float32. Counters start at first_counter (sample_nucleus.py's rounds take fresh ranges)."""
+    n = seeds.shape[0]
+    cols = torch.arange(v, device=seeds.device)
+    draws = philox4x32_ref(seeds, first_counter + cols // TILE * SUB + cols % SUB)  # [4, N, V]
+    which = (cols % TILE) // SUB                                            # [V]
+    u = draws.gather(0, which.expand(1, n, v)).squeeze(0)                   # [N, V]
+    return torch.log2(exp_noise_ref(u))
+
+
 def race_scores_ref(logits: torch.Tensor, temperature: torch.Tensor | None = None,
                     seeds: torch.Tensor | None = None) -> torch.Tensor:
     """The kernel's scores [N, V] (float32) for its arguments (every row, skipped ones too)."""
     x = logits.float()
     if temperature is None:
         return x
-    n, v = x.shape
-    cols = torch.arange(v, device=x.device)
-    draws = philox4x32_ref(seeds, cols // TILE * SUB + cols % SUB)          # [4, N, V]
-    which = (cols % TILE) // SUB                                            # [V]
-    u = draws.gather(0, which.expand(1, n, v)).squeeze(0)                   # [N, V]
     scale = torch.tensor(_LOG2E, dtype=torch.float32, device=x.device) / temperature
-    random = x * scale[:, None] - torch.log2(exp_noise_ref(u))
+    random = x * scale[:, None] - race_noise_ref(seeds, x.shape[1])
     return torch.where((temperature > 0)[:, None], random, x)
 
 

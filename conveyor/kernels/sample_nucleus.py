@@ -37,10 +37,10 @@ from conveyor.kernels.sample import (
     _LOG2E,
     SUB,
     TILE,
+    _best_of_lanes,
     _exp_noise,
     _log2,
-    exp_noise_ref,
-    philox4x32_ref,
+    race_noise_ref,
 )
 
 # A round ends with a token more likely than the last candidate, so rounds are bounded by the
@@ -72,12 +72,6 @@ def _round_read(mass, best, best_col, row_ptr, cols, V, u, scale, x_cand, row_ma
     score = tl.where(above & (x >= low), x - _log2(_exp_noise(u, FAST), FAST), float("-inf"))
     better = score > best
     return mass, tl.where(better, score, best), tl.where(better, cols, best_col)
-
-
-@jit
-def _first_of_best(best, best_col):
-    top = tl.max(best, 0)
-    return tl.min(tl.where(best == top, best_col, 2147483647), 0)
 
 
 @jit
@@ -113,7 +107,7 @@ def _nucleus_kernel(logits_ptr, rows_ptr, temperature_ptr, top_p_ptr, min_p_ptr,
     row_sum = tl.sum(total * tl.exp2(m - row_max), 0)     # the normaliser, relative to row_max
     # p_i >= min_p * p_max, in log2 units (min_p 0: no bound)
     low = tl.where(min_p > 0, row_max + tl.log2(tl.maximum(min_p, 1e-30)), float("-inf"))
-    cand = _first_of_best(best, best_col)
+    _, cand = _best_of_lanes(best, best_col)
     rnd = r * 0 + 1                                        # int32 scalars, carried by the loop
     done = r * 0
     while (done == 0) & (rnd <= MAX_ROUNDS):
@@ -137,7 +131,8 @@ def _nucleus_kernel(logits_ptr, rows_ptr, temperature_ptr, top_p_ptr, min_p_ptr,
         in_top_p = (top_p >= 1.0) | (tl.sum(mass, 0) < top_p * row_sum)
         accept = in_top_p & (x_cand >= low)
         done = accept.to(tl.int32)
-        cand = tl.where(accept, cand, _first_of_best(best, best_col))
+        _, nxt = _best_of_lanes(best, best_col)
+        cand = tl.where(accept, cand, nxt)
         rnd += 1
     tl.store(out_ptr + r, cand.to(tl.int64))
 
@@ -177,15 +172,6 @@ def sample_nucleus(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.
 
 # --- torch reference: the same rounds from the same Philox draws -----------------------------
 
-def _race_noise_ref(seed: torch.Tensor, rnd: int, v: int) -> torch.Tensor:
-    """log2 of the kernel's noise for one row's round `rnd`: [V] float32."""
-    cols = torch.arange(v, device=seed.device)
-    tiles = -(-v // TILE)
-    draws = philox4x32_ref(seed.reshape(1), rnd * tiles * SUB + cols // TILE * SUB + cols % SUB)
-    u = draws[:, 0].gather(0, ((cols % TILE) // SUB)[None]).squeeze(0)     # [V]
-    return torch.log2(exp_noise_ref(u))
-
-
 def sample_nucleus_ref(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor,
                        top_p: torch.Tensor, min_p: torch.Tensor, seeds: torch.Tensor
                        ) -> torch.Tensor:
@@ -194,19 +180,19 @@ def sample_nucleus_ref(logits: torch.Tensor, rows: torch.Tensor, temperature: to
     for i in range(rows.shape[0]):
         scale = torch.tensor(_LOG2E, dtype=torch.float32, device=logits.device) / temperature[i]
         x = logits[rows[i]].float() * scale                                 # [V], log2 units
-        v = x.shape[0]
+        v, tiles = x.shape[0], -(-x.shape[0] // TILE)
         row_max = x.max()
         row_sum = torch.exp2(x - row_max).sum()
         low = row_max + torch.log2(min_p[i]) if min_p[i] > 0 else torch.tensor(float("-inf"))
-        cand = (x - _race_noise_ref(seeds[i], 0, v)).argmax()
+        cand = (x - race_noise_ref(seeds[i:i + 1], v)[0]).argmax()
         rnd = 1
         while rnd <= MAX_ROUNDS:
             above = x > x[cand]
             mass = torch.exp2(x - row_max)[above].sum()
             if (top_p[i] >= 1 or mass < top_p[i] * row_sum) and x[cand] >= low:
                 break
-            score = torch.where(above & (x >= low), x - _race_noise_ref(seeds[i], rnd, v),
-                                float("-inf"))
+            noise = race_noise_ref(seeds[i:i + 1], v, rnd * tiles * SUB)[0]
+            score = torch.where(above & (x >= low), x - noise, float("-inf"))
             cand = score.argmax()
             rnd += 1
         out.append(cand)

@@ -178,8 +178,8 @@ class Sampler:
         if all(p.greedy for p in params):
             return sample(x)
         filtered = [i for i, p in enumerate(params) if not p.greedy and self._filters(p)]
-        top_k = [i for i in filtered if 0 < params[i].top_k < self.vocab_size]
-        nucleus = [i for i in filtered if not 0 < params[i].top_k < self.vocab_size]
+        top_k = [i for i in filtered if self._top_k(params[i])]
+        nucleus = [i for i in filtered if not self._top_k(params[i])]
         temperature = [p.temperature for p in params]
         for i in filtered:
             temperature[i] = -1.0   # the kernel skips the row (token -1); another path fills it
@@ -199,7 +199,11 @@ class Sampler:
 
     def _filters(self, p: SamplingParams) -> bool:
         """Whether p needs top-k, top-p or min-p (the fused kernel does none of them)."""
-        return 0 < p.top_k < self.vocab_size or p.top_p < 1 or p.min_p > 0
+        return self._top_k(p) or p.top_p < 1 or p.min_p > 0
+
+    def _top_k(self, p: SamplingParams) -> bool:
+        """Whether p's top-k leaves out part of the vocabulary."""
+        return 0 < p.top_k < self.vocab_size
 
     def _row_keys(self, states: list[SeqSamplingState]) -> np.ndarray:
         """The fused kernel's Philox key per row, [N] int64 (64 bits of a hash).
@@ -277,7 +281,7 @@ class Sampler:
         [R, K] values. The other rows stay full width; pure-temperature rows skip every filter.
         """
         params = [s.params for s in states]
-        top_k = [i for i, p in enumerate(params) if 0 < p.top_k < self.vocab_size]
+        top_k = [i for i, p in enumerate(params) if self._top_k(p)]
         if not top_k:
             return self._sample_full(x, states)
         if len(top_k) == len(states):
