@@ -61,11 +61,14 @@ def test_draws_are_in_the_nucleus_and_match_the_reference(device, dtype, v):
 
 
 def test_a_tiny_top_p_is_greedy(device):
-    """top_p below the top token's probability leaves only it, even in a flat row of 151,936."""
+    """top_p below the top token's probability leaves only the top logit, even in a flat row of
+    151,936. In bf16 the top value is often tied (about one row in seven here), and ties at the
+    boundary are kept whole, so the draw is one of the tied top tokens."""
     n = 2 if SLOW else 64
     x = logits(n, 151936, torch.bfloat16, device, scale=0.5, pad=64)
     got = draw(x, list(range(n)), [1.0] * n, [1e-6] * n, [0.0] * n, random_keys(n, device))
-    assert torch.equal(got, x.float().argmax(-1))
+    top = x.float().max(-1).values
+    assert torch.equal(x.float().gather(1, got[:, None])[:, 0], top)
 
 
 @pytest.mark.parametrize("top_p,min_p", [(0.8, 0.0), (1.0, 0.2), (0.9, 0.1)])
