@@ -5,7 +5,12 @@ A decode step at batch B all-reduces the [B, hidden] activation twice per layer 
 after down_proj), once more after the embedding, and all-gathers the logits [B, vocab / N] once.
 For each batch size this times one all-reduce (eager, and on CUDA also replayed from a CUDA graph,
 as decode steps run) and one all-gather, the slowest rank's median, and reports
-2 x layers all-reduces per step. Every call is first checked for the right sum.
+2 x layers all-reduces per step. Every call is first checked for the right sum. On CUDA it also
+times the engine's one-shot all-reduce (kernels/all_reduce.py, set up as the workers do in
+conveyor/worker/layers/parallel.py) where the engine takes it, alone and with the RMSNorm after
+it fused in, each first checked against NCCL's sum of the same random values; the per-step
+figure is then the engine's path (the fused one in a graph: a decode step's all-reduces are all
+fused; eager steps use NCCL, where the one-shot kernel launched from Python is slower).
 
     python scripts/bench_allreduce.py --world-size 8                     # Llama-3.1-70B, NCCL
     python scripts/bench_allreduce.py --backend gloo --world-size 4      # CPU
@@ -49,19 +54,40 @@ def timed(fn, device: torch.device, iters: int, repeats: int = 5) -> float:
     return statistics.median(runs)
 
 
-def graphed(x: torch.Tensor, calls: int):
-    """A CUDA graph of `calls` all-reduces of x, and a function that replays it."""
+def graphed(fn, calls: int):
+    """A CUDA graph of `calls` calls of fn, and a function that replays it."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):            # NCCL's first calls on a stream stay out of capture
         for _ in range(3):
-            dist.all_reduce(x)
+            fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(calls):
-            dist.all_reduce(x)
+            fn()
     return graph.replay
+
+
+def check_one_shot(x: torch.Tensor, rank: int, world: int) -> None:
+    """The one-shot sum (and fused norm) of random values against NCCL's sum (and the norm
+    kernel): equal at two ranks (one add either way), within a rounding at more."""
+    from conveyor.worker.layers import parallel
+    from conveyor.worker.layers.norm import RMSNorm
+
+    torch.manual_seed(rank)
+    x.copy_(torch.randn_like(x))
+    expected = x.clone()
+    dist.all_reduce(expected)
+    tol = dict(atol=0, rtol=0) if world == 2 else dict(atol=1e-2, rtol=2 ** -7)
+    torch.testing.assert_close(parallel._one_shot(x), expected, **tol)
+    norm = RMSNorm(x.shape[1], 1e-5, x.dtype).to(x.device)
+    torch.manual_seed(0)                                 # the same residual on every rank
+    residual = torch.randn_like(x)
+    got = parallel._one_shot(x, norm.weight, norm.eps, residual)
+    want = norm(expected, residual)
+    torch.testing.assert_close(got[1], want[1], **tol)
+    torch.testing.assert_close(got[0], want[0], atol=2e-2, rtol=2e-2)
 
 
 def check_sum(x: torch.Tensor, rank: int, world: int, what: str) -> None:
@@ -85,8 +111,24 @@ def measure(batch: int, rank: int, args, device: torch.device) -> dict:
            "allreduce_s": timed(lambda: dist.all_reduce(x), device, args.iters)}
     if device.type == "cuda" and args.graph:
         calls = 2 * args.layers
-        replay = graphed(x, calls)
+        replay = graphed(lambda: dist.all_reduce(x), calls)
         row["allreduce_graph_s"] = timed(replay, device, 10) / calls
+    from conveyor.worker.layers import parallel
+
+    if parallel._one_shot is not None and parallel._one_shot.fits(x):
+        from conveyor.worker.layers.norm import RMSNorm
+
+        check_one_shot(x, rank, world)
+        x.zero_()
+        norm = RMSNorm(args.hidden, 1e-5, dtype).to(device)
+        residual = torch.zeros_like(x)
+        calls = 2 * args.layers
+        one_shot = parallel._one_shot
+        for name, fn in (("one_shot", lambda: one_shot(x)),
+                         ("fused", lambda: one_shot(x, norm.weight, norm.eps, residual))):
+            row[f"{name}_s"] = timed(fn, device, args.iters)      # eager: the engine's NCCL
+            if args.graph:                                          # as decode steps take it
+                row[f"{name}_graph_s"] = timed(graphed(fn, calls), device, 10) / calls
     logits = torch.randn(batch, -(-args.vocab // world), dtype=dtype, device=device)
     parts = [torch.empty_like(logits) for _ in range(world)]       # [B, vocab / N] each
     row["allgather_s"] = timed(lambda: dist.all_gather(parts, logits), device, args.iters)
@@ -103,42 +145,53 @@ def rank_main(rank: int, args, rendezvous: str, out_file: str) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group(args.backend, init_method=f"file://{rendezvous}", rank=rank,
                             world_size=world, device_id=device if device.type == "cuda" else None)
+    if device.type == "cuda" and args.custom:
+        from conveyor.worker.layers.parallel import enable_custom_all_reduce
+
+        enable_custom_all_reduce(device)
     rows = [measure(batch, rank, args, device) for batch in args.batch]
-    # the slowest rank's figures
-    keys = [k for k in rows[0] if k.endswith("_s")]
-    t = torch.tensor([[r[k] for k in keys] for r in rows], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    for r in rows:                           # the slowest rank's figures
+        keys = sorted(k for k in r if k.endswith("_s"))
+        t = torch.tensor([r[k] for k in keys], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        r.update(zip(keys, t.tolist()))
     if rank == 0:
-        for r, values in zip(rows, t.tolist()):
-            r.update(zip(keys, values))
         Path(out_file).write_text(json.dumps(rows))
     dist.destroy_process_group()
 
 
 def report(rows: list[dict], args) -> list[dict]:
+    def us(r, key):
+        return round(r[key] * 1e6, 2) if key in r else None
+
+    def cell(v):
+        return "-" if v is None else f"{v:.1f}"
+
     results = []
     for r in rows:
-        per_call = r.get("allreduce_graph_s", r["allreduce_s"])
+        nccl = r.get("allreduce_graph_s", r["allreduce_s"])
+        per_call = r.get("fused_graph_s", r.get("fused_s", nccl))     # the engine's path
         res = {"backend": args.backend, "world_size": args.world_size, "dtype": args.dtype,
                "hidden": args.hidden, "layers": args.layers, "batch": r["batch"],
-               "allreduce_us": round(r["allreduce_s"] * 1e6, 2),
-               "allreduce_graph_us": (round(r["allreduce_graph_s"] * 1e6, 2)
-                                      if "allreduce_graph_s" in r else None),
+               "allreduce_us": us(r, "allreduce_s"),
+               "allreduce_graph_us": us(r, "allreduce_graph_s"),
+               "one_shot_us": us(r, "one_shot_s"), "one_shot_graph_us": us(r, "one_shot_graph_s"),
+               "fused_us": us(r, "fused_s"), "fused_graph_us": us(r, "fused_graph_s"),
                "allreduce_busbw_gbs": round(r["bytes"] * 2 * (args.world_size - 1)
-                                            / args.world_size / per_call / 1e9, 2),
+                                            / args.world_size / nccl / 1e9, 2),
                "allreduce_per_step_ms": round(2 * args.layers * per_call * 1e3, 3),
-               "allgather_logits_us": round(r["allgather_s"] * 1e6, 2)}
+               "allgather_logits_us": us(r, "allgather_s")}
         results.append(res)
     print(f"{args.backend}, {args.world_size} ranks, [batch, {args.hidden}] {args.dtype}, "
-          f"2 x {args.layers} all-reduces per step")
-    print("| batch | all-reduce us | in a CUDA graph us | bus GB/s | per step ms "
-          "| logits all-gather us |")
-    print("|---:|---:|---:|---:|---:|---:|")
+          f"2 x {args.layers} all-reduces per step; us per call (in a CUDA graph)")
+    print("| batch | NCCL | NCCL, graph | NCCL bus GB/s | one-shot | one-shot, graph "
+          "| one-shot + RMSNorm | + RMSNorm, graph | per step ms | logits all-gather |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for res in results:
-        graph = res["allreduce_graph_us"]
-        print(f"| {res['batch']} | {res['allreduce_us']:.1f} | "
-              f"{'-' if graph is None else f'{graph:.1f}'} | {res['allreduce_busbw_gbs']:.1f} | "
-              f"{res['allreduce_per_step_ms']:.3f} | {res['allgather_logits_us']:.1f} |")
+        print(f"| {res['batch']} | " + " | ".join(cell(res[k]) for k in (
+            "allreduce_us", "allreduce_graph_us", "allreduce_busbw_gbs", "one_shot_us",
+            "one_shot_graph_us", "fused_us", "fused_graph_us"))
+            + f" | {res['allreduce_per_step_ms']:.3f} | {res['allgather_logits_us']:.1f} |")
     return results
 
 
@@ -156,6 +209,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--iters", type=int, default=200, help="calls per timed run")
     ap.add_argument("--no-graph", dest="graph", action="store_false",
                     help="on CUDA, time eager calls only")
+    ap.add_argument("--no-custom", dest="custom", action="store_false",
+                    help="on CUDA, NCCL only (leave out the engine's one-shot all-reduce)")
     ap.add_argument("--json", help="append one JSON line per batch size to this file")
     args = ap.parse_args(argv)
     args.batch = [int(b) for b in args.batch.split(",")]

@@ -47,6 +47,9 @@ class EngineConfig:
     # "auto" (the model dtype) | "fp8" (alias "fp8_e4m3"): e4m3 with per-layer scales
     kv_cache_dtype: str = "auto"
     enforce_eager: bool = False
+    # tensor parallel on CUDA: decode-sized all-reduces (and the RMSNorm after them) in one
+    # one-shot kernel over symmetric memory (kernels/all_reduce.py); True: NCCL for all of them
+    disable_custom_all_reduce: bool = False
     async_scheduling: bool = True            # plan step N+1 while step N runs (overlap)
 
     def __post_init__(self) -> None:

@@ -42,7 +42,12 @@ def worker_main(ctx: zmq.Context, control: Socket, cfg: ServeConfig, rank: int) 
         os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                 init_method=f"file://{cfg.runtime_dir}/distributed",
-                                rank=rank, world_size=tp)
+                                rank=rank, world_size=tp,
+                                device_id=device if device.type == "cuda" else None)
+        if device.type == "cuda" and not cfg.engine.disable_custom_all_reduce:
+            from conveyor.worker.layers.parallel import enable_custom_all_reduce
+
+            enable_custom_all_reduce(device)
     files = resolve_model(cfg.engine.model)
     model = read_model_config(files)
     profiler = StepProfiler.from_env(rank, device.type == "cuda")

@@ -182,8 +182,11 @@ class RowParallelLinear(LinearBase):
     """
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, reduce_results: bool = True):
         super().__init__(divide(input_size, tp_size()), output_size, bias, dtype)
+        # False: forward returns this rank's partial sums; the caller reduces them (fused into
+        # the RMSNorm that follows: RMSNorm(..., reduce=True))
+        self.reduce_results = reduce_results
 
     def weight_loader(self, param, loaded_weight, shard_id=None) -> None:
         if param.dim() == 1 or (param is self.weight_scale and loaded_weight.shape[1] == 1):
@@ -196,4 +199,5 @@ class RowParallelLinear(LinearBase):
         """silu_mul: x is a fused gate/up output [T, 2 * input_local]; the layer's input is
         silu(gate) * up (fused into the kernel's loads at decode sizes)."""
         bias = self.bias if tp_rank() == 0 else None
-        return all_reduce(linear(x, self.weight, bias, silu_mul, self.weight_scale))
+        y = linear(x, self.weight, bias, silu_mul, self.weight_scale)
+        return all_reduce(y) if self.reduce_results else y

@@ -1,6 +1,8 @@
-"""RMSNorm, computed in float32 like Hugging Face, with an optional fused residual add.
+"""RMSNorm, computed in float32 like Hugging Face, with an optional fused residual add, and
+optionally the tensor-parallel all-reduce of its input before it.
 
-On CUDA (with Triton) one fused kernel does the add and the norm; elsewhere, torch ops.
+On CUDA (with Triton) one fused kernel does the add and the norm (and, for decode-sized inputs
+under tensor parallelism, the all-reduce too: layers/parallel.py); elsewhere, torch ops.
 """
 from __future__ import annotations
 
@@ -24,11 +26,18 @@ class RMSNorm(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                reduce: bool = False):
         """Normalise x; with a residual, normalise x + residual and also return that sum.
+        reduce: x is this rank's partial sum (a row-parallel layer's output, not yet reduced);
+        the sum over the tensor-parallel ranks is normalised.
 
         NOTE: the add runs in the model dtype, as in Hugging Face's decoder layers.
         """
+        if reduce:
+            from conveyor.worker.layers.parallel import all_reduce_rms_norm
+
+            return all_reduce_rms_norm(x, self, residual)
         if x.is_cuda and x.dim() == 2 and triton_available():
             from conveyor.kernels.rms_norm import rms_norm
 

@@ -1,7 +1,13 @@
-"""Tensor-parallel helpers: this rank's place in the group and the two collectives layers use.
+"""Tensor-parallel helpers: this rank's place in the group and the collectives layers use.
 
 The group is the default torch.distributed process group; without one, tp_size is 1 and the
 collectives are no-ops, so every layer runs unchanged in a single process.
+
+On CUDA, the all-reduces of decode steps captured in CUDA graphs (up to 8 MB / W, bf16 or fp16)
+go through the one-shot kernel of kernels/all_reduce.py over PyTorch's symmetric memory once
+`enable_custom_all_reduce` has set it up, and `all_reduce_rms_norm` folds the decoder layer's
+residual add and RMSNorm into it. Everything else (eager steps, larger messages, other dtypes,
+gloo on CPU) uses torch.distributed.
 """
 from __future__ import annotations
 
@@ -23,10 +29,85 @@ def divide(numerator: int, denominator: int) -> int:
     return numerator // denominator
 
 
+class _OneShot:
+    """This rank's symmetric buffer (flags and receive slots), every rank's address of it, and
+    the kernel's call counters."""
+
+    def __init__(self, device: torch.device):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        from conveyor.kernels.all_reduce import FLAG_BYTES, MAX_ROWS, buffer_bytes
+
+        world = tp_size()
+        self.max_bytes = (8 << 20) // world
+        buffer = symm_mem.empty(buffer_bytes(world, self.max_bytes), dtype=torch.uint8,
+                                device=device)
+        buffer[:FLAG_BYTES].zero_()
+        handle = symm_mem.rendezvous(buffer, dist.group.WORLD.group_name)
+        offset = buffer.data_ptr() - handle.buffer_ptrs[tp_rank()]
+        self.buffer = buffer
+        self.bases = torch.tensor([p + offset for p in handle.buffer_ptrs], dtype=torch.int64,
+                                  device=device)
+        self.counters = torch.zeros(MAX_ROWS, dtype=torch.int32, device=device)
+        self.max_rows = MAX_ROWS
+        torch.cuda.synchronize(device)
+        dist.barrier()                       # every rank's flags are zero before any call
+
+    def takes(self, x: torch.Tensor) -> bool:
+        """Decode-sized x, in a CUDA graph being captured. NOTE: eager calls (prefill and mixed
+        steps, enforce_eager) stay with NCCL: launched from Python one call of the kernel took
+        60-95 us against NCCL's 26-44; replayed from a graph it takes 3.6 against 17-21
+        (two H200s, scripts/bench_allreduce.py)."""
+        return torch.cuda.is_current_stream_capturing() and self.fits(x)
+
+    def fits(self, x: torch.Tensor) -> bool:
+        return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.dim() == 2
+                and x.stride(1) == 1 and x.shape[1] % 8 == 0 and x.shape[0] <= self.max_rows
+                and x.numel() * x.element_size() <= self.max_bytes)
+
+    def __call__(self, x: torch.Tensor, weight=None, eps: float = 1e-6, residual=None):
+        from conveyor.kernels.all_reduce import one_shot_all_reduce
+
+        return one_shot_all_reduce(x, self.bases, self.counters, tp_rank(), self.max_bytes,
+                                   weight, eps, residual)
+
+
+_one_shot: _OneShot | None = None
+
+
+def enable_custom_all_reduce(device: torch.device) -> bool:
+    """Set up the one-shot all-reduce on this CUDA device (collective: every rank calls it, and
+    every rank gets the same answer). False, with NCCL kept, where it cannot be set up."""
+    global _one_shot
+    ok = True
+    try:
+        one_shot = _OneShot(device)
+    except (ImportError, AttributeError, RuntimeError) as e:
+        print(f"conveyor: rank {tp_rank()}: custom all-reduce unavailable ({e}); using NCCL",
+              flush=True)
+        ok = False
+    if min_over_ranks(int(ok), device) == 1:
+        _one_shot = one_shot
+        return True
+    return False
+
+
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    if tp_size() > 1:
-        dist.all_reduce(x)
+    """The sum of x over the ranks: a new tensor (one-shot) or x itself, summed in place."""
+    if tp_size() == 1:
+        return x
+    if _one_shot is not None and _one_shot.takes(x):
+        return _one_shot(x)
+    dist.all_reduce(x)
     return x
+
+
+def all_reduce_rms_norm(x: torch.Tensor, norm, residual: torch.Tensor | None = None):
+    """norm(sum of x over the ranks, residual): one kernel where the one-shot path takes x."""
+    if (tp_size() > 1 and _one_shot is not None and _one_shot.takes(x)
+            and norm.weight.dtype == x.dtype):
+        return _one_shot(x, norm.weight, norm.eps, residual)
+    return norm(all_reduce(x), residual)
 
 
 def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:

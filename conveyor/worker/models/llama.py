@@ -31,7 +31,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = QKVParallelLinear(config.hidden_size, d, config.num_attention_heads,
                                           config.num_key_value_heads, qkv_bias, dtype)
         self.o_proj = RowParallelLinear(config.num_attention_heads * d, config.hidden_size,
-                                        o_bias, dtype)
+                                        o_bias, dtype, reduce_results=False)
         heads, kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = heads * d, kv_heads * d
         self.head_dim = d
@@ -67,7 +67,8 @@ class LlamaMLP(nn.Module):
         inter = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter],
                                                        dtype=dtype)
-        self.down_proj = RowParallelLinear(inter, config.hidden_size, dtype=dtype)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, dtype=dtype,
+                                           reduce_results=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # SiLU-and-mul of the gate/up output happens in down_proj (in its loads when decoding)
@@ -84,13 +85,17 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
     def forward(self, x, residual, cos, sin, ctx):
-        """Returns this layer's output and the residual stream, still to be added."""
+        """Returns this layer's output and the residual stream, still to be added.
+
+        Under tensor parallelism the attention and MLP outputs (o_proj, down_proj) leave each
+        rank as partial sums, and the norm after each reduces them (one fused kernel at decode
+        sizes); so x, as given and as returned, is a partial sum, except the embedding's."""
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
-            x, residual = self.input_layernorm(x, residual)
+            x, residual = self.input_layernorm(x, residual, reduce=True)
         x = self.self_attn(x, cos, sin, ctx)
-        x, residual = self.post_attention_layernorm(x, residual)
+        x, residual = self.post_attention_layernorm(x, residual, reduce=True)
         return self.mlp(x), residual
 
 
@@ -111,7 +116,7 @@ class LlamaModel(nn.Module):
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, cos, sin, ctx)
-        return self.norm(x, residual)[0]
+        return self.norm(x, residual, reduce=True)[0]
 
 
 class LlamaForCausalLM(nn.Module):
