@@ -30,8 +30,12 @@ except ImportError:  # CPU-only install
     tl = _NoTriton()
 
 
-def jit(fn):
-    return triton.jit(fn) if triton is not None else fn
+def jit(fn=None, **options):
+    """triton.jit, as `@jit` or `@jit(do_not_specialize=[...])`; the function itself without
+    Triton."""
+    if fn is None:
+        return lambda f: jit(f, **options)
+    return triton.jit(fn, **options) if triton is not None else fn
 
 
 def require_triton() -> None:

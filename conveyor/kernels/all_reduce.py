@@ -41,7 +41,10 @@ def buffer_bytes(world: int, max_bytes: int) -> int:
     return FLAG_BYTES + 2 * world * max_bytes
 
 
-@jit
+# NOTE: rank is not specialized (Triton would compile rank 1 apart), so every rank runs one
+# binary: where ranks share a process (the kernel tests), a rank's first launch then loads no
+# module while another rank's kernel is already waiting for it
+@jit(do_not_specialize=["rank"])
 def _one_shot_kernel(x_ptr, out_ptr, res_ptr, res_out_ptr, w_ptr, eps, bases_ptr, counter_ptr,
                      rank, N, slot_elems, stride_x, stride_o, stride_r, stride_ro,
                      WORLD: tl.constexpr, BLOCK: tl.constexpr, NORM: tl.constexpr,
