@@ -1,8 +1,9 @@
 """RMSNorm, computed in float32 like Hugging Face, with an optional fused residual add, and
 optionally the tensor-parallel all-reduce of its input before it.
 
-On CUDA (with Triton) one fused kernel does the add and the norm (and, for decode-sized inputs
-under tensor parallelism, the all-reduce too: layers/parallel.py); elsewhere, torch ops.
+On CUDA (with Triton) one fused kernel does the add and the norm (and, in the CUDA graphs of
+decode steps under tensor parallelism, the all-reduce too: layers/parallel.py); elsewhere,
+torch ops.
 """
 from __future__ import annotations
 
