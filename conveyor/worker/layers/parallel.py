@@ -39,6 +39,8 @@ class _OneShot:
         from conveyor.kernels.all_reduce import FLAG_BYTES, MAX_ROWS, buffer_bytes
 
         world = tp_size()
+        if world > 8:
+            raise RuntimeError(f"the one-shot kernel takes up to 8 ranks, not {world}")
         self.max_bytes = (8 << 20) // world
         buffer = symm_mem.empty(buffer_bytes(world, self.max_bytes), dtype=torch.uint8,
                                 device=device)
