@@ -11,7 +11,7 @@ them). Program r (row r of x) on each rank:
      at system scope (n: how many times this program index has run on this rank, kept in
      `counters`), and waits, with acquire, until every peer's flag here reads n + 1;
   3. sums the W rows in rank order in float32, so that every rank gets the same bits, and
-     writes the sum (or, fused: sum + residual, and RMSNorm of that; as kernels/rms_norm.py).
+     writes the sum (or, fused: sum + residual, and RMSNorm of that: kernels/rms_norm.py's).
 The receive slots alternate by the parity of n, so a push never overwrites a row a peer may
 still be reading: a peer reads slot n % 2 in its call n, and this rank writes it again only in
 its call n + 2, after it has seen the peer's flag of call n + 1, which the peer raised after its
@@ -31,6 +31,7 @@ import torch
 
 from conveyor.kernels._triton import grid_sync, jit, pdl_args, require_triton, tl
 from conveyor.kernels._util import check, next_pow2
+from conveyor.kernels.rms_norm import rms_normalize
 
 MAX_ROWS = 1024             # programs (rows) per call; flags are [MAX_ROWS, W] int32 a rank
 FLAG_BYTES = MAX_ROWS * 8 * 4                     # room for 8 ranks
@@ -94,10 +95,7 @@ def _one_shot_kernel(x_ptr, out_ptr, res_ptr, res_out_ptr, w_ptr, eps, bases_ptr
             r = tl.load(res_ptr + row.to(tl.int64) * stride_r + cols, mask=mask, other=0.0)
             y = (y.to(tl.float32) + r.to(tl.float32)).to(dtype)
             tl.store(res_out_ptr + row.to(tl.int64) * stride_ro + cols, y, mask=mask)
-        yf = y.to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(yf * yf, 0) / N + eps)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        y = (yf * rstd).to(dtype).to(tl.float32) * w
+        y = rms_normalize(y, tl.load(w_ptr + cols, mask=mask, other=0.0), eps, N)
     tl.store(out_ptr + row.to(tl.int64) * stride_o + cols, y.to(out_ptr.dtype.element_ty),
              mask=mask)
 

@@ -9,6 +9,16 @@ from conveyor.kernels._util import check, next_pow2
 
 
 @jit
+def rms_normalize(x, w, eps, N):
+    """RMSNorm of one row x [BLOCK] (the model dtype; zeros past N) times w, in float32,
+    rounded like the torch layer: normalised in float32, rounded to x's dtype, then scaled.
+    Also the norm of kernels/all_reduce.py's fused path."""
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, 0) / N + eps)
+    return (xf * rstd).to(x.dtype).to(tl.float32) * w.to(tl.float32)
+
+
+@jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps,
                      stride_x, stride_r, stride_o, stride_ro,
                      N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
@@ -22,10 +32,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps,
         x = (x.to(tl.float32) + tl.load(res_ptr + row * stride_r + cols, mask=mask,
                                         other=0.0).to(tl.float32)).to(x.dtype)
         tl.store(res_out_ptr + row * stride_ro + cols, x, mask=mask)
-    xf = x.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(xf * xf, 0) / N + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    y = (xf * rstd).to(x.dtype).to(tl.float32) * w.to(tl.float32)
+    y = rms_normalize(x, tl.load(w_ptr + cols, mask=mask, other=0.0), eps, N)
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 

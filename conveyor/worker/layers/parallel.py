@@ -51,7 +51,6 @@ class _OneShot:
         self.bases = torch.tensor([p + offset for p in handle.buffer_ptrs], dtype=torch.int64,
                                   device=device)
         self.counters = torch.zeros(MAX_ROWS, dtype=torch.int32, device=device)
-        self.max_rows = MAX_ROWS
         torch.cuda.synchronize(device)
         dist.barrier()                       # every rank's flags are zero before any call
 
@@ -63,8 +62,10 @@ class _OneShot:
         return torch.cuda.is_current_stream_capturing() and self.fits(x)
 
     def fits(self, x: torch.Tensor) -> bool:
+        from conveyor.kernels.all_reduce import MAX_ROWS
+
         return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.dim() == 2
-                and x.stride(1) == 1 and x.shape[1] % 8 == 0 and x.shape[0] <= self.max_rows
+                and x.stride(1) == 1 and x.shape[1] % 8 == 0 and x.shape[0] <= MAX_ROWS
                 and x.numel() * x.element_size() <= self.max_bytes)
 
     def __call__(self, x: torch.Tensor, weight=None, eps: float = 1e-6, residual=None):
@@ -74,7 +75,7 @@ class _OneShot:
                                    weight, eps, residual)
 
 
-_one_shot: _OneShot | None = None
+_one_shot: _OneShot | None = None           # set by enable_custom_all_reduce (TP > 1 only)
 
 
 def enable_custom_all_reduce(device: torch.device) -> bool:
@@ -106,8 +107,7 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
 
 def all_reduce_rms_norm(x: torch.Tensor, norm, residual: torch.Tensor | None = None):
     """norm(sum of x over the ranks, residual): one kernel where the one-shot path takes x."""
-    if (tp_size() > 1 and _one_shot is not None and _one_shot.takes(x)
-            and norm.weight.dtype == x.dtype):
+    if _one_shot is not None and _one_shot.takes(x) and norm.weight.dtype == x.dtype:
         return _one_shot(x, norm.weight, norm.eps, residual)
     return norm(all_reduce(x), residual)
 
