@@ -92,7 +92,8 @@ def main() -> None:
     add_model_args(ap)
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="default: conveyor.llm.OFFLINE_GPU_TOKEN_BUDGET")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
@@ -112,11 +113,12 @@ def main() -> None:
         ap.error("--compare-hf needs a saved checkpoint, not --load-format dummy")
 
     from conveyor import LLM, SamplingParams
+    from conveyor.llm import OFFLINE_GPU_TOKEN_BUDGET
 
     prompts, max_tokens = workload(args.num_requests)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
     engine = dict(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                  max_num_batched_tokens=args.max_num_batched_tokens,
+                  max_num_batched_tokens=args.max_num_batched_tokens or OFFLINE_GPU_TOKEN_BUDGET,
                   enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
                   disable_custom_all_reduce=args.disable_custom_all_reduce,
                   load_format=args.load_format, kv_cache_dtype=args.kv_cache_dtype,
