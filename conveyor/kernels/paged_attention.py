@@ -45,7 +45,9 @@ def _find_seq(query_start_loc_ptr, num_seqs, tile, TQ: tl.constexpr):
     return left - 1
 
 
-@jit
+# Counts that change every step are not specialised (Triton would compile a variant for a value of
+# 1 and for multiples of 16): one variant per tile class, so a warm-up covers them all.
+@jit(do_not_specialize=["num_seqs", "num_splits"])
 def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
         block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, seq_order_ptr,

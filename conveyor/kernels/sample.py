@@ -82,7 +82,9 @@ def _best_of_lanes(best, best_col):
     return score, tl.min(tl.where(best == score, best_col, 2147483647), 0)
 
 
-@jit
+# The chunk counts follow the batch size: not specialised, so only BLOCK_C (a power of two)
+# makes a new variant (paged_attention.py says why).
+@jit(do_not_specialize=["tiles_per_chunk", "num_chunks"])
 def _sample_chunk_kernel(logits_ptr, temperature_ptr, seed_ptr, part_score_ptr, part_col_ptr,
                          V, stride_row, tiles_per_chunk, num_chunks,
                          SUB: tl.constexpr, GREEDY_ONLY: tl.constexpr, FAST: tl.constexpr,
@@ -128,7 +130,7 @@ def _sample_chunk_kernel(logits_ptr, temperature_ptr, seed_ptr, part_score_ptr, 
     tl.store(part_col_ptr + row * num_chunks + chunk, col)
 
 
-@jit
+@jit(do_not_specialize=["num_chunks"])
 def _sample_reduce_kernel(part_score_ptr, part_col_ptr, temperature_ptr, out_ptr, num_chunks,
                           BLOCK_C: tl.constexpr, GREEDY_ONLY: tl.constexpr,
                           USE_PDL: tl.constexpr):
