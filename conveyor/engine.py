@@ -11,6 +11,7 @@ from conveyor.scheduler.scheduler import Scheduler
 from conveyor.shared.config import EngineConfig, ModelConfig
 from conveyor.shared.messages import AddRequest, StepPlan, StepResult, TokenOutput, decode, encode
 from conveyor.shared.model_files import ModelFiles, read_model_config, resolve_model
+from conveyor.worker.profiling import host_phase
 
 
 def max_model_len(config: EngineConfig, model: ModelConfig) -> int:
@@ -50,16 +51,19 @@ class EngineCore:
         then wait for the step in flight); returns what that result gives the frontends."""
         outputs = None
         while outputs is None and self.scheduler.can_schedule():
-            plan = self.scheduler.schedule()
+            with host_phase(self.profiler, "conveyor: plan"):
+                plan = self.scheduler.schedule()
             if plan is None:
                 break
             if self.profiler is not None:
                 self.profiler.before_step()
-            result = self.runner.submit(decode(encode(plan), (StepPlan,)))
+            with host_phase(self.profiler, "conveyor: run a step"):
+                result = self.runner.submit(decode(encode(plan), (StepPlan,)))
             if result is not None:
                 outputs = self._update(result)
         if outputs is None:
-            result = self.runner.flush()
+            with host_phase(self.profiler, "conveyor: wait for a result"):
+                result = self.runner.flush()
             outputs = [] if result is None else self._update(result)
         if not self.scheduler.has_work():     # a step in flight holds finished requests only
             while (result := self.runner.flush()) is not None:
@@ -67,4 +71,5 @@ class EngineCore:
         return outputs
 
     def _update(self, result: StepResult) -> list[TokenOutput]:
-        return self.scheduler.update(decode(encode(result), (StepResult,)))
+        with host_phase(self.profiler, "conveyor: apply a result"):
+            return self.scheduler.update(decode(encode(result), (StepResult,)))

@@ -25,7 +25,7 @@ def worker_main(ctx: zmq.Context, control: Socket, cfg: ServeConfig, rank: int) 
     import torch.distributed as dist
 
     from conveyor.worker.model_runner import ModelRunner
-    from conveyor.worker.profiling import StepProfiler
+    from conveyor.worker.profiling import StepProfiler, host_phase
 
     tp = cfg.engine.tensor_parallel_size
     if cfg.engine.device == "cuda":
@@ -63,10 +63,14 @@ def worker_main(ctx: zmq.Context, control: Socket, cfg: ServeConfig, rank: int) 
         info["quantization"] = runner.quant_report.summary()
     control.send(Ready(f"worker-{rank}", info))
     while True:
-        if not _plan_comes_first(plans, runner):
-            _send(results, runner.flush())
+        with host_phase(profiler, "conveyor: wait for a plan"):
+            plan_first = _plan_comes_first(plans, runner)
+        if not plan_first:
+            with host_phase(profiler, "conveyor: send a finished result"):
+                _send(results, runner.flush())
             continue
-        _, plan = plans.recv()
+        with host_phase(profiler, "conveyor: receive a plan"):
+            _, plan = plans.recv()
         if isinstance(plan, Shutdown):
             if profiler is not None:
                 profiler.finish()
@@ -75,10 +79,11 @@ def worker_main(ctx: zmq.Context, control: Socket, cfg: ServeConfig, rank: int) 
             raise RuntimeError(f"unreadable step plan from the scheduler: {plan.error}")
         if profiler is not None:
             profiler.before_step()
-        if cfg.engine.async_scheduling:
-            _send(results, runner.submit(plan))
-        else:                                # one step at a time: no result to wait for later
-            _send(results, runner.execute(plan))
+        with host_phase(profiler, "conveyor: run a step"):
+            if cfg.engine.async_scheduling:
+                _send(results, runner.submit(plan))
+            else:                            # one step at a time: no result to wait for later
+                _send(results, runner.execute(plan))
 
 
 def _plan_comes_first(plans: Socket, runner) -> bool:

@@ -8,13 +8,19 @@ START .. START + COUNT - 1 it runs (default 100:20; a step is one StepPlan) and 
 DIR/worker-RANK.json, a Chrome trace (chrome://tracing, Perfetto), and DIR/worker-RANK.txt, its
 ops and kernels by total time, when the window ends; under `serve` a window cut short by
 shutdown is written then. Off (no cost) unless CONVEYOR_PROFILE_DIR is set.
+
+Host phases of the step loop (`host_phase`: waiting for a plan, planning, running a step,
+sending a result) are named ranges on the trace's CPU timeline, so a gap between kernels can be
+matched with what the host was doing.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
-import torch
+# NOTE: torch is imported where it is used: conveyor.engine imports host_phase, and the
+# scheduler process imports conveyor.engine without torch
 
 
 class StepProfiler:
@@ -25,7 +31,7 @@ class StepProfiler:
         self.out = Path(out_dir)
         self.rank, self.start, self.count, self.cuda = rank, start, count, cuda
         self.steps = 0
-        self.prof: torch.profiler.profile | None = None
+        self.prof = None                  # torch.profiler.profile while the window is open
 
     @classmethod
     def from_env(cls, rank: int, cuda: bool) -> StepProfiler | None:
@@ -45,6 +51,8 @@ class StepProfiler:
     def before_step(self) -> None:
         """Call before each step is run: starts and stops the window."""
         if self.steps == self.start:
+            import torch
+
             activities = [torch.profiler.ProfilerActivity.CPU]
             if self.cuda:
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -58,6 +66,8 @@ class StepProfiler:
         """Stop and write the window, if one is open."""
         if self.prof is None:
             return
+        import torch
+
         if self.cuda:
             torch.cuda.synchronize()
         self.prof.stop()
@@ -70,3 +80,12 @@ class StepProfiler:
         Path(f"{stem}.txt").write_text(f"worker {self.rank}: steps {self.start} to "
                                        f"{self.start + steps - 1} ({steps} steps)\n{table}\n")
         self.prof = None
+
+
+def host_phase(profiler: StepProfiler | None, name: str):
+    """A range named `name` on the trace's CPU timeline while a window is open; else nothing."""
+    if profiler is None or profiler.prof is None:
+        return contextlib.nullcontext()
+    import torch
+
+    return torch.profiler.record_function(name)

@@ -65,7 +65,7 @@ def test_quantized_tp2_stays_close_to_tp1(tmp_path):
 
 def test_each_worker_writes_its_profile_window(tmp_path, monkeypatch):
     """CONVEYOR_PROFILE_DIR: every rank of a served engine profiles steps 1-3 and writes a trace
-    and a table; at TP=2 the table holds the all-reduces."""
+    and a table; at TP=2 the table holds the all-reduces, the trace the step loop's host phases."""
     path = str(make_tiny_model("llama", tmp_path / "llama", **SHAPE))
     out = tmp_path / "profile"
     monkeypatch.setenv("CONVEYOR_PROFILE_DIR", str(out))
@@ -75,4 +75,7 @@ def test_each_worker_writes_its_profile_window(tmp_path, monkeypatch):
         table = (out / f"worker-{rank}.txt").read_text()
         assert table.startswith(f"worker {rank}: steps 1 to 3 (3 steps)")
         assert "allreduce" in table.replace("_", "").lower()
-        assert (out / f"worker-{rank}.json").stat().st_size > 0
+        trace = (out / f"worker-{rank}.json").read_text()
+        for phase in ("conveyor: wait for a plan", "conveyor: receive a plan",
+                      "conveyor: run a step"):
+            assert f'"name": "{phase}"' in trace, (rank, phase)

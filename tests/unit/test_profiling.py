@@ -51,3 +51,21 @@ def test_the_offline_engine_profiles_as_worker_0(tmp_path, monkeypatch):
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
     table = (tmp_path / "profile" / "worker-0.txt").read_text()
     assert table.startswith("worker 0: steps 1 to 2 (2 steps)") and "aten::" in table
+    trace = (tmp_path / "profile" / "worker-0.json").read_text()
+    for phase in ("conveyor: plan", "conveyor: run a step", "conveyor: apply a result"):
+        assert f'"name": "{phase}"' in trace, phase          # host phases on the CPU timeline
+
+
+def test_host_phases_are_recorded_only_inside_the_window(tmp_path):
+    from conveyor.worker.profiling import host_phase
+
+    prof = StepProfiler(str(tmp_path), 0, start=1, count=1, cuda=False)
+    for step in range(3):
+        prof.before_step()
+        with host_phase(prof, f"conveyor: phase {step}"):
+            torch.ones(4).add_(step)
+    with host_phase(None, "conveyor: no profiler"):   # no profiler at all: nothing to do
+        pass
+    trace = (tmp_path / "worker-0.json").read_text()
+    assert '"conveyor: phase 0"' not in trace and '"conveyor: phase 2"' not in trace
+    assert '"conveyor: phase 1"' in trace
