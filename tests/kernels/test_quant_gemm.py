@@ -47,6 +47,20 @@ def test_skinny_int8(device, dtype, n, k, groups, bias):
 
 @pytest.mark.gpu
 @pytest.mark.interpreter
+def test_skinny_int8_reads_every_byte_exactly(device):
+    """Row i holds the int8 value i - 128 in one column: y is that value, to the last bit (the
+    kernel builds floats from the weight bytes with integer ops, -128 and 127 included)."""
+    k = 64
+    w = torch.zeros(256, k, dtype=torch.int8, device=device)
+    w[:, 5] = torch.arange(-128, 128, device=device).to(torch.int8)
+    x = torch.zeros(1, k, device=device, dtype=torch.bfloat16)
+    x[0, 5] = 1.0
+    y = skinny_gemm(x, w, scale=torch.ones(256, 1, device=device))
+    assert torch.equal(y.float(), torch.arange(-128, 128, device=device).float()[None])
+
+
+@pytest.mark.gpu
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n,k", [(37, 1000), (300, 128)])
 def test_skinny_fp8_weights(device, dtype, n, k):
