@@ -101,10 +101,12 @@ class BlockManager:
 
     def num_needed(self, req: Request, num_new_tokens: int, prefix: Sequence[int] = ()) -> int:
         """Free blocks `req` takes to cover num_new_tokens more tokens (see can_allocate)."""
-        held = len(prefix) or len(req.block_table)
-        start = len(prefix) * self.block_size if prefix else req.num_computed_tokens
-        fresh = max(0, -(-(start + num_new_tokens) // self.block_size) - held)
-        return fresh + sum(self.blocks[b].ref_count == 0 for b in prefix)
+        if not prefix:                # a running request (every step): no prefix to count
+            held, start, revived = len(req.block_table), req.num_computed_tokens, 0
+        else:
+            held, start = len(prefix), len(prefix) * self.block_size
+            revived = sum(self.blocks[b].ref_count == 0 for b in prefix)
+        return max(0, -(-(start + num_new_tokens) // self.block_size) - held) + revived
 
     def num_exclusive(self, req: Request) -> int:
         """Blocks of `req` no other request holds: those freeing it returns to the free queue."""
@@ -133,6 +135,8 @@ class BlockManager:
         block ids. Raises MemoryError where `can_allocate` said no."""
         needed = -(-(req.num_computed_tokens + num_new_tokens) // self.block_size)
         new = needed - len(req.block_table)
+        if new <= 0:                  # most decode steps: the last block has room
+            return []
         if new > len(self._free):
             raise MemoryError(f"{new} blocks needed, {len(self._free)} free")
         ids = [self._pop_free() for _ in range(new)]
@@ -147,6 +151,8 @@ class BlockManager:
         if num_tokens is None:
             num_tokens = req.num_computed_tokens
         num_full = num_tokens // self.block_size
+        if num_full <= req.num_cached_blocks:     # no block filled up since (most steps)
+            return
         self._hash_blocks(req, num_full)
         for i in range(req.num_cached_blocks, num_full):
             block = self.blocks[req.block_table[i]]
