@@ -4,6 +4,11 @@ Fills `--batch` sequences with 512-token prompts, runs until all of them decode,
 `--steps` decode steps: busy = the union of the GPU kernels' intervals, idle = the rest of the
 window from the first kernel's start to the last kernel's end.
 
+The profiler slows the host: under it a CUDA graph launch costs the host 300-670 µs against
+25-28 µs without (H200, 2026-12-01), so where the host is the limit this overstates the idle
+time. The unprofiled check is to add host work to every step and see when throughput drops
+(docs/BENCHMARKS.md, session 9).
+
     python scripts/gpu_idle.py --shape qwen3-0.6b --random-weights --batch 256
 """
 from __future__ import annotations
