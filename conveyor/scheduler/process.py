@@ -14,7 +14,6 @@ from collections import defaultdict
 import zmq
 
 from conveyor.engine import max_model_len
-from conveyor.scheduler.block_manager import IntegrityError
 from conveyor.scheduler.scheduler import Scheduler
 from conveyor.shared.config import ServeConfig
 from conveyor.shared.messages import (
@@ -101,10 +100,7 @@ class SchedulerLoop:
             dead = msg.role.encode()
             return self.scheduler.abort([i for i, p in self.owner.items() if p == dead])
         if isinstance(msg, StatsRequest):
-            try:
-                self.scheduler.check_integrity()
-            except IntegrityError:
-                pass                         # reported as integrity_ok=False
+            self.scheduler.audit()
             self.frontends.send(self.scheduler.stats(), to=peer)
         elif isinstance(msg, ErrorReply):
             pass                             # malformed; already logged by the socket

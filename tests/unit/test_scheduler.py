@@ -20,6 +20,7 @@ from scheduler_util import (
 )
 
 from conveyor.scheduler import FCFSPolicy, IntegrityError, Policy, Request, SchedulingContext
+from conveyor.scheduler.scheduler import AUDIT_INTERVAL_S
 from conveyor.shared.messages import StepResult
 from conveyor.shared.sampling_params import SamplingParams
 
@@ -319,6 +320,29 @@ def test_integrity_check_catches_a_leak():
     h.sched.running[0].slot = None
     with pytest.raises(IntegrityError):
         h.sched.check_integrity()
+    assert not h.sched.stats().integrity_ok
+
+
+def test_audit_checks_when_idle_and_under_load_only_every_interval():
+    """audit() (what a stats request runs): a full check each time the engine is idle; while it
+    is busy, none within AUDIT_INTERVAL_S of the last, so a /metrics scrape stalls no step."""
+    h = Harness()
+    block = h.sched.blocks.blocks[0]
+    block.ref_count = 1                               # held by no table: a leak
+    h.sched.audit()
+    assert not h.sched.stats().integrity_ok
+    block.ref_count = 0
+    h.sched.audit()                                   # idle: checked again at once
+    assert h.sched.stats().integrity_ok
+    h.add("a", [1, 2, 3], max_tokens=50)
+    h.step()
+    h.sched.running[0].slot = None                    # a leak the next full check finds
+    h.sched.audit()                                   # busy, checked just now: skipped
+    h.now += AUDIT_INTERVAL_S - 1
+    h.sched.audit()
+    assert h.sched.stats().integrity_ok
+    h.now += 1
+    h.sched.audit()                                   # the interval is up: checked
     assert not h.sched.stats().integrity_ok
 
 
