@@ -28,7 +28,7 @@ from conveyor.kernels.store_kv import store_kv
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_kernels import CALLS, copies, graph_us  # noqa: E402
-from bench_throughput import workload  # noqa: E402
+from reference_workload import workload  # noqa: E402
 
 # heads, kv heads, head_dim of one layer
 SHAPES = {"qwen3-0.6b": (16, 8, 128), "llama3.1-8b": (32, 8, 128)}

@@ -1,6 +1,6 @@
-"""Host time of the scheduler a step: the reference workload's requests (256, prompts of 100-1,024
-random tokens) decoding together, with no model: each plan goes through the wire format and is
-answered at once with random tokens. Reports microseconds per decode step of `schedule()`,
+"""Host time of the scheduler a step: the reference workload's prompts (reference_workload.py)
+decoding together, with no model: each plan goes through the wire format and is answered at
+once with random tokens. Reports microseconds per decode step of `schedule()`,
 `update()` and the plan's and result's msgpack round trip, at the full batch.
 
 The step loop's host work is what the GPU waits for when the host falls behind (docs/BENCHMARKS.md,
@@ -12,12 +12,17 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 import time
+from pathlib import Path
 
 from conveyor.scheduler.scheduler import Scheduler
 from conveyor.shared.config import EngineConfig
 from conveyor.shared.messages import AddRequest, StepPlan, StepResult, decode, encode
 from conveyor.shared.sampling_params import SamplingParams
+
+sys.path.insert(0, str(Path(__file__).parent))
+from reference_workload import workload  # noqa: E402
 
 
 def run(requests: int, steps: int, async_scheduling: bool, seed: int = 0) -> dict[str, float]:
@@ -28,8 +33,8 @@ def run(requests: int, steps: int, async_scheduling: bool, seed: int = 0) -> dic
     sched = Scheduler(config, num_blocks=72686, eos_token_ids=(2,), max_model_len=40960)
     rng = random.Random(seed)
     params = SamplingParams(temperature=0.6, max_tokens=steps, ignore_eos=True)
-    for i in range(requests):
-        prompt = [rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))]
+    prompts, _ = workload(requests)
+    for i, prompt in enumerate(prompts):
         sched.add(AddRequest(id=str(i), token_ids=prompt, sampling=params, arrival=time.time()))
     totals = dict(schedule=0.0, update=0.0, codec=0.0)
     counted = 0

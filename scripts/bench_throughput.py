@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import random
 import sys
 import time
 from pathlib import Path
@@ -39,14 +38,7 @@ from bench_models import (  # noqa: E402
     quant_args,
     served,
 )
-
-
-def workload(num_requests: int = 256, max_input: int = 1024, max_output: int = 1024):
-    random.seed(0)
-    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, max_input))]
-               for _ in range(num_requests)]
-    max_tokens = [random.randint(100, max_output) for _ in range(num_requests)]
-    return prompts, max_tokens
+from reference_workload import workload  # noqa: E402
 
 
 def warm_up(prompts) -> list[list[list[int]]]:
