@@ -1,96 +1,130 @@
 """W8A16 GEMM: y = x @ (W * scale)^T + bias, x [M, K] bf16/fp16, W [N, K] int8, scale float32
 [N, G] (G = 1: one per output row; else one per group of K / G columns, GGUF Q8_0's 32).
 
-A tiled tl.dot kernel: each program owns a [BLOCK_M, BLOCK_N] tile of y and walks K; the int8
-tile of W is converted to x's dtype in registers (exact: |q| <= 127 fits bf16's 8 bits) and
-fed to the tensor cores with float32 accumulation. Row scales multiply the accumulator once at
-the end; group scales multiply the W tile before the conversion (as the reference rounds it).
-It reads half the weight bytes of a bf16 GEMM, which is what counts while M is small (decode
-batches); single-row decode takes the skinny GEMV (skinny_gemm.py), which streams W faster, and
-from CUBLAS_FROM_M rows (prefill) linear() dequantizes W and calls cuBLAS.
+Each program owns a tile of BLOCK_N weight rows by BLOCK_M batch rows and walks K. The operands
+are swapped: the tile computed is y^T = W_tile @ x_tile^T, so the weight is the tensor-core
+product's first operand. On Hopper that one may come from registers (wgmma's register-A form),
+which is where the int8 tile, loaded into shared memory, is turned into x's dtype on its way
+in; x, the second operand, is read from shared memory as it was loaded. (With W second, as
+an earlier version had it, the converted tile went back to shared memory before every product,
+and a batch under 64 rows fell back to Ampere's mma.) The conversion is int8_to_float's, from
+the bytes (exact: |q| <= 127 fits bf16's 8 bits). Row scales multiply the accumulator once at
+the end; group scales multiply the W tile before its conversion (as the reference rounds it).
+
+A tile's weight rows are a whole 64-row tensor-core shape, so a 4096-row weight makes only 64
+tiles for a batch that fits one BLOCK_M: too few for 132 SMs. Then K is split among SPLIT_K
+programs, each writing its float32 partial tile to a workspace; the last one to finish a tile
+(an atomic count per tile) adds the partials in split order and writes y, so the sum is the
+same from run to run. The count goes back to zero for the next call.
+
+H200, Llama-3.1-8B's four projections a layer (`scripts/bench_kernels.py --tables quant`,
+session 10): 100 µs at M = 16 (bf16 cuBLAS 121), 282 µs at M = 256 (cuBLAS 186; the earlier
+orientation 412). At 256 rows the product is bound by the tensor cores, not by the weight's
+bytes, and this kernel's dots (converted in registers, 4 warps) reach about 450 TFLOP/s where
+cuBLAS's bf16 kernels reach 650. Single-row decode takes the skinny GEMV (skinny_gemm.py),
+which streams W faster, and from CUBLAS_FROM_M rows (prefill) linear() dequantizes W and calls
+cuBLAS.
 """
 import torch
 
 from conveyor.kernels._triton import jit, require_triton, tl
-from conveyor.kernels._util import check
+from conveyor.kernels._util import check, next_pow2
 from conveyor.kernels.dequantize import dequantize_ref
-from conveyor.kernels.skinny_gemm import scale_fits
+from conveyor.kernels.skinny_gemm import int8_to_float, scale_fits
 
-_GROUP_M = 8        # programs that share W tiles run together (L2 reuse of W across M tiles)
-_MIN_PROGRAMS = 256
+BLOCK_N = 64           # weight rows a tile: one warpgroup's tensor-core M
+_WAVE = 256            # split K until a call has about this many programs (2 waves of 132 SMs)
+_MAX_SPLIT = 4
 # NOTE: from this many rows linear() dequantizes the weight to x's dtype (dequantize.py) and
 # calls cuBLAS instead: the product is compute bound there, cuBLAS's tuned kernels should beat
 # this untuned one, and the dequantization (one pass over W: 3 bytes a value, about 0.1 ms for
 # Llama-8B's gate_up) costs a few per cent of the matmul (2.4 ms at 8,192 rows).
 # scripts/bench_kernels.py --tables quant times both from 256 rows.
 CUBLAS_FROM_M = 1024
+# per device: one int32 count per tile, at 0 between calls (one stream at a time uses them)
+_counts: dict[torch.device, torch.Tensor] = {}
 
 
 @jit
-def _int8_gemm_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, M, N, K,
-                      stride_xm, stride_wn, stride_sn, stride_ym,
+def _int8_gemm_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, count_ptr, M, N, K,
+                      K_SPLIT, stride_xm, stride_wn, stride_sn, stride_ym,
                       HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr, GROUP: tl.constexpr,
-                      EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    pid = tl.program_id(0)
+                      EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    tile = tl.program_id(0)
+    split = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    width = GROUP_M * num_n
-    first_m = (pid // width) * GROUP_M
-    group_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % group_m
-    pid_n = (pid % width) // group_m
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pid_n = tile // num_m          # a weight tile's batch tiles run together: W leaves DRAM once
+    pid_m = tile % num_m
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
-    # out-of-range rows and columns load a valid row again (wrapped); the store drops them
-    xm = (rm % M).to(tl.int64)
+    # out-of-range rows load a valid row again (wrapped); the store drops them
     wn = (rn % N).to(tl.int64)
-    x_ptrs = x_ptr + xm[:, None] * stride_xm + rk[None, :]            # [BLOCK_M, BLOCK_K]
-    w_ptrs = w_ptr + wn[None, :] * stride_wn + rk[:, None]            # [BLOCK_K, BLOCK_N] = W^T
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k in tl.range(0, K, BLOCK_K):
+    xm = (rm % M).to(tl.int64)
+    k0 = split * K_SPLIT
+    w_ptrs = w_ptr + wn[:, None] * stride_wn + rk[None, :]            # [BLOCK_N, BLOCK_K]
+    x_ptrs = x_ptr + xm[None, :] * stride_xm + rk[:, None]            # [BLOCK_K, BLOCK_M] = x^T
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k in tl.range(k0, k0 + K_SPLIT, BLOCK_K):
         if EVEN_K:
-            a = tl.load(x_ptrs + k)
-            b = tl.load(w_ptrs + k)
+            q = tl.load(w_ptrs + k)
+            b = tl.load(x_ptrs + k)
         else:
             k_ok = k + rk < K
-            a = tl.load(x_ptrs + k, mask=k_ok[None, :], other=0.0)
-            b = tl.load(w_ptrs + k, mask=k_ok[:, None], other=0)
+            q = tl.load(w_ptrs + k, mask=k_ok[None, :], other=0)
+            b = tl.load(x_ptrs + k, mask=k_ok[:, None], other=0.0)
+        a = int8_to_float(q)
         if GROUPED:
-            s = tl.load(scale_ptr + wn[None, :] * stride_sn + ((k + rk) // GROUP)[:, None],
-                        mask=(k + rk < K)[:, None], other=0.0)
-            b = (b.to(tl.float32) * s).to(a.dtype)
-        else:
-            b = b.to(a.dtype)
-        acc = tl.dot(a, b, acc)
+            a *= tl.load(scale_ptr + wn[:, None] * stride_sn + ((k + rk) // GROUP)[None, :],
+                         mask=(k + rk < K)[None, :], other=0.0)
+        acc = tl.dot(a.to(b.dtype), b, acc)
+    offs = rm[None, :].to(tl.int64) * N + rn[:, None]                  # y^T tile, dense [M, N]
+    mask = (rm[None, :] < M) & (rn[:, None] < N)
+    last = True
+    if SPLIT_K > 1:
+        tl.store(part_ptr + split * M * N + offs, acc, mask=mask)
+        tl.debug_barrier()              # every thread's partial is stored before the count
+        last = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1
+        if last:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):      # in split order: the same sum every run
+                acc += tl.load(part_ptr + s * M * N + offs, mask=mask, other=0.0,
+                               cache_modifier=".cg")
+            tl.store(count_ptr + tile, 0)
     if not GROUPED:
-        acc *= tl.load(scale_ptr + wn * stride_sn)[None, :]
+        acc *= tl.load(scale_ptr + wn * stride_sn)[:, None]
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + wn).to(tl.float32)[None, :]
-    y_ptrs = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+        acc += tl.load(bias_ptr + wn).to(tl.float32)[:, None]
+    y_ptrs = y_ptr + rm[None, :].to(tl.int64) * stride_ym + rn[:, None]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask & last)
 
 
-def tiling(m: int, n: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): BLOCK_M from the number of rows, a
-    long K step while M is small (the weight stream is the cost); BLOCK_N the widest (up to 64,
-    or 128 past 64 rows) that still gives _MIN_PROGRAMS programs, so that a decode batch's
-    weight is streamed by every SM (an H200 has 132)."""
-    if m <= 16:
-        block_m, block_k, num_warps, num_stages = 16, 256, 4, 4
-    elif m <= 32:
-        block_m, block_k, num_warps, num_stages = 32, 128, 4, 4
-    elif m <= 64:
-        block_m, block_k, num_warps, num_stages = 64, 128, 4, 4
-    else:
-        block_m, block_k, num_warps, num_stages = 128, 64, 8, 3
-    block_n = 32
-    for wide in ((128, 64) if m > 64 else (64,)):
-        if -(-m // block_m) * -(-n // wide) >= _MIN_PROGRAMS:
-            block_n = wide
-            break
-    return block_m, block_n, block_k, num_warps, num_stages
+def tiling(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_K, num_warps, num_stages, SPLIT_K) for x [m, k] and W [n, k]; BLOCK_N is
+    64. BLOCK_M covers the batch up to 128 rows (256 on a weight of 264 or more tiles, Llama's
+    gate_up), and K is split in two or four while the call has fewer than _WAVE programs; from
+    session 10's sweep on an H200 (see the module's docstring)."""
+    n_tiles = -(-n // BLOCK_N)
+    block_m = min(max(next_pow2(m), 16), 256 if m > 128 and n_tiles >= 264 else 128)
+    block_k, num_stages = (64, 3) if block_m == 256 else (128, 4 if block_m <= 64 else 3)
+    programs = n_tiles * -(-m // block_m)
+    split = 1
+    while (split < _MAX_SPLIT and programs * split * 2 <= _WAVE
+           and k % (split * 2 * block_k) == 0):
+        split *= 2
+    return block_m, block_k, 4, num_stages, split
+
+
+def _tile_counts(device: torch.device, tiles: int) -> torch.Tensor:
+    counts = _counts.get(device)
+    if counts is None or counts.numel() < tiles:
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        check(not capturing, "int8_gemm: run a split-K shape "
+              "once before capturing it in a CUDA graph (its tile counts are allocated then)")
+        counts = _counts[device] = torch.zeros(max(tiles, 1024), dtype=torch.int32,
+                                               device=device)
+    return counts
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> bool:
@@ -115,14 +149,18 @@ def int8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     if m == 0 or n == 0:
         return y
     groups = scale.shape[1]
-    block_m, block_n, block_k, num_warps, num_stages = tiling(m, n)
-    grid = (-(-m // block_m) * -(-n // block_n),)
-    _int8_gemm_kernel[grid](
-        x, weight, scale, bias if bias is not None else y, y, m, n, k,
+    block_m, block_k, num_warps, num_stages, split = tiling(m, n, k)
+    tiles = -(-m // block_m) * -(-n // BLOCK_N)
+    part = counts = y
+    if split > 1:
+        part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+        counts = _tile_counts(x.device, tiles)
+    _int8_gemm_kernel[(tiles, split)](
+        x, weight, scale, bias if bias is not None else y, y, part, counts, m, n, k, k // split,
         x.stride(0), weight.stride(0), groups, y.stride(0),
         HAS_BIAS=bias is not None, GROUPED=groups > 1, GROUP=k // groups if groups > 1 else 1,
-        EVEN_K=k % block_k == 0, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        GROUP_M=_GROUP_M, num_warps=num_warps, num_stages=num_stages)
+        EVEN_K=k % block_k == 0, SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+        BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
     return y
 
 

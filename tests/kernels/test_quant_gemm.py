@@ -101,8 +101,11 @@ def test_skinny_takes_only_what_it_can_do():
     (2, 37, 1000, 1, True),       # odd N and K, decode-sized M
     (17, 70, 96, 3, False),       # group scales, 32-row tiles
     (40, 33, 128, 1, True),       # 64-row tiles
-    (65, 130, 200, 1, True),      # 64-row tiles, K not a whole step
-    (300, 129, 64, 2, False),     # 128-row tiles, several M tiles
+    (65, 130, 200, 1, True),      # 128-row tiles, K not a whole step
+    (300, 129, 64, 2, False),     # several M tiles
+    (20, 100, 1024, 1, True),     # K split in four: the last program of a tile adds them
+    (33, 190, 512, 4, False),     # K split in four, group scales
+    (150, 16900, 64, 1, False),   # 256-row tiles (a weight of 265 tiles)
 ])
 def test_int8_gemm(device, dtype, m, n, k, groups, bias):
     w, s = quantized(n, k, device, groups=groups)
@@ -111,17 +114,37 @@ def test_int8_gemm(device, dtype, m, n, k, groups, bias):
     torch.testing.assert_close(int8_gemm(x, w, s, b), int8_gemm_ref(x, w, s, b), **TOL[dtype])
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(16, 4096, 4096), (100, 4096, 14336), (7, 6144, 4096)])
+def test_int8_gemm_split_k_is_deterministic(m, n, k):
+    """Split-K shapes of Llama-8B's projections: every call gives the same bits (the partials
+    are added in a fixed order, not by atomics), and the tile counts start at zero each call."""
+    assert tiling(m, n, k)[4] > 1
+    w, s = quantized(n, k, "cuda")
+    x = torch.randn(m, k, device="cuda").bfloat16()
+    first = int8_gemm(x, w, s)
+    torch.testing.assert_close(first, int8_gemm_ref(x, w, s), **TOL[torch.bfloat16])
+    for _ in range(20):
+        assert torch.equal(int8_gemm(x, w, s), first)
+
+
 def test_int8_gemm_tiling():
-    """Tiles grow with M; a decode batch on a Llama-8B or Qwen3-0.6B weight still makes at least
-    256 programs; tiles are whole tensor-core shapes."""
-    sizes = [tiling(m, 4096)[0] for m in (1, 16, 17, 64, 65, 256, 257, 8192)]
+    """Tiles grow with M up to 128 rows (256 on a weight of 264 or more tiles); K is split
+    while a call has fewer than 256 programs, into parts that are whole K steps; tiles are
+    whole tensor-core shapes."""
+    sizes = [tiling(m, 4096, 4096)[0] for m in (1, 16, 17, 64, 65, 256, 257, 8192)]
     assert sizes == sorted(sizes) and sizes[0] == 16 and sizes[-1] == 128
+    assert tiling(256, 28672, 4096)[0] == 256 and tiling(128, 28672, 4096)[0] == 128
     for m in (2, 8, 16, 32, 64, 128, 256, 1023):
         for n in (1024, 4096, 6144, 28672, 151936):
-            block_m, block_n, block_k, _, _ = tiling(m, n)
-            assert -(-m // block_m) * -(-n // block_n) >= 256 or block_n == 32
-            assert block_m % 16 == 0 and block_n % 32 == 0 and block_k % 32 == 0
-    assert tiling(8, 4096)[1] == 32 and tiling(8, 28672)[1] == 64 and tiling(4096, 4096)[1] == 128
+            for k in (1000, 1024, 4096, 14336):
+                block_m, block_k, _, _, split = tiling(m, n, k)
+                programs = -(-m // block_m) * -(-n // 64)
+                assert split in (1, 2, 4)
+                assert split == 1 or (k % (split * block_k) == 0 and programs * split <= 256)
+                assert block_m % 16 == 0 and block_k % 64 == 0
+    assert tiling(16, 4096, 4096)[4] == 4 and tiling(16, 28672, 4096)[4] == 1
+    assert tiling(16, 4096, 1000)[4] == 1                      # K not whole steps: no split
 
 
 @pytest.mark.gpu
