@@ -32,7 +32,9 @@ from conveyor.kernels._util import check, next_pow2
 from conveyor.kernels.dequantize import dequantize_ref
 from conveyor.kernels.skinny_gemm import int8_to_float, scale_fits
 
-BLOCK_N = 64           # weight rows a tile: one warpgroup's tensor-core M
+# NOTE: weight rows a tile: one warpgroup's tensor-core M, with 4 warps. Tiles of 128 rows over
+# 8 warps (two warpgroups) came out 2-8 % wrong from Triton 3.6 on an H200 (session 10's sweep).
+BLOCK_N = 64
 _WAVE = 256            # split K until a call has about this many programs (2 waves of 132 SMs)
 _MAX_SPLIT = 4
 # NOTE: from this many rows linear() dequantizes the weight to x's dtype (dequantize.py) and
