@@ -13,6 +13,28 @@ from conveyor.kernels._util import FP8_MAX, check, next_pow2
 
 
 @jit
+def to_cache(x, inv_scale, FP8: tl.constexpr, FP8_MAX: tl.constexpr, dtype: tl.constexpr):
+    """Values in the model's dtype as the pool stores them: as they are, or for an fp8 pool
+    times 1 / scale in float32, clamped to +-FP8_MAX, cast."""
+    if FP8:
+        x = tl.clamp(x.to(tl.float32) * inv_scale, -FP8_MAX, FP8_MAX)
+    return x.to(dtype)
+
+
+@jit
+def store_heads(src, stride_h, dst, stride_dh, inv_scale, KV_HEADS: tl.constexpr,
+                HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                FP8: tl.constexpr, FP8_MAX: tl.constexpr):
+    """One token's heads [KV_HEADS, HEAD_DIM] from src to their place in the pool at dst."""
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    mask = (h < KV_HEADS)[:, None] & (d < HEAD_DIM)[None, :]
+    x = tl.load(src + h[:, None] * stride_h + d[None, :], mask=mask)
+    tl.store(dst + h[:, None] * stride_dh + d[None, :],
+             to_cache(x, inv_scale, FP8, FP8_MAX, dst.dtype.element_ty), mask=mask)
+
+
+@jit
 def _store_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, k_inv_scale, v_inv_scale,
                      stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_cb, stride_ckv, stride_cs, stride_ch,
@@ -23,29 +45,17 @@ def _store_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, k_inv_scale, v_inv_scale
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
-        h = tl.arange(0, BLOCK_H)
-        d = tl.arange(0, BLOCK_D)
-        mask = (h < KV_HEADS)[:, None] & (d < HEAD_DIM)[None, :]
-        k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
-        v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
-        dst = (cache_ptr + (slot // PAGE_SIZE) * stride_cb + (slot % PAGE_SIZE) * stride_cs
-               + h[:, None] * stride_ch + d[None, :])
-        if FP8:
-            k = tl.clamp(k.to(tl.float32) * k_inv_scale, -FP8_MAX, FP8_MAX)
-            v = tl.clamp(v.to(tl.float32) * v_inv_scale, -FP8_MAX, FP8_MAX)
-            k = k.to(cache_ptr.dtype.element_ty)
-            v = v.to(cache_ptr.dtype.element_ty)
-        tl.store(dst, k, mask=mask)
-        tl.store(dst + stride_ckv, v, mask=mask)
+        dst = cache_ptr + (slot // PAGE_SIZE) * stride_cb + (slot % PAGE_SIZE) * stride_cs
+        store_heads(k_ptr + t * stride_kt, stride_kh, dst, stride_ch, k_inv_scale,
+                    KV_HEADS, HEAD_DIM, BLOCK_H, BLOCK_D, FP8, FP8_MAX)
+        store_heads(v_ptr + t * stride_vt, stride_vh, dst + stride_ckv, stride_ch, v_inv_scale,
+                    KV_HEADS, HEAD_DIM, BLOCK_H, BLOCK_D, FP8, FP8_MAX)
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
-    """k, v [T, kv_heads, head_dim] (any token/head strides, unit dim stride) -> kv_cache.
-
-    kv_cache is k's dtype, or float8_e4m3fn (then K and V are stored divided by their scales).
-    """
-    require_triton()
+def check_store(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                slot_mapping: torch.Tensor, k_scale: float, v_scale: float) -> bool:
+    """Checks store_kv's arguments (also rotary_qk's when it stores K and V); True for an fp8
+    pool."""
     t, kvh, d = k.shape
     check(v.shape == k.shape, f"k {tuple(k.shape)} and v {tuple(v.shape)} differ")
     check(kv_cache.dim() == 5 and kv_cache.shape[1] == 2 and kv_cache.shape[3:] == (kvh, d),
@@ -60,6 +70,18 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
     check(slot_mapping.shape[0] >= t and slot_mapping.dtype in (torch.int32, torch.int64),
           f"slot_mapping {tuple(slot_mapping.shape)} {slot_mapping.dtype} for {t} tokens")
     check(k.device == v.device == kv_cache.device == slot_mapping.device, "devices differ")
+    return fp8
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+             slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """k, v [T, kv_heads, head_dim] (any token/head strides, unit dim stride) -> kv_cache.
+
+    kv_cache is k's dtype, or float8_e4m3fn (then K and V are stored divided by their scales).
+    """
+    require_triton()
+    t, kvh, d = k.shape
+    fp8 = check_store(k, v, kv_cache, slot_mapping, k_scale, v_scale)
     if t == 0:
         return
     _store_kv_kernel[(t,)](

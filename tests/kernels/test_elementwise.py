@@ -66,3 +66,46 @@ def test_rotary_qk(dtype, tokens, heads, kv_heads, head_dim, qk_norm):
     torch.testing.assert_close(q, want_q, **tol)
     torch.testing.assert_close(k, want_k, **tol)
     assert torch.equal(v, v_before)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,heads,kv_heads,head_dim,qk_norm,fp8", [
+    (9, 16, 8, 128, True, False),       # Qwen3's heads, with the q/k norm
+    (6, 6, 2, 64, False, False),
+    (7, 5, 1, 96, False, True),         # head_dim not a power of two, fp8 pool
+    (5, 32, 8, 128, True, True),
+])
+def test_rotary_qk_stores_kv(device, dtype, tokens, heads, kv_heads, head_dim, qk_norm, fp8):
+    """rotary_qk given the pool writes what rotary_qk in place and then store_kv write, to the
+    bit (padding slots untouched), and rotates q the same; k itself is left as it was."""
+    from conveyor.kernels.rotary import rotary_qk
+    from conveyor.kernels.store_kv import store_kv
+
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device=device).to(dtype) * 4
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+    q, k = q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)
+    v = v.view(tokens, kv_heads, head_dim)
+    angles = torch.rand(tokens, head_dim // 2, device=device) * 100
+    cos, sin = angles.cos(), angles.sin()
+    qw = kw = None
+    if qk_norm:
+        qw = torch.randn(head_dim, device=device).to(dtype)
+        kw = torch.randn(head_dim, device=device).to(dtype)
+    block_size, num_blocks = 16, 3
+    cache = torch.randn(num_blocks, 2, block_size, kv_heads, head_dim, device=device).to(dtype)
+    scales = (0.37, 2.5) if fp8 else (1.0, 1.0)
+    if fp8:
+        cache = cache.to(torch.float8_e4m3fn)
+    slots = torch.randperm(num_blocks * block_size, device=device)[:tokens].to(torch.int32)
+    slots[::3] = -1
+    want_q, want_k, want_cache = q.clone(), k.clone(), cache.clone()
+    rotary_qk(want_q, want_k, cos, sin, qw, kw)
+    store_kv(want_k, v, want_cache, slots, *scales)
+    k_before = k.clone()
+    rotary_qk(q, k, cos, sin, qw, kw, v=v, kv_cache=cache, slot_mapping=slots,
+              k_scale=scales[0], v_scale=scales[1])
+    assert torch.equal(q, want_q)
+    assert torch.equal(k, k_before)
+    assert torch.equal(cache.view(torch.uint8), want_cache.view(torch.uint8))
+

@@ -30,14 +30,17 @@ class Attention(nn.Module):
         self.k_scale = 1.0
         self.v_scale = 1.0
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 ctx: StepContext) -> torch.Tensor:
+        """Store this step's k and v in the pool (None: the caller already has, fused into
+        its rotary kernel), then attend q [T, heads * head_dim] to the pool."""
         t = q.shape[0]
         kv_cache = ctx.kv_caches[self.layer_idx]
         backend = self.backend or default_backend(q.is_cuda)
-        backend.write_kv(kv_cache, k.view(t, self.num_kv_heads, self.head_dim),
-                         v.view(t, self.num_kv_heads, self.head_dim), ctx.slot_mapping,
-                         self.k_scale, self.v_scale)
+        if k is not None:
+            backend.write_kv(kv_cache, k.view(t, self.num_kv_heads, self.head_dim),
+                             v.view(t, self.num_kv_heads, self.head_dim), ctx.slot_mapping,
+                             self.k_scale, self.v_scale)
         out = backend.forward(q.view(t, self.num_heads, self.head_dim), kv_cache, ctx,
                               self.scale, self.k_scale, self.v_scale)   # [T, heads, head_dim]
         return out.reshape(t, self.num_heads * self.head_dim)
