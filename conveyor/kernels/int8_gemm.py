@@ -18,12 +18,11 @@ programs, each writing its float32 partial tile to a workspace; the last one to 
 same from run to run. The count goes back to zero for the next call.
 
 H200, Llama-3.1-8B's four projections a layer (`scripts/bench_kernels.py --tables quant`,
-session 10): 100 µs at M = 16 (bf16 cuBLAS 121), 282 µs at M = 256 (cuBLAS 186; the earlier
-orientation 412). At 256 rows the product is bound by the tensor cores, not by the weight's
-bytes, and this kernel's dots (converted in registers, 4 warps) reach about 450 TFLOP/s where
-cuBLAS's bf16 kernels reach 650. Single-row decode takes the skinny GEMV (skinny_gemm.py),
-which streams W faster, and from CUBLAS_FROM_M rows (prefill) linear() dequantizes W and calls
-cuBLAS.
+session 10): 100 µs at M = 16 (bf16 cuBLAS 121), 282 µs at M = 256 (cuBLAS 186). At 256 rows
+the product is bound by the tensor cores, not by the weight's bytes, and this kernel's dots
+(converted in registers, 4 warps) reach about 450 TFLOP/s where cuBLAS's bf16 kernels reach
+650. Single-row decode takes the skinny GEMV (skinny_gemm.py), which streams W faster, and from
+CUBLAS_FROM_M rows (prefill) linear() dequantizes W and calls cuBLAS.
 """
 import torch
 
