@@ -108,4 +108,3 @@ def test_rotary_qk_stores_kv(device, dtype, tokens, heads, kv_heads, head_dim, q
     assert torch.equal(q, want_q)
     assert torch.equal(k, k_before)
     assert torch.equal(cache.view(torch.uint8), want_cache.view(torch.uint8))
-

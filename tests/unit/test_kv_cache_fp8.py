@@ -169,3 +169,23 @@ def test_fp8_outputs_do_not_depend_on_scheduling(engine_args, tmp_path):
     a, b = (x.generate(prompts[3:4], lp, use_tqdm=False)[0].outputs[0] for x in (auto, ref_llm))
     assert [p[t].logprob for p, t in zip(a.logprobs, a.token_ids)] != [
         p[t].logprob for p, t in zip(b.logprobs, b.token_ids)]
+
+
+def test_fused_store_hands_the_pool_to_the_rotary_kernel_unless_a_backend_must_see_k_and_v():
+    """Attention.fused_store: the keywords that let rotary_qk store K and V into this layer's
+    pool with the layer's scales (the GPU path); none where the layer has a backend of its own,
+    as during fp8 calibration, which must see k and v through write_kv."""
+    from conveyor.worker.kv_scales import _AmaxRecorder
+    from conveyor.worker.layers.attention import Attention
+
+    cache, ctx = _pool_ctx()
+    ctx.kv_caches = [cache.float(), cache]
+    attn = Attention(1, num_heads=4, num_kv_heads=2, head_dim=8, scale=0.3)
+    attn.k_scale, attn.v_scale = 0.5, 2.0
+    v = torch.randn(7, 3 * 16)[:, 16:32]                     # a strided slice, like qkv's
+    store = attn.fused_store(v, ctx)
+    assert store["kv_cache"] is cache and store["slot_mapping"] is ctx.slot_mapping
+    assert (store["k_scale"], store["v_scale"]) == (0.5, 2.0)
+    assert store["v"].shape == (7, 2, 8) and torch.equal(store["v"].reshape(7, 16), v)
+    attn.backend = _AmaxRecorder(TorchAttentionBackend())
+    assert attn.fused_store(v, ctx) == {}

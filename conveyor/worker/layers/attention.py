@@ -45,6 +45,16 @@ class Attention(nn.Module):
                               self.scale, self.k_scale, self.v_scale)   # [T, heads, head_dim]
         return out.reshape(t, self.num_heads * self.head_dim)
 
+    def fused_store(self, v: torch.Tensor, ctx: StepContext) -> dict:
+        """rotary_qk's keywords that store this step's k and v [T, kv_heads * head_dim] into this
+        layer's pool in the rotary kernel (then forward() takes k = v = None); {} where a backend
+        of the layer's own (the fp8 calibration's recorder) must see k and v in write_kv."""
+        if self.backend is not None:
+            return {}
+        return dict(v=v.view(v.shape[0], self.num_kv_heads, self.head_dim),
+                    kv_cache=ctx.kv_caches[self.layer_idx], slot_mapping=ctx.slot_mapping,
+                    k_scale=self.k_scale, v_scale=self.v_scale)
+
 
 _TORCH_BACKEND = TorchAttentionBackend()
 _TRITON_BACKEND = None

@@ -47,18 +47,15 @@ class LlamaAttention(nn.Module):
         q = q.reshape(t, -1, self.head_dim)                  # [T, heads, head_dim]
         k = k.reshape(t, -1, self.head_dim)                  # [T, kv_heads, head_dim]
         if x.is_cuda and triton_available():
-            # one kernel: q/k norm and rotary in place, and (unless a backend of its own, as the
-            # fp8 calibration's, must see them) k and v stored into the KV pool as well
+            # one kernel: q/k norm and rotary in place, k and v stored into the KV pool as well
             from conveyor.kernels.rotary import rotary_qk
 
-            norm, attn = self.q_norm is not None, self.attn
-            store = {} if attn.backend is not None else dict(
-                v=v.view(t, -1, self.head_dim), kv_cache=ctx.kv_caches[attn.layer_idx],
-                slot_mapping=ctx.slot_mapping, k_scale=attn.k_scale, v_scale=attn.v_scale)
+            norm = self.q_norm is not None
+            store = self.attn.fused_store(v, ctx)
             rotary_qk(q, k, cos, sin, self.q_norm.weight if norm else None,
                       self.k_norm.weight if norm else None,
                       self.q_norm.eps if norm else 1e-6, **store)
-            out = attn(q.view(t, -1), None if store else k.view(t, -1), v, ctx)
+            out = self.attn(q.view(t, -1), None if store else k.view(t, -1), v, ctx)
         else:
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
