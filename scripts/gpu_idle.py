@@ -11,6 +11,8 @@ share reported against that: 1 - (GPU busy a step, from the profile) / (wall tim
 profiled). The kernels' own durations are what the profiler measures well.
 
     python scripts/gpu_idle.py --shape qwen3-0.6b --random-weights --batch 256
+    python scripts/gpu_idle.py --shape llama3.1-8b --random-weights --quantization fp8 \
+        --kv-cache-dtype fp8 --top 15
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_models import add_model_args, model_path  # noqa: E402
+from bench_models import add_model_args, model_path, quant_args  # noqa: E402
 
 
 def busy_time(intervals: list[tuple[float, float]]) -> float:
@@ -43,6 +45,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false")
     ap.add_argument("--top", type=int, default=0, help="also list the N costliest kernels")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"])
     args = ap.parse_args()
     path = model_path(args, ap)
 
@@ -54,7 +57,8 @@ def main() -> None:
 
     llm = LLM(model=path, device=args.device, skip_tokenizer_init=True, max_num_seqs=args.batch,
               max_model_len=2048, max_num_batched_tokens=8192,
-              async_scheduling=args.async_scheduling, load_format=args.load_format)
+              async_scheduling=args.async_scheduling, load_format=args.load_format,
+              kv_cache_dtype=args.kv_cache_dtype, **quant_args(args))
     core = llm.engine
     params = SamplingParams(temperature=0.6, max_tokens=1000, ignore_eos=True)
     vocab = min(10000, core.model_config.vocab_size)

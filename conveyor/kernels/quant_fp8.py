@@ -1,34 +1,31 @@
 """Per-token (row) dynamic fp8 quantization of activations: x [M, K] bf16/fp16 ->
 (q [M, K] float8_e4m3fn, scale [M, 1] float32) with x ~= q * scale, scale = amax(|row|) / 448.
 
-One program per row: a pass for the row's amax, a second (from L2) that divides, rounds to
-nearest even and stores. The input of fp8 W8A8 GEMMs (fp8_gemm.py).
+One program per row, which it holds in registers (K up to 32k is 64 values a thread): its amax,
+then divide, round to nearest even and store, in one pass over the bytes. The input of fp8 W8A8
+GEMMs (fp8_gemm.py). H200, Llama-3.1-8B decode at batch 256: 5.4 us a call with a program of 4
+warps looping over 1,024 columns twice and no PDL (128 calls a step, 7 % of it).
 """
 import torch
 
-from conveyor.kernels._triton import jit, require_triton, tl
-from conveyor.kernels._util import FP8_MAX, check
+from conveyor.kernels._triton import grid_sync, jit, pdl_args, require_triton, tl
+from conveyor.kernels._util import FP8_MAX, check, next_pow2
 
 MIN_SCALE = 1e-12 / FP8_MAX      # an all-zero row gets a tiny scale, not a division by zero
-_BLOCK = 1024
 
 
 @jit
 def _quant_fp8_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr,
-                      FP8_MAX: tl.constexpr):
+                      FP8_MAX: tl.constexpr, USE_PDL: tl.constexpr):
+    grid_sync(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for k in tl.range(0, K, BLOCK):
-        x = tl.load(x_ptr + row * stride_x + k + cols, mask=k + cols < K, other=0.0)
-        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-    scale = tl.maximum(tl.max(amax, 0) / FP8_MAX, 1e-12 / FP8_MAX)
+    mask = cols < K
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), 0) / FP8_MAX, 1e-12 / FP8_MAX)
     tl.store(scale_ptr + row, scale)
-    for k in tl.range(0, K, BLOCK):
-        mask = k + cols < K
-        x = tl.load(x_ptr + row * stride_x + k + cols, mask=mask, other=0.0).to(tl.float32)
-        q = tl.clamp(tl.div_rn(x, scale), -FP8_MAX, FP8_MAX)   # as torch divides: exactly
-        tl.store(q_ptr + row * stride_q + k + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    q = tl.clamp(tl.div_rn(x, scale), -FP8_MAX, FP8_MAX)       # as torch divides: exactly
+    tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
 def quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,11 +36,14 @@ def quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
           f"quant_fp8 takes x [M, K] fp16/bf16/fp32 with unit column stride, got "
           f"{tuple(x.shape)} {x.dtype} strides {x.stride()}")
     m, k = x.shape
+    check(k <= 65536, f"quant_fp8 holds a row in registers: K {k} is over 65536")
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
     if m:
-        _quant_fp8_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), BLOCK=_BLOCK,
-                                FP8_MAX=FP8_MAX, num_warps=4)
+        block = next_pow2(max(k, 16))
+        _quant_fp8_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), BLOCK=block,
+                                FP8_MAX=FP8_MAX, num_warps=min(16, max(4, block // 1024)),
+                                **pdl_args())
     return q, scale
 
 
