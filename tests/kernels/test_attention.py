@@ -115,6 +115,27 @@ def _variants(ctx, prefills, splits=(1, 3)):
     return [(n, None) for n in splits] + [(splits[-1], longest), (1, shuffled)]
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("pool,head_dim,splits", [(torch.bfloat16, 32, (1, 2)),
+                                                  (torch.bfloat16, 24, (1,)), (FP8, 32, (1,))])
+def test_paged_attention_whole_blocks_small(pool, head_dim, splits, device):
+    """Contexts of several key blocks with a partial last one, split or not, and a prefill
+    chunk over a cached prefix of several blocks (the other interpreter cases fit one block)."""
+    from conveyor.kernels.paged_attention import paged_attention
+
+    prefills = [] if len(splits) > 1 else [(20, 150)]
+    ctx = make_batch(random.Random(head_dim), [200, 128, 129, 64], prefills, 16, 1, head_dim,
+                     pool, device)
+    q = torch.randn(sum(ctx.query_lens_cpu), 4, head_dim, device=device).to(torch.bfloat16)
+    scales = (K_SCALE, V_SCALE) if pool == FP8 else (1.0, 1.0)
+    want = TorchAttentionBackend().forward(q.float(), ctx.kv_caches[0], ctx, 0.2, *scales)
+    for n, order in _variants(ctx, prefills, splits):
+        got = paged_attention(q, ctx.kv_caches[0], ctx.block_tables, ctx.seq_lens,
+                              ctx.query_start_loc, 0.2, max(ctx.query_lens_cpu), num_splits=n,
+                              k_scale=scales[0], v_scale=scales[1], seq_order=order)
+        torch.testing.assert_close(got.float(), want, atol=1.5e-2 * scales[1], rtol=1.5e-2)
+
+
 @pytest.mark.parametrize("splits", [1, 2, 16])
 def test_paged_attention_split_kv_long_context(splits):
     from conveyor.kernels.paged_attention import paged_attention
