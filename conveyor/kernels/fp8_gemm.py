@@ -9,7 +9,7 @@ fp16 models get the bf16 result cast. Needs compute capability 8.9+ (Ada, Hopper
 import torch
 
 from conveyor.kernels._util import check
-from conveyor.kernels.quant_fp8 import quant_fp8, quant_fp8_ref
+from conveyor.kernels.quant_fp8 import MAX_K, quant_fp8, quant_fp8_ref
 
 
 def supported(device: torch.device) -> bool:
@@ -21,7 +21,7 @@ def takes(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> bool:
     n, k = weight.shape
     return (x.is_cuda and x.dim() == 2 and x.dtype in (torch.float16, torch.bfloat16)
             and x.stride(-1) == 1 and x.shape[1] == k and weight.dtype == torch.float8_e4m3fn
-            and weight.is_contiguous() and k % 16 == 0 and n % 16 == 0
+            and weight.is_contiguous() and k % 16 == 0 and n % 16 == 0 and k <= MAX_K
             and scale.shape == (n, 1) and scale.dtype == torch.float32 and scale.is_contiguous())
 
 
@@ -29,7 +29,8 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
              bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ (weight [N, K] fp8 * scale [N, 1])^T + bias [N] -> y [M, N] in x's dtype."""
     check(takes(x, weight, scale), f"fp8_gemm takes x [M, K] fp16/bf16 on CUDA, weight [N, K] "
-          f"float8_e4m3fn contiguous with K, N multiples of 16 and scale float32 [N, 1]; got "
+          f"float8_e4m3fn contiguous with K, N multiples of 16 (K at most {MAX_K}) and scale "
+          f"float32 [N, 1]; got "
           f"x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}, "
           f"scale {tuple(scale.shape)} {scale.dtype}")
     if x.shape[0] == 0:

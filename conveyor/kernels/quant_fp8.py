@@ -3,8 +3,9 @@
 
 One program per row, which it holds in registers (K up to 32k is 64 values a thread): its amax,
 then divide, round to nearest even and store, in one pass over the bytes. The input of fp8 W8A8
-GEMMs (fp8_gemm.py). H200, Llama-3.1-8B decode at batch 256: 5.4 us a call with a program of 4
-warps looping over 1,024 columns twice and no PDL (128 calls a step, 7 % of it).
+GEMMs (fp8_gemm.py). H200, Llama-3.1-8B decode at batch 256 with fp8 weights: the kernel this
+replaced (4 warps looping twice over 1,024-column blocks, no PDL) took 5.4 us a call, 128 calls
+and 7 % of a step; with this one the step went from 9.88 to 9.68 ms.
 """
 import torch
 
@@ -12,6 +13,7 @@ from conveyor.kernels._triton import grid_sync, jit, pdl_args, require_triton, t
 from conveyor.kernels._util import FP8_MAX, check, next_pow2
 
 MIN_SCALE = 1e-12 / FP8_MAX      # an all-zero row gets a tiny scale, not a division by zero
+MAX_K = 65536                    # the longest row a program holds (128 values a thread)
 
 
 @jit
@@ -36,7 +38,7 @@ def quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
           f"quant_fp8 takes x [M, K] fp16/bf16/fp32 with unit column stride, got "
           f"{tuple(x.shape)} {x.dtype} strides {x.stride()}")
     m, k = x.shape
-    check(k <= 65536, f"quant_fp8 holds a row in registers: K {k} is over 65536")
+    check(k <= MAX_K, f"quant_fp8 holds a row in registers: K {k} is over {MAX_K}")
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
     if m:

@@ -179,6 +179,20 @@ def test_quant_fp8_of_a_zero_row_is_zero(device):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA tensors")
+def test_fp8_gemm_takes_only_rows_quant_fp8_holds():
+    """A longer K would fail in quant_fp8; the layer takes the float reference instead."""
+    from conveyor.kernels.fp8_gemm import takes
+    from conveyor.kernels.quant_fp8 import MAX_K
+
+    x = torch.empty(2, MAX_K + 16, device="cuda", dtype=torch.bfloat16)
+    w = torch.empty(16, MAX_K + 16, device="cuda", dtype=torch.float8_e4m3fn)
+    s = torch.empty(16, 1, device="cuda")
+    assert not takes(x, w, s)
+    assert takes(x[:, :MAX_K], w[:, :MAX_K].contiguous(), s)
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="fp8 tensor cores")
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m,n,k,bias", [(2, 48, 64, False), (37, 1024, 512, True),
