@@ -24,12 +24,13 @@ a second kernel merges them. Softmax is online, in float32.
 fp8 pool (float8 e4m3): K and V tiles load as one byte an element and convert to fp16 in
 registers, where the dots then run (q converted once); k_scale folds into the softmax scale and
 v_scale into the output (no extra pass). V converts through a few lines of PTX that Triton
-cannot move. With the plain cast, Triton moves the conversion after the change into the tensor
-cores' operand layout, which for V (keys are its reduction axis, 128 bytes apart in the pool)
-gathers one byte per shared-memory load: 128 loads a thread per 128 keys, in sm90 SASS. Kept in
-place, the tile loads 16 bytes at a time, converts, and reaches the operand layout in fp16
-through ldmatrix's transposing load (the loop: 754 instructions against 1,109). H200, Llama
-shape, batch 256 at context 1024: 182 us against 300 (bf16 pool: 247).
+cannot move (compute capability 8.9+; older GPUs keep the cast). With the plain cast, Triton
+moves the conversion after the change into the tensor cores' operand layout, which for V (keys
+are its reduction axis, 128 bytes apart in the pool) gathers one byte per shared-memory load:
+128 loads a thread per 128 keys, in sm90 SASS. Kept in place, the tile loads 16 bytes at a
+time, converts, and reaches the operand layout in fp16 through ldmatrix's transposing load (the
+loop: 754 instructions against 1,109). H200, Llama shape, batch 256 at context 1024: 182 us
+against 300 (bf16 pool: 247).
 """
 import functools
 
