@@ -37,7 +37,6 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--enforce-eager", action="store_true")
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"])
     ap.add_argument("--tp", type=int, default=None, help="run in `conveyor serve --tp N`")
     ap.add_argument("--disable-custom-all-reduce", action="store_true",
                     help="with --tp: NCCL for every all-reduce (A/B of the one-shot kernel)")
@@ -47,7 +46,7 @@ def main() -> None:
     engine = dict(max_num_seqs=8, max_model_len=4096, max_num_batched_tokens=4096,
                   enforce_eager=args.enforce_eager, load_format=args.load_format,
                   disable_custom_all_reduce=args.disable_custom_all_reduce,
-                  kv_cache_dtype=args.kv_cache_dtype, **quant_args(args))
+                  **quant_args(args))
     if args.tp is None:
         from conveyor import LLM
 

@@ -82,7 +82,8 @@ def build_random_model(shape: str, folder: str | Path | None = None, seed: int =
 
 def add_model_args(ap) -> None:
     """--model, or --shape with --random-weights; plus --num-layers to shorten a shape, and
-    --load-format, and --quantization / --keep-precision for the engine (see quant_args)."""
+    --load-format, and --quantization / --keep-precision / --kv-cache-dtype for the engine (see
+    quant_args)."""
     ap.add_argument("--model", help="a Hugging Face folder")
     ap.add_argument("--shape", choices=sorted(SHAPES))
     ap.add_argument("--random-weights", action="store_true",
@@ -96,11 +97,14 @@ def add_model_args(ap) -> None:
                     help="quantize the weights at load (docs/QUANTIZATION.md)")
     ap.add_argument("--keep-precision", default="lm_head,embed_tokens", metavar="PATTERNS",
                     help="layers left unquantized (comma-separated regexes)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                    help="fp8: a float8 e4m3 KV pool (docs/ARCHITECTURE.md)")
 
 
 def quant_args(args) -> dict:
-    """The engine arguments of --quantization and --keep-precision."""
-    return {"quantization": args.quantization, "keep_precision": args.keep_precision}
+    """The engine arguments of --quantization, --keep-precision and --kv-cache-dtype."""
+    return {"quantization": args.quantization, "keep_precision": args.keep_precision,
+            "kv_cache_dtype": args.kv_cache_dtype}
 
 
 def model_path(args, ap) -> str:

@@ -94,7 +94,6 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=None, help="run in `conveyor serve --tp N`")
     ap.add_argument("--disable-custom-all-reduce", action="store_true",
                     help="with --tp: NCCL for every all-reduce (A/B of the one-shot kernel)")
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"])
     ap.add_argument("--compare-hf", action="store_true")
     ap.add_argument("--json", help="append the result as a JSON line to this file")
     args = ap.parse_args()
@@ -114,8 +113,7 @@ def main() -> None:
                   max_num_batched_tokens=args.max_num_batched_tokens or OFFLINE_GPU_TOKEN_BUDGET,
                   enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
                   disable_custom_all_reduce=args.disable_custom_all_reduce,
-                  load_format=args.load_format, kv_cache_dtype=args.kv_cache_dtype,
-                  **quant_args(args))
+                  load_format=args.load_format, **quant_args(args))
     t0 = time.perf_counter()
     if args.tp is None:
         llm = LLM(model=path, device="cuda", skip_tokenizer_init=True, **engine)

@@ -45,7 +45,6 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false")
     ap.add_argument("--top", type=int, default=0, help="also list the N costliest kernels")
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"])
     args = ap.parse_args()
     path = model_path(args, ap)
 
@@ -58,7 +57,7 @@ def main() -> None:
     llm = LLM(model=path, device=args.device, skip_tokenizer_init=True, max_num_seqs=args.batch,
               max_model_len=2048, max_num_batched_tokens=8192,
               async_scheduling=args.async_scheduling, load_format=args.load_format,
-              kv_cache_dtype=args.kv_cache_dtype, **quant_args(args))
+              **quant_args(args))
     core = llm.engine
     params = SamplingParams(temperature=0.6, max_tokens=1000, ignore_eos=True)
     vocab = min(10000, core.model_config.vocab_size)

@@ -32,8 +32,9 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 ctx: StepContext) -> torch.Tensor:
-        """Store this step's k and v in the pool (None: the caller already has, fused into
-        its rotary kernel), then attend q [T, heads * head_dim] to the pool."""
+        """Store this step's k and v ([T, kv_heads, head_dim], or flat) in the pool (None: the
+        caller already has, fused into its rotary kernel), then attend q [T, heads * head_dim]
+        to the pool."""
         t = q.shape[0]
         kv_cache = ctx.kv_caches[self.layer_idx]
         backend = self.backend or default_backend(q.is_cuda)

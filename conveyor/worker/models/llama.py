@@ -55,12 +55,13 @@ class LlamaAttention(nn.Module):
             rotary_qk(q, k, cos, sin, self.q_norm.weight if norm else None,
                       self.k_norm.weight if norm else None,
                       self.q_norm.eps if norm else 1e-6, **store)
-            out = self.attn(q.view(t, -1), None if store else k.view(t, -1), v, ctx)
+            if store:
+                k = v = None                            # already in the pool
         else:
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-            out = self.attn(q.view(t, -1), k.view(t, -1), v, ctx)
+        out = self.attn(q.view(t, -1), k, v, ctx)           # [T, heads * head_dim]
         return self.o_proj(out)
 
 
