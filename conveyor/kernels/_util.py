@@ -1,5 +1,8 @@
-"""Small launcher helpers shared by the kernel files."""
+"""Small launcher helpers and types shared by the kernel files (no Triton here: the layers
+import them on the CPU too)."""
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -14,3 +17,15 @@ def check(ok: bool, msg: str) -> None:
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+class Fp8Rows(NamedTuple):
+    """Activations [M, K] quantized per row (x ~= q * scale) by the kernel that produced them,
+    for an fp8 GEMM (fp8_gemm.fp8_gemm takes them in place of x; quant_fp8.py)."""
+    q: torch.Tensor              # [M, K] float8_e4m3fn
+    scale: torch.Tensor          # [M, 1] float32
+    dtype: torch.dtype           # the activations' dtype: the GEMM's output dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape

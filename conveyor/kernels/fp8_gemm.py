@@ -5,10 +5,13 @@ The product runs on the fp8 tensor cores through torch._scaled_mm with row-wise 
 [M, 1], scale_b [1, N], float32; cuBLASLt applies them in its epilogue), which wants K and N
 multiples of 16, W^T column-major (W [N, K] row-major is exactly that) and a bfloat16 output;
 fp16 models get the bf16 result cast. Needs compute capability 8.9+ (Ada, Hopper).
+
+x may come quantized already (Fp8Rows, from the RMSNorm kernel before the layer), or be the
+MLP's gate/up output with silu_mul, which the quantization kernel applies as it reads it.
 """
 import torch
 
-from conveyor.kernels._util import check
+from conveyor.kernels._util import Fp8Rows, check
 from conveyor.kernels.quant_fp8 import MAX_K, quant_fp8, quant_fp8_ref
 
 
@@ -17,30 +20,44 @@ def supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def takes(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> bool:
+def takes(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, silu_mul: bool = False
+          ) -> bool:
     n, k = weight.shape
     return (x.is_cuda and x.dim() == 2 and x.dtype in (torch.float16, torch.bfloat16)
-            and x.stride(-1) == 1 and x.shape[1] == k and weight.dtype == torch.float8_e4m3fn
+            and x.stride(-1) == 1 and x.shape[1] == (2 * k if silu_mul else k)
+            and weight.dtype == torch.float8_e4m3fn
             and weight.is_contiguous() and k % 16 == 0 and n % 16 == 0 and k <= MAX_K
             and scale.shape == (n, 1) and scale.dtype == torch.float32 and scale.is_contiguous())
 
 
-def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-             bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ (weight [N, K] fp8 * scale [N, 1])^T + bias [N] -> y [M, N] in x's dtype."""
-    check(takes(x, weight, scale), f"fp8_gemm takes x [M, K] fp16/bf16 on CUDA, weight [N, K] "
+def fp8_gemm(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, scale: torch.Tensor,
+             bias: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
+    """x [M, K] @ (weight [N, K] fp8 * scale [N, 1])^T + bias [N] -> y [M, N] in x's dtype.
+
+    x: a tensor, or Fp8Rows quantized for this layer (rms_norm(fp8=True)).
+    silu_mul: x is [M, 2K], gate then up, and the product is of silu(gate) * up."""
+    if isinstance(x, Fp8Rows):
+        check(x.q.dim() == 2 and x.q.shape[1] == weight.shape[1] and not silu_mul,
+              f"Fp8Rows {tuple(x.shape)} for weight {tuple(weight.shape)}")
+        return _scaled_mm(x.q, x.scale, weight, scale, bias, x.dtype)
+    check(takes(x, weight, scale, silu_mul), f"fp8_gemm takes x [M, K] fp16/bf16 on CUDA "
+          f"([M, 2K] with silu_mul), weight [N, K] "
           f"float8_e4m3fn contiguous with K, N multiples of 16 (K at most {MAX_K}) and scale "
           f"float32 [N, 1]; got "
           f"x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}, "
           f"scale {tuple(scale.shape)} {scale.dtype}")
-    if x.shape[0] == 0:
-        return x.new_empty(0, weight.shape[0])
-    q, s = quant_fp8(x)
+    return _scaled_mm(*quant_fp8(x, silu_mul), weight, scale, bias, x.dtype)
+
+
+def _scaled_mm(q: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+               bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    if q.shape[0] == 0:
+        return q.new_empty(0, weight.shape[0], dtype=dtype)
     y = torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=scale.view(1, -1),
                          out_dtype=torch.bfloat16)
     if bias is not None:      # in float32: the bf16 output is rounded once already
-        return (y.float() + bias.float()).to(x.dtype)
-    return y.to(x.dtype)
+        return (y.float() + bias.float()).to(dtype)
+    return y.to(dtype)
 
 
 def fp8_gemm_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,

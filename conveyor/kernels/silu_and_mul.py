@@ -9,16 +9,24 @@ _BLOCK = 1024
 
 
 @jit
+def silu_mul(gate, up, dtype: tl.constexpr):
+    """silu(gate) * up in float32, rounded to dtype: the one formula of every kernel that
+    applies the MLP's activation (here, the skinny GEMV's loads, the fp8 quantization's)."""
+    gate = gate.to(tl.float32)
+    return (gate / (1.0 + tl.exp(-gate)) * up.to(tl.float32)).to(dtype)
+
+
+@jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, INTER: tl.constexpr,
                          BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     grid_sync(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < INTER
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * stride_x + INTER + cols, mask=mask, other=0.0).to(tl.float32)
-    y = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + INTER + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + row * stride_o + cols, silu_mul(gate, up, out_ptr.dtype.element_ty),
+             mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -32,7 +40,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
                                                           INTER=i, BLOCK=_BLOCK, num_warps=4,
                                                           **pdl_args())
     return out
-
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:

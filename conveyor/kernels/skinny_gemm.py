@@ -23,6 +23,7 @@ import torch
 from conveyor.kernels._triton import grid_sync, jit, pdl_args, require_triton, tl
 from conveyor.kernels._util import check
 from conveyor.kernels.dequantize import dequantize_ref
+from conveyor.kernels.silu_and_mul import silu_mul
 
 M_MAX = 1
 _TILE = 4096             # elements of W per program and step
@@ -34,9 +35,8 @@ def _load_x(x_ptr, ks, K, mask, SILU_MUL: tl.constexpr, dtype: tl.constexpr):
     """x's columns ks; with SILU_MUL silu(gate) * up of a [1, 2K] gate/up row, rounded to the
     activation dtype as the separate silu_and_mul kernel rounds it."""
     if SILU_MUL:
-        gate = tl.load(x_ptr + ks, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(x_ptr + K + ks, mask=mask, other=0.0).to(tl.float32)
-        return (gate / (1.0 + tl.exp(-gate)) * up).to(dtype)
+        return silu_mul(tl.load(x_ptr + ks, mask=mask, other=0.0),
+                        tl.load(x_ptr + K + ks, mask=mask, other=0.0), dtype)
     return tl.load(x_ptr + ks, mask=mask, other=0.0)
 
 

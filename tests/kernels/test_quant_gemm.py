@@ -178,6 +178,84 @@ def test_quant_fp8_of_a_zero_row_is_zero(device):
     assert (q.float() == 0).all() and (s > 0).all()
 
 
+def same_fp8(a, b):
+    """Two (q, scale) pairs equal to the bit."""
+    torch.testing.assert_close(a[1], b[1], rtol=0, atol=0)
+    assert torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,k", [(1, 48), (5, 1000), (3, 14336)])
+def test_quant_fp8_silu_mul_equals_the_two_kernels(device, dtype, m, k):
+    """Fused, silu(gate) * up is quantized to the same bytes as silu_and_mul then quant_fp8,
+    and close to torch's silu."""
+    from conveyor.kernels.silu_and_mul import silu_and_mul
+
+    x = (torch.randn(m, 2 * k, device=device) * 4).to(dtype)
+    x[0, :5] = 0                                         # zeros, and a zero gate
+    got = quant_fp8(x, silu_mul=True)
+    same_fp8(got, quant_fp8(silu_and_mul(x)))
+    q_ref, s_ref = quant_fp8_ref(x, silu_mul=True)
+    torch.testing.assert_close(got[1], s_ref, rtol=1e-2, atol=0)
+    torch.testing.assert_close(got[0].float() * got[1], q_ref.float() * s_ref,
+                               rtol=0.07, atol=1e-2 * s_ref.max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,cols", [(1, 64), (5, 123), (3, 4096)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_fp8_equals_rms_norm_then_quant_fp8(device, dtype, rows, cols, with_residual):
+    from conveyor.kernels._util import Fp8Rows
+    from conveyor.kernels.rms_norm import rms_norm
+
+    x = torch.randn(rows, cols, device=device).to(dtype) * 3
+    w = torch.randn(cols, device=device).to(dtype)
+    res = torch.randn_like(x) if with_residual else None
+    got, want = rms_norm(x, w, 1e-6, res, fp8=True), rms_norm(x, w, 1e-6, res)
+    if with_residual:
+        assert torch.equal(got[1], want[1])
+        got, want = got[0], want[0]
+    assert isinstance(got, Fp8Rows) and got.dtype == dtype and got.shape == (rows, cols)
+    same_fp8(got, quant_fp8(want))
+
+
+@pytest.mark.gpu
+@pytest.mark.interpreter
+def test_rms_norm_fp8_with_a_float32_weight_rounds_like_the_two_kernels(device):
+    """The normed rows are float32 then (torch's promotion): two kernels, not the fused one."""
+    from conveyor.kernels.rms_norm import rms_norm
+
+    x = torch.randn(4, 200, device=device, dtype=torch.bfloat16)
+    w = torch.randn(200, device=device)
+    got, want = rms_norm(x, w, 1e-6, fp8=True), rms_norm(x, w, 1e-6)
+    assert want.dtype == got.dtype == torch.float32
+    same_fp8(got, quant_fp8(want))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="fp8 tensor cores")
+def test_fp8_gemm_of_fp8_rows_and_silu_mul_equals_unfused():
+    """What the decoder layer hands an fp8 layer (rows quantized by the norm, or the gate/up
+    output for the down projection) gives the product of the unfused path to the bit."""
+    from conveyor.kernels._util import Fp8Rows
+    from conveyor.kernels.fp8_gemm import fp8_gemm, supported
+    from conveyor.kernels.silu_and_mul import silu_and_mul
+
+    if not supported(torch.device("cuda")):
+        pytest.skip("needs compute capability 8.9+")
+    w, s = quantized(96, 320, "cuda", "fp8")
+    x = torch.randn(7, 320, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(96, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(fp8_gemm(Fp8Rows(*quant_fp8(x), x.dtype), w, s, b), fp8_gemm(x, w, s, b))
+    gate_up = torch.randn(7, 640, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(fp8_gemm(gate_up, w, s, silu_mul=True),
+                       fp8_gemm(silu_and_mul(gate_up), w, s))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA tensors")
 def test_fp8_gemm_takes_only_rows_quant_fp8_holds():

@@ -206,3 +206,44 @@ def test_int8_parameters_load_only_int8():
     layer.weight_scale.weight_loader(layer.weight_scale, torch.full((8, 2), 0.5))
     torch.testing.assert_close(layer(torch.ones(1, 64)), torch.full((1, 8), 32.0))
 
+
+
+def test_fp8_rows_are_not_asked_for_on_the_cpu():
+    layer = RowParallelLinear(64, 32)
+    quantize_model(layer, "fp8", (), "cpu")
+    assert not layer.takes_fp8_rows(torch.randn(4, 64))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="fp8 tensor cores")
+def test_norm_and_mlp_hand_over_fp8_rows_with_unfused_results():
+    """An fp8 MLP on the GPU as the decoder layer runs it: the norm quantizes for gate_up when
+    gate_up.takes_fp8_rows (more than one row), the down projection's quantization applies
+    SiLU-and-mul; the outputs equal the unfused kernels' (norm, then quant_fp8) to the bit."""
+    from conveyor.kernels.fp8_gemm import supported
+    from conveyor.worker.layers.linear import MergedColumnParallelLinear
+    from conveyor.worker.layers.norm import RMSNorm
+
+    if not supported(torch.device("cuda")):
+        pytest.skip("needs compute capability 8.9+")
+    torch.manual_seed(0)
+    dt = torch.bfloat16
+    norm = RMSNorm(256, 1e-6, dt).cuda()
+    norm.weight.data.normal_()
+    gate_up = MergedColumnParallelLinear(256, [512, 512], dtype=dt)
+    down = RowParallelLinear(512, 256, dtype=dt)
+    for layer in (gate_up, down):
+        layer.weight.data.normal_(std=256 ** -0.5)
+        quantize_model(layer, "fp8", (), "cuda")
+    for rows in (1, 9):
+        x, res = torch.randn(rows, 256, device="cuda", dtype=dt), torch.randn(
+            rows, 256, device="cuda", dtype=dt)
+        fp8 = gate_up.takes_fp8_rows(x)
+        assert fp8 == (rows > 1)
+        h, r = norm(x, res, fp8=fp8)
+        h_ref, r_ref = norm(x, res)
+        assert torch.equal(r, r_ref)
+        assert torch.equal(down(gate_up(h), silu_mul=True),
+                           down(gate_up(h_ref), silu_mul=True))
+    bf16 = RowParallelLinear(256, 64, dtype=dt).cuda()
+    assert not bf16.takes_fp8_rows(x)

@@ -12,11 +12,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from conveyor.kernels import triton_available
+from conveyor.kernels._util import Fp8Rows
 from conveyor.worker.layers.activation import silu_and_mul
 from conveyor.worker.layers.parallel import all_reduce, divide, tp_rank, tp_size
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+def linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, bias: torch.Tensor | None = None,
            silu_mul: bool = False, scale: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(silu_and_mul(x) if silu_mul else x, W, bias), W = weight, or weight * scale
     where the layer is quantized (weight int8 or float8_e4m3fn [N, K], scale float32 [N, G]).
@@ -25,15 +26,26 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     streams the weight at near full bandwidth where cuBLAS's small-M kernels reach about a third
     of it, reads int8/fp8 weights as they are, and computes silu_mul while loading x. More rows:
     cuBLAS for full-precision weights, the W8A16 Triton GEMM for int8 (dequantize + cuBLAS from
-    int8_gemm.CUBLAS_FROM_M rows), per-token fp8 activations and torch._scaled_mm for fp8. On
-    the CPU the quantized layers run the torch references.
+    int8_gemm.CUBLAS_FROM_M rows), per-token fp8 activations and torch._scaled_mm for fp8 (the
+    quantization applies silu_mul as it reads x; x may also arrive quantized, as Fp8Rows, where
+    LinearBase.takes_fp8_rows said it may). On the CPU the quantized layers run the torch
+    references.
     """
+    if isinstance(x, Fp8Rows):
+        from conveyor.kernels import fp8_gemm
+
+        return fp8_gemm.fp8_gemm(x, weight, scale, bias)
     gpu = x.is_cuda and triton_available()
     if gpu:
         from conveyor.kernels import skinny_gemm
 
         if skinny_gemm.takes(x, weight, scale):
             return skinny_gemm.skinny_gemm(x, weight, bias, silu_mul, scale)
+    if gpu and scale is not None and weight.dtype == torch.float8_e4m3fn:
+        from conveyor.kernels import fp8_gemm
+
+        if fp8_gemm.takes(x, weight, scale, silu_mul):
+            return fp8_gemm.fp8_gemm(x, weight, scale, bias, silu_mul)
     if silu_mul:
         x = silu_and_mul(x)
     if scale is None:
@@ -48,11 +60,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
             return F.linear(x, dequantize(weight, scale, x.dtype), bias)
         return int8_gemm.int8_gemm_ref(x, weight, scale, bias)
-    from conveyor.kernels import fp8_gemm
+    from conveyor.kernels.fp8_gemm import fp8_gemm_ref
 
-    if gpu and fp8_gemm.takes(x, weight, scale):
-        return fp8_gemm.fp8_gemm(x, weight, scale, bias)
-    return fp8_gemm.fp8_gemm_ref(x, weight, scale, bias)
+    return fp8_gemm_ref(x, weight, scale, bias)
 
 
 _ONE_BYTE = (torch.int8, torch.float8_e4m3fn)
@@ -98,7 +108,18 @@ class LinearBase(nn.Module):
         self.weight = _parameter((n, k), dtype, self.weight_loader, device)
         self.weight_scale = _parameter((n, groups), torch.float32, self.weight_loader, device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def takes_fp8_rows(self, x: torch.Tensor) -> bool:
+        """Whether forward(x) quantizes x per row for the fp8 tensor cores (an fp8 layer on the
+        GPU, more than one row), so that the kernel before it may hand x over quantized, as
+        Fp8Rows (RMSNorm(..., fp8=True))."""
+        if self.weight.dtype != torch.float8_e4m3fn or not (x.is_cuda and triton_available()):
+            return False
+        from conveyor.kernels import fp8_gemm, skinny_gemm
+
+        return (not skinny_gemm.takes(x, self.weight, self.weight_scale)
+                and fp8_gemm.takes(x, self.weight, self.weight_scale))
+
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
         return linear(x, self.weight, self.bias, scale=self.weight_scale)
 
 

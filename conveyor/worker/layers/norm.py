@@ -28,21 +28,23 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
-                reduce: bool = False):
+                reduce: bool = False, fp8: bool = False):
         """Normalise x; with a residual, normalise x + residual and also return that sum.
         reduce: x is this rank's partial sum (a row-parallel layer's output, not yet reduced);
         the sum over the tensor-parallel ranks is normalised.
+        fp8: the next layer takes fp8 rows (LinearBase.takes_fp8_rows): on CUDA the normed rows
+        come back quantized, as Fp8Rows, where one kernel does both.
 
         NOTE: the add runs in the model dtype, as in Hugging Face's decoder layers.
         """
         if reduce:
             from conveyor.worker.layers.parallel import all_reduce_rms_norm
 
-            return all_reduce_rms_norm(x, self, residual)
+            return all_reduce_rms_norm(x, self, residual, fp8)
         if x.is_cuda and x.dim() == 2 and triton_available():
             from conveyor.kernels.rms_norm import rms_norm
 
-            return rms_norm(x, self.weight, self.eps, residual)
+            return rms_norm(x, self.weight, self.eps, residual, fp8)
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -105,11 +105,13 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def all_reduce_rms_norm(x: torch.Tensor, norm, residual: torch.Tensor | None = None):
-    """norm(sum of x over the ranks, residual): one kernel where the one-shot path takes x."""
+def all_reduce_rms_norm(x: torch.Tensor, norm, residual: torch.Tensor | None = None,
+                        fp8: bool = False):
+    """norm(sum of x over the ranks, residual, fp8): one kernel where the one-shot path takes
+    x (its rows come back unquantized: the next layer quantizes them)."""
     if _one_shot is not None and _one_shot.takes(x) and norm.weight.dtype == x.dtype:
         return _one_shot(x, norm.weight, norm.eps, residual)
-    return norm(all_reduce(x), residual)
+    return norm(all_reduce(x), residual, fp8=fp8)
 
 
 def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from conveyor.kernels import triton_available
+from conveyor.kernels._util import Fp8Rows
 from conveyor.shared.config import ModelConfig
 from conveyor.worker.context import StepContext
 from conveyor.worker.layers.attention import Attention
@@ -40,13 +41,13 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(d, config.rms_norm_eps, dtype) if qk_norm else None
         self.attn = Attention(layer_idx, heads, kv_heads, d, scale=d ** -0.5)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def forward(self, x: torch.Tensor | Fp8Rows, cos: torch.Tensor, sin: torch.Tensor,
                 ctx: StepContext) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, -1, self.head_dim)                  # [T, heads, head_dim]
         k = k.reshape(t, -1, self.head_dim)                  # [T, kv_heads, head_dim]
-        if x.is_cuda and triton_available():
+        if q.is_cuda and triton_available():
             # one kernel: q/k norm and rotary in place, k and v stored into the KV pool as well
             from conveyor.kernels.rotary import rotary_qk
 
@@ -74,7 +75,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, config.hidden_size, dtype=dtype,
                                            reduce_results=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
         # SiLU-and-mul of the gate/up output happens in down_proj (in its loads when decoding)
         return self.down_proj(self.gate_up_proj(x), silu_mul=True)
 
@@ -93,13 +94,18 @@ class LlamaDecoderLayer(nn.Module):
 
         Under tensor parallelism the attention and MLP outputs (o_proj, down_proj) leave each
         rank as partial sums, and the norm after each reduces them (one fused kernel at decode
-        sizes); so x, as given and as returned, is a partial sum, except the embedding's."""
+        sizes); so x, as given and as returned, is a partial sum, except the embedding's.
+
+        With fp8 weights on the GPU the norms hand the projections after them fp8 rows
+        (LinearBase.takes_fp8_rows), quantized in the norm's kernel."""
+        fp8 = self.self_attn.qkv_proj.takes_fp8_rows(x)
         if residual is None:
-            x, residual = self.input_layernorm(x), x
+            x, residual = self.input_layernorm(x, fp8=fp8), x
         else:
-            x, residual = self.input_layernorm(x, residual, reduce=True)
+            x, residual = self.input_layernorm(x, residual, reduce=True, fp8=fp8)
         x = self.self_attn(x, cos, sin, ctx)
-        x, residual = self.post_attention_layernorm(x, residual, reduce=True)
+        fp8 = self.mlp.gate_up_proj.takes_fp8_rows(x)
+        x, residual = self.post_attention_layernorm(x, residual, reduce=True, fp8=fp8)
         return self.mlp(x), residual
 
 
