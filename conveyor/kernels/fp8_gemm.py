@@ -20,11 +20,17 @@ def supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def takes(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, silu_mul: bool = False
-          ) -> bool:
+def takes(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, scale: torch.Tensor,
+          silu_mul: bool = False) -> bool:
+    """Whether fp8_gemm takes this product; x may be Fp8Rows (never with silu_mul)."""
     n, k = weight.shape
-    return (x.is_cuda and x.dim() == 2 and x.dtype in (torch.float16, torch.bfloat16)
-            and x.stride(-1) == 1 and x.shape[1] == (2 * k if silu_mul else k)
+    if isinstance(x, Fp8Rows):
+        x_ok = x.q.dtype == torch.float8_e4m3fn and x.shape[-1] == k and not silu_mul
+        x = x.q
+    else:
+        x_ok = (x.dtype in (torch.float16, torch.bfloat16)
+                and x.shape[-1] == (2 * k if silu_mul else k))
+    return (x_ok and x.is_cuda and x.dim() == 2 and x.stride(-1) == 1
             and weight.dtype == torch.float8_e4m3fn
             and weight.is_contiguous() and k % 16 == 0 and n % 16 == 0 and k <= MAX_K
             and scale.shape == (n, 1) and scale.dtype == torch.float32 and scale.is_contiguous())
@@ -37,8 +43,9 @@ def fp8_gemm(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, scale: torch.Tenso
     x: a tensor, or Fp8Rows quantized for this layer (rms_norm(fp8=True)).
     silu_mul: x is [M, 2K], gate then up, and the product is of silu(gate) * up."""
     if isinstance(x, Fp8Rows):
-        check(x.q.dim() == 2 and x.q.shape[1] == weight.shape[1] and not silu_mul,
-              f"Fp8Rows {tuple(x.shape)} for weight {tuple(weight.shape)}")
+        check(takes(x, weight, scale, silu_mul), f"Fp8Rows {tuple(x.shape)} {x.q.dtype}"
+              f"{' with silu_mul' if silu_mul else ''} for weight {tuple(weight.shape)} "
+              f"{weight.dtype}, scale {tuple(scale.shape)}")
         return _scaled_mm(x.q, x.scale, weight, scale, bias, x.dtype)
     check(takes(x, weight, scale, silu_mul), f"fp8_gemm takes x [M, K] fp16/bf16 on CUDA "
           f"([M, 2K] with silu_mul), weight [N, K] "

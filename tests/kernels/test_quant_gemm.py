@@ -254,6 +254,11 @@ def test_fp8_gemm_of_fp8_rows_and_silu_mul_equals_unfused():
     gate_up = torch.randn(7, 640, device="cuda", dtype=torch.bfloat16)
     assert torch.equal(fp8_gemm(gate_up, w, s, silu_mul=True),
                        fp8_gemm(silu_and_mul(gate_up), w, s))
+    rows = Fp8Rows(*quant_fp8(x), x.dtype)
+    with pytest.raises(ValueError, match="silu_mul"):         # rows are already activated
+        fp8_gemm(rows, w, s, silu_mul=True)
+    with pytest.raises(ValueError, match="Fp8Rows"):          # K of another layer
+        fp8_gemm(Fp8Rows(rows.q[:, :304], rows.scale, x.dtype), w, s)
 
 
 @pytest.mark.gpu

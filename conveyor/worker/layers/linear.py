@@ -34,7 +34,7 @@ def linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, bias: torch.Tensor |
     if isinstance(x, Fp8Rows):
         from conveyor.kernels import fp8_gemm
 
-        return fp8_gemm.fp8_gemm(x, weight, scale, bias)
+        return fp8_gemm.fp8_gemm(x, weight, scale, bias, silu_mul)
     gpu = x.is_cuda and triton_available()
     if gpu:
         from conveyor.kernels import skinny_gemm
