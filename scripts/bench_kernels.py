@@ -19,7 +19,11 @@ choices on their own (to check int8_gemm.CUBLAS_FROM_M). GB/s counts the weight'
 stored. Its last lines add up a decode step's GEMMs with the LM head kept in bf16 (the default
 --keep-precision).
 
-    python scripts/bench_kernels.py [--tables base quant] [--shapes llama3.1-8b]
+fp8 at decode batch sizes (--tables fp8): torch._scaled_mm (cuBLAS) at M = 64, 128, 256 three
+ways (as fp8_gemm calls it, with use_fast_accum, and with the operands swapped, y^T = W x^T),
+and the per-token quantization fused into RMSNorm / SiLU-and-mul against the separate kernels.
+
+    python scripts/bench_kernels.py [--tables base quant fp8] [--shapes llama3.1-8b]
 """
 from __future__ import annotations
 
@@ -31,6 +35,8 @@ import torch.nn.functional as F
 
 from conveyor.kernels.dequantize import dequantize
 from conveyor.kernels.int8_gemm import int8_gemm
+from conveyor.kernels.quant_fp8 import quant_fp8
+from conveyor.kernels.rms_norm import rms_norm
 from conveyor.kernels.sample import sample
 from conveyor.kernels.sample_nucleus import sample_nucleus
 from conveyor.kernels.silu_and_mul import silu_and_mul
@@ -166,6 +172,69 @@ def quant_table(shapes: list[str]) -> None:
               f"({t['bf16'] / t['fp8']:.2f}x)")
 
 
+FP8_M = (64, 128, 256)
+
+
+def _scaled_mm_ways(x: torch.Tensor, sx: torch.Tensor, pick: list) -> list[float]:
+    """GPU us of x [m, k] fp8 times each (w [n, k] fp8, s [n, 1]) of pick, three ways."""
+    mm, bf = torch._scaled_mm, torch.bfloat16
+    return [
+        graph_us([lambda w=w, s=s: mm(x, w.t(), scale_a=sx, scale_b=s.view(1, -1), out_dtype=bf)
+                  for w, s in pick]),
+        graph_us([lambda w=w, s=s: mm(x, w.t(), scale_a=sx, scale_b=s.view(1, -1), out_dtype=bf,
+                                      use_fast_accum=True) for w, s in pick]),
+        graph_us([lambda w=w, s=s: mm(w, x.t(), scale_a=s, scale_b=sx.view(1, -1),
+                                      out_dtype=bf).t().contiguous() for w, s in pick])]
+
+
+def fp8_table(shapes: list[str]) -> None:
+    print("\nfp8 GEMMs (torch._scaled_mm) at decode batch sizes: GPU us per call, TFLOP/s of "
+          "the fastest way")
+    print("| GEMM | M | as fp8_gemm calls it | use_fast_accum | swapped | TFLOP/s |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for shape in shapes:
+        layer = {n: nk for n, nk in SHAPES[shape].items() if n != "lm_head"}
+        weights = {}
+        for name, (n, k) in layer.items():
+            weights[name] = [quantize_weight(torch.randn(n, k, device="cuda") / k ** 0.5, "fp8")
+                             for _ in range(copies(n * k))]
+        for m in FP8_M:
+            total = [0.0] * 3
+            for name, (n, k) in layer.items():
+                x, sx = quant_fp8(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
+                t = _scaled_mm_ways(x, sx, [weights[name][i % len(weights[name])]
+                                            for i in range(CALLS)])
+                total = [a + b for a, b in zip(total, t)]
+                print(f"| {shape} {name} [{n}x{k}] | {m} | "
+                      + " | ".join(f"{v:.1f}" for v in t)
+                      + f" | {2 * m * n * k / min(t) / 1e6:.0f} |", flush=True)
+            print(f"| {shape} one layer | {m} | " + " | ".join(f"{v:.1f}" for v in total)
+                  + " | |")
+        del weights
+    print("\nPer-token fp8 quantization of an fp8 layer's input: GPU us per call")
+    print("| input | M | fused | separate kernels |")
+    print("|---|---:|---:|---:|")
+    for shape in shapes:
+        hidden, inter = SHAPES[shape]["o"][0], SHAPES[shape]["down"][1]
+        w = torch.randn(hidden, device="cuda", dtype=torch.bfloat16)
+        for m in FP8_M:
+            xs = [torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16)
+                  for _ in range(copies(m * hidden * 4))]
+            pairs = [(xs[i % len(xs)], xs[(i + 1) % len(xs)]) for i in range(CALLS)]
+            fused = graph_us([lambda x=x, r=r, w=w: rms_norm(x, w, 1e-5, r, fp8=True)
+                              for x, r in pairs])
+            apart = graph_us([lambda x=x, r=r, w=w: quant_fp8(rms_norm(x, w, 1e-5, r)[0])
+                              for x, r in pairs])
+            print(f"| {shape} RMSNorm + residual [{hidden}] | {m} | {fused:.1f} | {apart:.1f} |")
+            gs = [torch.randn(m, 2 * inter, device="cuda", dtype=torch.bfloat16)
+                  for _ in range(copies(m * inter * 4))]
+            pick = [gs[i % len(gs)] for i in range(CALLS)]
+            fused = graph_us([lambda g=g: quant_fp8(g, silu_mul=True) for g in pick])
+            apart = graph_us([lambda g=g: quant_fp8(silu_and_mul(g)) for g in pick])
+            print(f"| {shape} SiLU-and-mul [2x{inter}] | {m} | {fused:.1f} | {apart:.1f} |",
+                  flush=True)
+
+
 def torch_sample(x: torch.Tensor, temperature: torch.Tensor | None) -> torch.Tensor:
     """The torch sampler's math for greedy or temperature-only rows (before the fused kernel:
     the model's logits upcast, then an exponential race)."""
@@ -218,8 +287,10 @@ def row(name: str, ours: float, theirs: float, nbytes: int) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    ap.add_argument("--tables", nargs="+", default=["base", "quant"], choices=["base", "quant"],
-                    help="base: skinny GEMM and sampling against torch; quant: int8/fp8 weights")
+    ap.add_argument("--tables", nargs="+", default=["base", "quant"],
+                    choices=["base", "quant", "fp8"],
+                    help="base: skinny GEMM and sampling against torch; quant: int8/fp8 weights; "
+                         "fp8: cuBLAS's fp8 GEMM and the fused quantization at decode batches")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
@@ -229,6 +300,8 @@ def main() -> None:
         base_table(args.shapes)
     if "quant" in args.tables:
         quant_table(args.shapes)
+    if "fp8" in args.tables:
+        fp8_table(args.shapes)
 
 
 def base_table(shapes: list[str]) -> None:
