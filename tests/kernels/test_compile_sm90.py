@@ -1,0 +1,192 @@
+"""Every Triton kernel compiled for Hopper (sm90) on the CPU, from its launcher's own call: the
+launch is replaced by triton.compile for GPUTarget("cuda", 90, 32) with the call's argument
+types, constexprs and options (PDL and the inline PTX of fp8 attention on, as on an H100/H200).
+
+This catches what Triton's interpreter lets through before a GPU run: a kernel that reads a
+module-level Python value that is not a tl.constexpr (the interpreter reads any global; the
+compiler refuses), a type error in a branch the CPU tests never take, PTX that does not
+assemble. Runs wherever Triton is installed, GPU or not; skipped without it:
+
+    pytest -m compile tests/kernels
+"""
+import importlib.util
+import inspect
+import math
+
+import pytest
+import torch
+
+from conveyor.kernels import interpreting
+
+pytestmark = [pytest.mark.compile,
+              pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                 reason="needs Triton (no GPU needed)"),
+              pytest.mark.skipif(interpreting(), reason="compiles: not under TRITON_INTERPRET")]
+
+POINTER = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32",
+           torch.int32: "*i32", torch.int64: "*i64", torch.int8: "*i8", torch.uint8: "*u8",
+           torch.float8_e4m3fn: "*fp8e4nv"}
+LAUNCH_ONLY = ("launch_pdl", "num_ctas", "maxnreg")
+
+
+def compile_sm90(fn, args: tuple, kwargs: dict):
+    """triton.compile of JITFunction fn for sm90 as fn[grid](*args, **kwargs) would launch it.
+    Pointers and integers that are multiples of 16 get the divisibility hint the launcher's
+    specialisation gives them on a GPU (except do_not_specialize parameters)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kwargs = dict(kwargs)
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    for k in LAUNCH_ONLY:
+        kwargs.pop(k, None)
+    bound = dict(zip(fn.arg_names, args)) | kwargs
+    plain = set(getattr(fn, "do_not_specialize", ()))
+    signature, constexprs, attrs = {}, {}, {}
+    for i, p in enumerate(fn.params):
+        value = bound[p.name] if p.name in bound else p.default
+        assert value is not inspect.Parameter.empty, f"{fn.__name__}: no value for {p.name}"
+        if p.is_constexpr or value is None:
+            signature[p.name] = "constexpr"
+            constexprs[p.name] = value
+        elif isinstance(value, torch.Tensor):
+            signature[p.name] = POINTER[value.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, bool):
+            signature[p.name] = "i1"
+        elif isinstance(value, int):
+            signature[p.name] = "i64" if abs(value) >= 2**31 else "i32"
+            if value % 16 == 0 and value and i not in plain and p.name not in plain:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[p.name] = "fp32"
+    src = ASTSource(fn, signature, constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+@pytest.fixture
+def compiled(monkeypatch):
+    """Launches compile for sm90 instead; returns the list of (kernel name, compiled)."""
+    import triton
+
+    from conveyor.kernels import _triton, paged_attention
+
+    done = []
+
+    def getitem(self, grid):
+        def launch(*args, **kwargs):
+            done.append((self.__name__, compile_sm90(self, args, kwargs)))
+        return launch
+
+    monkeypatch.setattr(triton.runtime.jit.JITFunction, "__getitem__", getitem)
+    monkeypatch.setattr(_triton, "pdl", lambda: True)
+    monkeypatch.setattr(paged_attention, "_has_cvt_e4m3x2", lambda device: True)
+    return done
+
+
+def check(done, *names):
+    assert sorted({n for n, _ in done}) == sorted(set(names))
+    for name, kernel in done:
+        assert kernel.asm["cubin"], name
+
+
+BF = torch.bfloat16
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_norm_activation_and_quantization_kernels(compiled, dtype):
+    from conveyor.kernels.quant_fp8 import quant_fp8
+    from conveyor.kernels.rms_norm import rms_norm
+    from conveyor.kernels.silu_and_mul import silu_and_mul
+
+    x, w = torch.zeros(4, 4096, dtype=dtype), torch.zeros(4096, dtype=dtype)
+    rms_norm(x, w, 1e-6)
+    rms_norm(x, w, 1e-6, x, fp8=True)
+    silu_and_mul(torch.zeros(4, 2 * 1000, dtype=dtype))
+    quant_fp8(torch.zeros(4, 2 * 14336, dtype=dtype), silu_mul=True)
+    quant_fp8(torch.zeros(4, 4096, dtype=dtype))
+    check(compiled, "_rms_norm_kernel", "_silu_and_mul_kernel", "_quant_fp8_kernel")
+
+
+@pytest.mark.parametrize("mode", [None, "int8", "fp8", "q8_0"])
+def test_gemm_kernels(compiled, mode):
+    from conveyor.kernels.dequantize import dequantize
+    from conveyor.kernels.int8_gemm import int8_gemm
+    from conveyor.kernels.skinny_gemm import skinny_gemm
+
+    n, k = 6144, 4096
+    dtype = {None: BF, "int8": torch.int8, "q8_0": torch.int8, "fp8": torch.float8_e4m3fn}[mode]
+    w = torch.zeros(n, k, dtype=dtype)
+    s = None if mode is None else torch.ones(n, k // 32 if mode == "q8_0" else 1)
+    skinny_gemm(torch.zeros(1, k, dtype=BF), w, torch.zeros(n, dtype=BF), scale=s)
+    skinny_gemm(torch.zeros(1, 2 * k, dtype=BF), w, silu_mul=True, scale=s)
+    names = ["_skinny_gemm_kernel"]
+    if mode == "int8":
+        for m in (16, 256):
+            int8_gemm(torch.zeros(m, k, dtype=BF), w, s)
+        dequantize(w, s, BF)
+        names += ["_int8_gemm_kernel", "_dequantize_kernel"]
+    check(compiled, *names)
+
+
+@pytest.mark.parametrize("cache_dtype", [BF, torch.float8_e4m3fn])
+def test_attention_kernels(compiled, cache_dtype):
+    from conveyor.kernels.paged_attention import paged_attention
+    from conveyor.kernels.rotary import rotary_qk
+    from conveyor.kernels.store_kv import store_kv
+
+    blocks, bs, kvh, d, heads = 64, 16, 8, 128, 32
+    cache = torch.zeros(blocks, 2, bs, kvh, d, dtype=cache_dtype)
+    tables = torch.zeros(4, 8, dtype=torch.int32)
+    seq_lens = torch.tensor([100, 7, 64, 33], dtype=torch.int32)
+    for q_lens in ([1, 1, 1, 1], [1, 7, 30, 1], [1, 1, 1, 100]):
+        t = sum(q_lens)
+        q = torch.zeros(t, heads, d, dtype=BF)
+        starts = torch.tensor([0] + [sum(q_lens[:i + 1]) for i in range(4)], dtype=torch.int32)
+        paged_attention(q, cache, tables, seq_lens, starts, d ** -0.5, max(q_lens))
+    paged_attention(q[:4], cache, tables, seq_lens, torch.arange(5, dtype=torch.int32),
+                    d ** -0.5, 1, num_splits=4)
+    paged_attention(q[:4], cache, tables, seq_lens, torch.arange(5, dtype=torch.int32),
+                    d ** -0.5, 1, seq_order=torch.arange(4, dtype=torch.int32))
+    k, v = torch.zeros(9, kvh, d, dtype=BF), torch.zeros(9, kvh, d, dtype=BF)
+    slots = torch.arange(9)
+    store_kv(k, v, cache, slots)
+    cos = sin = torch.zeros(9, d // 2)
+    norm = torch.ones(d, dtype=BF)
+    rotary_qk(torch.zeros(9, heads, d, dtype=BF), k, cos, sin, norm, norm)
+    rotary_qk(torch.zeros(9, heads, d, dtype=BF), k, cos, sin, v=v, kv_cache=cache,
+              slot_mapping=slots)
+    check(compiled, "_paged_attention_kernel", "_merge_splits_kernel", "_store_kv_kernel",
+          "_rotary_kernel")
+
+
+def test_sampling_kernels(compiled):
+    from conveyor.kernels.sample import sample
+    from conveyor.kernels.sample_nucleus import sample_nucleus
+
+    logits = torch.zeros(3, 151936, dtype=BF)
+    sample(logits)
+    sample(logits, torch.ones(3), torch.zeros(3, dtype=torch.int64))
+    ones = torch.ones(2)
+    sample_nucleus(logits, torch.arange(2), ones, ones * 0.9, ones * 0.0,
+                   torch.zeros(2, dtype=torch.int64))
+    check(compiled, "_sample_chunk_kernel", "_sample_reduce_kernel", "_nucleus_kernel")
+
+
+def test_a_global_python_float_fails_to_compile(compiled):
+    """The class of error this file is for: the interpreter runs this kernel, the compiler
+    refuses it."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def reads_a_global(x_ptr, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        tl.store(x_ptr + offs, tl.load(x_ptr + offs) * SCALE)
+
+    with pytest.raises(Exception, match="global variable SCALE"):
+        reads_a_global[(1,)](torch.zeros(16), BLOCK=16)
+
+
+SCALE = math.pi
