@@ -42,17 +42,14 @@ def fp8_gemm(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, scale: torch.Tenso
 
     x: a tensor, or Fp8Rows quantized for this layer (rms_norm(fp8=True)).
     silu_mul: x is [M, 2K], gate then up, and the product is of silu(gate) * up."""
-    if isinstance(x, Fp8Rows):
-        check(takes(x, weight, scale, silu_mul), f"Fp8Rows {tuple(x.shape)} {x.q.dtype}"
-              f"{' with silu_mul' if silu_mul else ''} for weight {tuple(weight.shape)} "
-              f"{weight.dtype}, scale {tuple(scale.shape)}")
-        return _scaled_mm(x.q, x.scale, weight, scale, bias, x.dtype)
     check(takes(x, weight, scale, silu_mul), f"fp8_gemm takes x [M, K] fp16/bf16 on CUDA "
-          f"([M, 2K] with silu_mul), weight [N, K] "
-          f"float8_e4m3fn contiguous with K, N multiples of 16 (K at most {MAX_K}) and scale "
-          f"float32 [N, 1]; got "
-          f"x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}, "
-          f"scale {tuple(scale.shape)} {scale.dtype}")
+          f"([M, 2K] with silu_mul) or Fp8Rows [M, K] (without), weight [N, K] float8_e4m3fn "
+          f"contiguous with K, N multiples of 16 (K at most {MAX_K}) and scale float32 [N, 1]; "
+          f"got x {tuple(x.shape)} {x.q.dtype if isinstance(x, Fp8Rows) else x.dtype}"
+          f"{' with silu_mul' if silu_mul else ''}, weight {tuple(weight.shape)} "
+          f"{weight.dtype}, scale {tuple(scale.shape)} {scale.dtype}")
+    if isinstance(x, Fp8Rows):
+        return _scaled_mm(x.q, x.scale, weight, scale, bias, x.dtype)
     return _scaled_mm(*quant_fp8(x, silu_mul), weight, scale, bias, x.dtype)
 
 

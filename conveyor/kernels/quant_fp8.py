@@ -17,7 +17,7 @@ import torch
 
 from conveyor.kernels._triton import grid_sync, jit, pdl_args, require_triton, tl
 from conveyor.kernels._util import FP8_MAX, check, next_pow2
-from conveyor.kernels.silu_and_mul import silu_mul
+from conveyor.kernels.silu_and_mul import silu_mul, silu_mul_ref
 
 MIN_SCALE = 1e-12 / FP8_MAX      # an all-zero row gets a tiny scale, not a division by zero
 MAX_K = 65536                    # the longest row a program holds (128 values a thread)
@@ -76,8 +76,7 @@ def quant_fp8(x: torch.Tensor, silu_mul: bool = False) -> tuple[torch.Tensor, to
 
 def quant_fp8_ref(x: torch.Tensor, silu_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     if silu_mul:
-        gate, up = x.float().chunk(2, dim=-1)
-        x = (torch.nn.functional.silu(gate) * up).to(x.dtype)
+        x = silu_mul_ref(x)
     scale = (x.float().abs().amax(-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
     q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q, scale

@@ -45,3 +45,10 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def silu_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of x [.., 2I] in float32, rounded once to x's dtype: the torch form of
+    silu_mul, for the references of the kernels that fuse it."""
+    gate, up = x.float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(x.dtype)

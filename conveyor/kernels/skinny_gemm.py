@@ -23,7 +23,7 @@ import torch
 from conveyor.kernels._triton import grid_sync, jit, pdl_args, require_triton, tl
 from conveyor.kernels._util import check
 from conveyor.kernels.dequantize import dequantize_ref
-from conveyor.kernels.silu_and_mul import silu_mul
+from conveyor.kernels.silu_and_mul import silu_mul, silu_mul_ref
 
 M_MAX = 1
 _TILE = 4096             # elements of W per program and step
@@ -166,8 +166,7 @@ def skinny_gemm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
                     silu_mul: bool = False, scale: torch.Tensor | None = None) -> torch.Tensor:
     """The same product in float32, rounded once (silu(gate) * up rounded first, as above)."""
     if silu_mul:
-        gate, up = x.float().chunk(2, dim=-1)
-        x = (torch.nn.functional.silu(gate) * up).to(x.dtype)
+        x = silu_mul_ref(x)
     w = weight.float() if scale is None else dequantize_ref(weight, scale, torch.float32)
     y = x.float() @ w.T
     if bias is not None:
