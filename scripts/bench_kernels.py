@@ -19,9 +19,9 @@ choices on their own (to check int8_gemm.CUBLAS_FROM_M). GB/s counts the weight'
 stored. Its last lines add up a decode step's GEMMs with the LM head kept in bf16 (the default
 --keep-precision).
 
-fp8 at decode batch sizes (--tables fp8): torch._scaled_mm (cuBLAS) at M = 64, 128, 256 three
-ways (as fp8_gemm calls it, with use_fast_accum, and with the operands swapped, y^T = W x^T),
-and the per-token quantization fused into RMSNorm / SiLU-and-mul against the separate kernels.
+fp8 at decode batch sizes (--tables fp8): fp8_gemm (its Triton tiles) against torch._scaled_mm
+(cuBLAS, plain and with use_fast_accum) at M = 16 to 256, and the per-token quantization fused
+into RMSNorm / SiLU-and-mul against the separate kernels.
 
     python scripts/bench_kernels.py [--tables base quant fp8] [--shapes llama3.1-8b]
 """
@@ -33,7 +33,9 @@ import statistics
 import torch
 import torch.nn.functional as F
 
+from conveyor.kernels._util import Fp8Rows
 from conveyor.kernels.dequantize import dequantize
+from conveyor.kernels.fp8_gemm import TILED_TO_M, fp8_gemm, tiling
 from conveyor.kernels.int8_gemm import int8_gemm
 from conveyor.kernels.quant_fp8 import quant_fp8
 from conveyor.kernels.rms_norm import rms_norm
@@ -172,26 +174,29 @@ def quant_table(shapes: list[str]) -> None:
               f"({t['bf16'] / t['fp8']:.2f}x)")
 
 
-FP8_M = (64, 128, 256)
+FP8_M = (16, 64, 128, 192, 256)
 
 
-def _scaled_mm_ways(x: torch.Tensor, sx: torch.Tensor, pick: list) -> list[float]:
-    """GPU us of x [m, k] fp8 times each (w [n, k] fp8, s [n, 1]) of pick, three ways."""
+def _fp8_ways(x: torch.Tensor, sx: torch.Tensor, pick: list) -> list[float]:
+    """GPU us of x [m, k] fp8 times each (w [n, k] fp8, s [n, 1]) of pick: fp8_gemm (the Triton
+    tiles up to TILED_TO_M rows on Hopper), torch._scaled_mm as it was called before them, and
+    with use_fast_accum."""
     mm, bf = torch._scaled_mm, torch.bfloat16
+    rows = Fp8Rows(x, sx, bf)
     return [
+        graph_us([lambda w=w, s=s: fp8_gemm(rows, w, s) for w, s in pick]),
         graph_us([lambda w=w, s=s: mm(x, w.t(), scale_a=sx, scale_b=s.view(1, -1), out_dtype=bf)
                   for w, s in pick]),
         graph_us([lambda w=w, s=s: mm(x, w.t(), scale_a=sx, scale_b=s.view(1, -1), out_dtype=bf,
-                                      use_fast_accum=True) for w, s in pick]),
-        graph_us([lambda w=w, s=s: mm(w, x.t(), scale_a=s, scale_b=sx.view(1, -1),
-                                      out_dtype=bf).t().contiguous() for w, s in pick])]
+                                      use_fast_accum=True) for w, s in pick])]
 
 
 def fp8_table(shapes: list[str]) -> None:
-    print("\nfp8 GEMMs (torch._scaled_mm) at decode batch sizes: GPU us per call, TFLOP/s of "
-          "the fastest way")
-    print("| GEMM | M | as fp8_gemm calls it | use_fast_accum | swapped | TFLOP/s |")
-    print("|---|---:|---:|---:|---:|---:|")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print("\nfp8 GEMMs at decode batch sizes: GPU us per call, TFLOP/s and GB/s of fp8_gemm")
+    print("| GEMM | M | fp8_gemm | cuBLAS | cuBLAS use_fast_accum | fp8_gemm x | tile | TFLOP/s "
+          "| GB/s |")
+    print("|---|---:|---:|---:|---:|---:|---|---:|---:|")
     for shape in shapes:
         layer = {n: nk for n, nk in SHAPES[shape].items() if n != "lm_head"}
         weights = {}
@@ -202,14 +207,16 @@ def fp8_table(shapes: list[str]) -> None:
             total = [0.0] * 3
             for name, (n, k) in layer.items():
                 x, sx = quant_fp8(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
-                t = _scaled_mm_ways(x, sx, [weights[name][i % len(weights[name])]
-                                            for i in range(CALLS)])
+                t = _fp8_ways(x, sx, [weights[name][i % len(weights[name])]
+                                      for i in range(CALLS)])
                 total = [a + b for a, b in zip(total, t)]
+                tile = "x".join(map(str, tiling(m, n, sms)[:2])) if m <= TILED_TO_M else "cuBLAS"
                 print(f"| {shape} {name} [{n}x{k}] | {m} | "
                       + " | ".join(f"{v:.1f}" for v in t)
-                      + f" | {2 * m * n * k / min(t) / 1e6:.0f} |", flush=True)
+                      + f" | {t[1] / t[0]:.2f} | {tile} | {2 * m * n * k / t[0] / 1e6:.0f} | "
+                      f"{n * k / t[0] / 1e3:.0f} |", flush=True)
             print(f"| {shape} one layer | {m} | " + " | ".join(f"{v:.1f}" for v in total)
-                  + " | |")
+                  + f" | {total[1] / total[0]:.2f} | | | |")
         del weights
     print("\nPer-token fp8 quantization of an fp8 layer's input: GPU us per call")
     print("| input | M | fused | separate kernels |")
@@ -290,7 +297,7 @@ def main() -> None:
     ap.add_argument("--tables", nargs="+", default=["base", "quant"],
                     choices=["base", "quant", "fp8"],
                     help="base: skinny GEMM and sampling against torch; quant: int8/fp8 weights; "
-                         "fp8: cuBLAS's fp8 GEMM and the fused quantization at decode batches")
+                         "fp8: the fp8 GEMMs and the fused quantization at decode batches")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")

@@ -1,18 +1,101 @@
 """fp8 W8A8 GEMM: y = (q_x * s_x) @ (W * s_w)^T + bias, with x quantized per token on the fly
 (quant_fp8.py) and W float8_e4m3fn [N, K] quantized per output row at load (s_w [N, 1]).
 
-The product runs on the fp8 tensor cores through torch._scaled_mm with row-wise scales (scale_a
-[M, 1], scale_b [1, N], float32; cuBLASLt applies them in its epilogue), which wants K and N
-multiples of 16, W^T column-major (W [N, K] row-major is exactly that) and a bfloat16 output;
-fp16 models get the bf16 result cast. Needs compute capability 8.9+ (Ada, Hopper).
-
 x may come quantized already (Fp8Rows, from the RMSNorm kernel before the layer), or be the
 MLP's gate/up output with silu_mul, which the quantization kernel applies as it reads it.
+
+Two ways to run the product on the fp8 tensor cores, float32 accumulation both:
+- Decode batches (up to TILED_TO_M rows) on Hopper: the Triton kernel here. Each program owns
+  a BLOCK_M x BLOCK_N tile of y and walks K; the epilogue applies both scales (and the bias) to
+  the float32 sum and rounds once. `tiling` picks the tile so that a call has at least as many
+  programs as the GPU has SMs, narrowing the weight side (128, 64, then 32 rows) rather than
+  splitting K. cuBLAS's kernel for these shapes uses 128x128 tiles, so the o and down
+  projections of Llama-3.1-8B (N = 4,096) run as 64 programs on 132 SMs and stream their
+  weight at about 1.2 TB/s, whatever the batch.
+- More rows (prefill): torch._scaled_mm (cuBLASLt) with row-wise scales (scale_a [M, 1],
+  scale_b [1, N], float32, applied in its epilogue), which wants K and N multiples of 16 and W^T
+  column-major (W [N, K] row-major is exactly that). Its row-wise scaling has only a bfloat16
+  output: fp16 models get that cast, and a bias is added to it in float32.
+
+H200, Llama-3.1-8B's four projections a layer (qkv, o, gate/up, down), GPU µs against cuBLAS
+(`scripts/bench_kernels.py --tables fp8`, session 13): 72 against 114 at 16 rows, 75 / 108 at
+64, 87 / 103 at 128, 120 / 138 at 192, 123 / 132 at 256. The decode step at batch 96 went from
+5.91 to 5.43 ms, the fp8 + fp8 KV workload from 12,840 to 13,620 tok/s.
+
+Needs compute capability 8.9+ (Ada, Hopper); the Triton tiles were measured on Hopper only, so
+other devices take cuBLAS at every size.
 """
+import functools
+
 import torch
 
+from conveyor.kernels._triton import grid_sync, jit, pdl_args, require_triton, tl
 from conveyor.kernels._util import Fp8Rows, check
 from conveyor.kernels.quant_fp8 import MAX_K, quant_fp8, quant_fp8_ref
+
+TILED_TO_M = 256    # rows up to which Hopper takes the Triton tiles; cuBLAS from there
+
+
+@jit
+def _fp8_gemm_kernel(q_ptr, sq_ptr, w_ptr, sw_ptr, bias_ptr, y_ptr, M, N, K, stride_qm,
+                     stride_wn, stride_ym, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     USE_PDL: tl.constexpr):
+    grid_sync(USE_PDL)
+    tile = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    pid_n = tile // num_m          # a weight tile's batch tiles run together: W leaves DRAM once
+    pid_m = tile % num_m
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok = rm < M
+    n_ok = rn < N
+    q_ptrs = q_ptr + rm[:, None].to(tl.int64) * stride_qm + rk[None, :]
+    w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(q_ptrs, mask=m_ok[:, None], other=0.0)
+            b = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+        else:
+            k_ok = rk[None, :] < K - k
+            a = tl.load(q_ptrs, mask=m_ok[:, None] & k_ok, other=0.0)
+            b = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok, other=0.0)
+        acc = tl.dot(a, tl.trans(b), acc)    # W's tile transposed: K-major, as fp8 wgmma wants
+        q_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    acc *= tl.load(sq_ptr + rm, mask=m_ok, other=0.0)[:, None]
+    acc *= tl.load(sw_ptr + rn, mask=n_ok, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def tiling(m: int, n: int, sms: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for q [m, K] and W [n, K] on a GPU of
+    sms SMs: the widest tile that still gives every SM a program. 128x128 over two warpgroups
+    where even that fills the GPU (gate/up from 65 rows), else 64 batch rows by 128, 64 or 32
+    weight rows. From session 13's sweep on an H200 (BLOCK_K and stages: the best of 128/256
+    and 3-6 for each width)."""
+    def programs(block_m, block_n):
+        return -(-m // block_m) * -(-n // block_n)
+
+    if m > 64 and programs(128, 128) >= sms:
+        return 128, 128, 128, 8, 3
+    if programs(64, 128) >= sms:
+        return 64, 128, 128, 4, 4
+    if programs(64, 64) >= sms:
+        return 64, 64, 256, 4, 3
+    return 64, 32, 256, 4, 4
+
+
+@functools.cache
+def _tiled_on(device: torch.device) -> int:
+    """The SM count where the Triton tiles run (Hopper), else 0."""
+    props = torch.cuda.get_device_properties(device)
+    return props.multi_processor_count if props.major == 9 else 0
 
 
 def supported(device: torch.device) -> bool:
@@ -48,20 +131,37 @@ def fp8_gemm(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, scale: torch.Tenso
           f"got x {tuple(x.shape)} {x.q.dtype if isinstance(x, Fp8Rows) else x.dtype}"
           f"{' with silu_mul' if silu_mul else ''}, weight {tuple(weight.shape)} "
           f"{weight.dtype}, scale {tuple(scale.shape)} {scale.dtype}")
-    if isinstance(x, Fp8Rows):
-        return _scaled_mm(x.q, x.scale, weight, scale, bias, x.dtype)
-    return _scaled_mm(*quant_fp8(x, silu_mul), weight, scale, bias, x.dtype)
-
-
-def _scaled_mm(q: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-               bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    if q.shape[0] == 0:
-        return q.new_empty(0, weight.shape[0], dtype=dtype)
-    y = torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=scale.view(1, -1),
+    if bias is not None:
+        check(bias.shape == (weight.shape[0],) and bias.is_contiguous(),
+              f"bias {tuple(bias.shape)} for weight {tuple(weight.shape)}")
+    rows = x if isinstance(x, Fp8Rows) else Fp8Rows(*quant_fp8(x, silu_mul), x.dtype)
+    m, n = rows.shape[0], weight.shape[0]
+    if m == 0:
+        return rows.q.new_empty(0, n, dtype=rows.dtype)
+    sms = _tiled_on(rows.q.device)
+    if m <= TILED_TO_M and sms:
+        return tiled(rows, weight, scale, bias, tiling(m, n, sms))
+    y = torch._scaled_mm(rows.q, weight.t(), scale_a=rows.scale, scale_b=scale.view(1, -1),
                          out_dtype=torch.bfloat16)
     if bias is not None:      # in float32: the bf16 output is rounded once already
-        return (y.float() + bias.float()).to(dtype)
-    return y.to(dtype)
+        return (y.float() + bias.float()).to(rows.dtype)
+    return y.to(rows.dtype)
+
+
+def tiled(rows: Fp8Rows, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+          tiles: tuple[int, int, int, int, int]) -> torch.Tensor:
+    """The Triton kernel's product of rows and weight * scale (+ bias) with the given tiling;
+    fp8_gemm checks the operands."""
+    require_triton()
+    (m, k), n = rows.shape, weight.shape[0]
+    block_m, block_n, block_k, num_warps, num_stages = tiles
+    y = torch.empty(m, n, dtype=rows.dtype, device=rows.q.device)
+    _fp8_gemm_kernel[(-(-m // block_m) * -(-n // block_n),)](
+        rows.q, rows.scale, weight, scale, bias if bias is not None else y, y, m, n, k,
+        rows.q.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None,
+        EVEN_K=k % block_k == 0, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=num_warps, num_stages=num_stages, **pdl_args())
+    return y
 
 
 def fp8_gemm_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,

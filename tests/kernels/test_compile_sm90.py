@@ -127,6 +127,17 @@ def test_gemm_kernels(compiled, mode):
             int8_gemm(torch.zeros(m, k, dtype=BF), w, s)
         dequantize(w, s, BF)
         names += ["_int8_gemm_kernel", "_dequantize_kernel"]
+    if mode == "fp8":
+        from conveyor.kernels._util import Fp8Rows
+        from conveyor.kernels.fp8_gemm import tiled, tiling
+
+        for m, bias in ((16, None), (128, torch.zeros(n, dtype=BF)), (256, None)):
+            rows = Fp8Rows(torch.zeros(m, k, dtype=dtype), torch.ones(m, 1), BF)
+            for sms in (132, 16):        # 16: the widest tiles
+                tiled(rows, w, s, bias, tiling(m, n, sms))
+        tiled(Fp8Rows(w[:5, :1008], s[:5], torch.float16), w[:, :1008], s, None,
+              tiling(5, n, 132))         # K not whole steps, fp16 out
+        names.append("_fp8_gemm_kernel")
     check(compiled, *names)
 
 

@@ -1,6 +1,6 @@
 """The weight-quantized GEMMs against their torch references on fresh random inputs: the skinny
 GEMV reading int8/fp8 weights (row and group scales, fused SiLU-and-mul), the W8A16 tiled GEMM,
-per-token fp8 quantization, and the fp8 W8A8 GEMM through torch._scaled_mm (GPU only).
+per-token fp8 quantization, and the fp8 W8A8 GEMM (its Triton tiles; torch._scaled_mm on the GPU).
 
 Under Triton's CPU interpreter a program costs milliseconds: the shapes keep programs few.
 """
@@ -279,7 +279,7 @@ def test_fp8_gemm_takes_only_rows_quant_fp8_holds():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="fp8 tensor cores")
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m,n,k,bias", [(2, 48, 64, False), (37, 1024, 512, True),
-                                        (300, 4096, 1024, True)])
+                                        (300, 4096, 1024, True)])   # Triton tiles; cuBLAS
 def test_fp8_gemm(dtype, m, n, k, bias):
     from conveyor.kernels.fp8_gemm import fp8_gemm, fp8_gemm_ref, supported
 
@@ -289,9 +289,66 @@ def test_fp8_gemm(dtype, m, n, k, bias):
     x = torch.randn(m, k, device="cuda").to(dtype)
     b = torch.randn(n, device="cuda").to(dtype) if bias else None
     # the product comes out of _scaled_mm in bf16 (its row-wise scaling has no fp16 output), so
-    # fp16 gets bf16's tolerance (measured failing at fp16's: M = 37, N = 1024, K = 512)
+    # fp16 gets bf16's tolerance (measured failing at fp16's: M = 37, N = 1024, K = 512, when
+    # that size went to cuBLAS)
     torch.testing.assert_close(fp8_gemm(x, w, s, b), fp8_gemm_ref(x, w, s, b),
                                **TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tiles", [(128, 128, 128, 8, 3), (64, 128, 128, 4, 4),
+                                   (64, 64, 256, 4, 3), (64, 32, 256, 4, 4)])
+@pytest.mark.parametrize("m,n,k,bias", [(5, 48, 512, True),      # one partial tile, whole K steps
+                                        (70, 208, 272, False)])  # partial tiles every way
+def test_fp8_gemm_tiles(device, dtype, tiles, m, n, k, bias):
+    """Each tiling of the Triton kernel (fp8_gemm's path for decode batches on Hopper) against
+    the float32 reference, on rows quantized by the reference."""
+    from conveyor.kernels._util import Fp8Rows
+    from conveyor.kernels.fp8_gemm import fp8_gemm_ref, tiled
+
+    w, s = quantized(n, k, device, "fp8")
+    x = torch.randn(m, k, device=device).to(dtype)
+    b = torch.randn(n, device=device).to(dtype) if bias else None
+    got = tiled(Fp8Rows(*quant_fp8_ref(x), dtype), w, s, b, tiles)
+    assert got.dtype == dtype and got.shape == (m, n)
+    torch.testing.assert_close(got, fp8_gemm_ref(x, w, s, b), **TOL[dtype])
+
+
+def test_fp8_gemm_tiling():
+    """Every SM gets a program where a 32-row weight tile can give it one; tiles narrow as the
+    batch shrinks; the Llama-3.1-8B choices are the measured ones (132 SMs, docs/BENCHMARKS)."""
+    from conveyor.kernels.fp8_gemm import TILED_TO_M, tiling
+
+    for m in range(1, TILED_TO_M + 1, 7):
+        for n in (1024, 4096, 6144, 28672, 151936):
+            block_m, block_n, block_k, warps, stages = tiling(m, n, 132)
+            programs = -(-m // block_m) * -(-n // block_n)
+            assert programs >= 132 or block_n == 32
+            assert (block_m, warps) in ((64, 4), (128, 8)) and block_k in (128, 256)
+    llama = {(n, m): tiling(m, n, 132)[:2] for n in (4096, 6144, 28672) for m in (64, 128, 256)}
+    assert llama == {(4096, 64): (64, 32), (4096, 128): (64, 32), (4096, 256): (64, 64),
+                     (6144, 64): (64, 32), (6144, 128): (64, 64), (6144, 256): (64, 128),
+                     (28672, 64): (64, 128), (28672, 128): (128, 128),
+                     (28672, 256): (128, 128)}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="fp8 tensor cores")
+@pytest.mark.parametrize("m", [64, 128, 256])
+def test_fp8_gemm_at_llama_sizes(m):
+    """Llama-3.1-8B's four projections at decode batch sizes (every tiling fp8_gemm picks there
+    on an H200), against the float32 reference."""
+    from conveyor.kernels.fp8_gemm import fp8_gemm, fp8_gemm_ref, supported
+
+    if not supported(torch.device("cuda")):
+        pytest.skip("needs compute capability 8.9+")
+    for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
+        w, s = quantized(n, k, "cuda", "fp8")
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        torch.testing.assert_close(fp8_gemm(x, w, s), fp8_gemm_ref(x, w, s),
+                                   **TOL[torch.bfloat16])
 
 
 @pytest.mark.gpu

@@ -26,7 +26,8 @@ def linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, bias: torch.Tensor |
     streams the weight at near full bandwidth where cuBLAS's small-M kernels reach about a third
     of it, reads int8/fp8 weights as they are, and computes silu_mul while loading x. More rows:
     cuBLAS for full-precision weights, the W8A16 Triton GEMM for int8 (dequantize + cuBLAS from
-    int8_gemm.CUBLAS_FROM_M rows), per-token fp8 activations and torch._scaled_mm for fp8 (the
+    int8_gemm.CUBLAS_FROM_M rows), per-token fp8 activations and fp8 tensor cores for fp8
+    (fp8_gemm: Triton tiles for decode batches on Hopper, torch._scaled_mm for prefill; the
     quantization applies silu_mul as it reads x; x may also arrive quantized, as Fp8Rows, where
     LinearBase.takes_fp8_rows said it may). On the CPU the quantized layers run the torch
     references.
