@@ -108,7 +108,9 @@ def takes(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, scale: torch.Tensor,
     """Whether fp8_gemm takes this product; x may be Fp8Rows (never with silu_mul)."""
     n, k = weight.shape
     if isinstance(x, Fp8Rows):
-        x_ok = x.q.dtype == torch.float8_e4m3fn and x.shape[-1] == k and not silu_mul
+        x_ok = (x.q.dtype == torch.float8_e4m3fn and x.shape[-1] == k and not silu_mul
+                and x.scale.shape == (x.shape[0], 1) and x.scale.dtype == torch.float32
+                and x.scale.is_contiguous())
         x = x.q
     else:
         x_ok = (x.dtype in (torch.float16, torch.bfloat16)

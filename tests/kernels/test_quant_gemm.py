@@ -259,6 +259,10 @@ def test_fp8_gemm_of_fp8_rows_and_silu_mul_equals_unfused():
         fp8_gemm(rows, w, s, silu_mul=True)
     with pytest.raises(ValueError, match="Fp8Rows"):          # K of another layer
         fp8_gemm(Fp8Rows(rows.q[:, :304], rows.scale, x.dtype), w, s)
+    with pytest.raises(ValueError, match="Fp8Rows"):          # one scale a row, float32
+        fp8_gemm(Fp8Rows(rows.q, rows.scale.half(), x.dtype), w, s)
+    with pytest.raises(ValueError, match="Fp8Rows"):
+        fp8_gemm(Fp8Rows(rows.q, rows.scale[:3], x.dtype), w, s)
 
 
 @pytest.mark.gpu
