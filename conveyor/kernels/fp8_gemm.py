@@ -78,7 +78,8 @@ def tiling(m: int, n: int, sms: int) -> tuple[int, int, int, int, int]:
     sms SMs: the widest tile that still gives every SM a program. 128x128 over two warpgroups
     where even that fills the GPU (gate/up from 65 rows), else 64 batch rows by 128, 64 or 32
     weight rows. From session 13's sweep on an H200 (BLOCK_K and stages: the best of 128/256
-    and 3-6 for each width)."""
+    and 3-6 for each width). The two-warpgroup tile is the shape int8_gemm.py found Triton 3.6
+    miscompiling for its bf16 dots; here the GPU tests check it at Llama's sizes."""
     def programs(block_m, block_n):
         return -(-m // block_m) * -(-n // block_n)
 
