@@ -80,16 +80,18 @@ def tiling(m: int, n: int, sms: int) -> tuple[int, int, int, int, int]:
     weight rows. From session 13's sweep on an H200 (BLOCK_K and stages: the best of 128/256
     and 3-6 for each width). The two-warpgroup tile is the shape int8_gemm.py found Triton 3.6
     miscompiling for its bf16 dots; here the GPU tests check it at Llama's sizes."""
-    def programs(block_m, block_n):
-        return -(-m // block_m) * -(-n // block_n)
-
-    if m > 64 and programs(128, 128) >= sms:
+    if m > 64 and programs(m, n, 128, 128) >= sms:
         return 128, 128, 128, 8, 3
-    if programs(64, 128) >= sms:
+    if programs(m, n, 64, 128) >= sms:
         return 64, 128, 128, 4, 4
-    if programs(64, 64) >= sms:
+    if programs(m, n, 64, 64) >= sms:
         return 64, 64, 256, 4, 3
     return 64, 32, 256, 4, 4
+
+
+def programs(m: int, n: int, block_m: int, block_n: int) -> int:
+    """The kernel's grid: one program per BLOCK_M x BLOCK_N tile of y [m, n]."""
+    return -(-m // block_m) * -(-n // block_n)
 
 
 @functools.cache
@@ -159,7 +161,7 @@ def tiled(rows: Fp8Rows, weight: torch.Tensor, scale: torch.Tensor, bias: torch.
     (m, k), n = rows.shape, weight.shape[0]
     block_m, block_n, block_k, num_warps, num_stages = tiles
     y = torch.empty(m, n, dtype=rows.dtype, device=rows.q.device)
-    _fp8_gemm_kernel[(-(-m // block_m) * -(-n // block_n),)](
+    _fp8_gemm_kernel[(programs(m, n, block_m, block_n),)](
         rows.q, rows.scale, weight, scale, bias if bias is not None else y, y, m, n, k,
         rows.q.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None,
         EVEN_K=k % block_k == 0, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
