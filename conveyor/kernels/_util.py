@@ -2,6 +2,7 @@
 import them on the CPU too)."""
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -13,6 +14,15 @@ FP8_MAX = 448.0                # the largest finite float8 e4m3 value (torch.flo
 def check(ok: bool, msg: str) -> None:
     if not ok:
         raise ValueError(msg)
+
+
+@functools.cache
+def num_sms(device: torch.device) -> int:
+    """The device's SM count (some launchers size their grids by it); on the CPU (Triton's
+    interpreter) an H200's 132, so that it runs the tiles a GPU would."""
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def next_pow2(n: int) -> int:

@@ -4,9 +4,18 @@ stores it, bf16 or fp16, float32 accumulation. Optionally x is a fused gate/up p
 
 Memory-bound: the kernel is a stream of W. Program n reduces BLOCK_N rows of W against x,
 BLOCK_K columns at a time, into a [BLOCK_N, BLOCK_K] float32 accumulator summed once at the end
-(no tensor cores: with one row of x they would be 1/16 busy). Tiles of about 4,096 elements keep
-enough loads in flight: few rows per program where N is small (hundreds of programs even for
-N = 1,024), more where N is large.
+(no tensor cores: with one row of x they would be 1/16 busy). The loop is software-pipelined
+(`tl.range(num_stages=STAGES)`): cp.async copies the next stages' tiles of W (and x) into shared
+memory while the current one is multiplied, so each program keeps STAGES - 1 tiles in flight.
+Loaded into registers instead, a program waited on every tile, and the 1-byte weights, which
+cost twice the conversions and FMAs per byte, streamed at 2.2-3.3 TB/s on an H200; pipelined
+they reach 2.7-3.9 (docs/BENCHMARKS.md, session 14).
+
+The next kernel is let launch (PDL, _triton.py) after the loop, not at the start: with the
+pipelined loop, launching it at the start made the bf16 Llama-8B decode 0.2 ms a token slower
+(4.31 against 4.13 ms; fp8 no different), after the loop 4.10. Measured, not explained: the
+waiting programs of the next kernel hold SM resources (its own shared memory, for a GEMV) that
+this one's programs would use.
 
 Why not cuBLAS: at one row its kernels for these shapes reach 0.3-2.2 TB/s on an H200 (the
 Qwen3-0.6B o and down projections worst), this kernel 1.2-4.4 TB/s (scripts/bench_kernels.py,
@@ -20,14 +29,15 @@ multiply the row sums once at the end; group scales multiply W as it is loaded.
 """
 import torch
 
-from conveyor.kernels._triton import grid_sync, jit, pdl_args, require_triton, tl
-from conveyor.kernels._util import check
+from conveyor.kernels._triton import grid_wait, jit, launch_next, pdl_args, require_triton, tl
+from conveyor.kernels._util import check, num_sms
 from conveyor.kernels.dequantize import dequantize_ref
 from conveyor.kernels.silu_and_mul import silu_mul, silu_mul_ref
 
 M_MAX = 1
-_TILE = 4096             # elements of W per program and step
-_NUM_STAGES = 3
+_STAGE_BYTES = 4096      # of W per program and pipeline stage (twice that with silu_mul)
+_STAGES = 3
+_WARPS = 2
 
 
 @jit
@@ -56,15 +66,16 @@ def int8_to_float(w):
 def _skinny_gemm_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, N, K, stride_wn, stride_sn,
                         HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr,
                         SCALE: tl.constexpr, GROUP: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+                        USE_PDL: tl.constexpr):
     """SCALE: 0 none (W in x's dtype), 1 one per row, 2 one per GROUP columns of a row."""
-    grid_sync(USE_PDL)
+    grid_wait(USE_PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K)
     row_ok = rows[:, None] < N
     w_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wn + cols[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k in tl.range(0, K, BLOCK_K):
+    for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         ks = k + cols
         k_ok = ks < K                 # x is a few KB from L2: masked always; W only if it must
         if EVEN_K:
@@ -80,6 +91,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, N, K, stride_w
             w *= tl.load(s_ptrs, mask=row_ok & k_ok[None, :], other=0.0)
         x = _load_x(x_ptr, ks, K, k_ok, SILU_MUL, x_ptr.dtype.element_ty)
         acc += w * x.to(tl.float32)[None, :]
+    launch_next(USE_PDL)          # not at the start: see the module's docstring
     y = tl.sum(acc, 1)
     if SCALE == 1:
         y *= tl.load(scale_ptr + rows * stride_sn, mask=rows < N, other=0.0)
@@ -88,22 +100,19 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, N, K, stride_w
     tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
 
 
-def tiling(n: int, k: int, silu_mul: bool = False) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps) for an [N, K] weight: 4 rows per program up to N = 4,096
-    (at least 256 programs there), 8 up to 16,384, then 16; BLOCK_K fills the tile (less for a
-    small K). With silu_mul over a long K, 8 rows: every program reloads the gate and up rows,
-    and fewer programs reload them less. Warps: 8 for 4-row tiles over a short K, 2 over a long
-    one, else 4. From two sweeps on the H200 (4-32 rows, 256-1,024 columns, 2-8 warps, 2-5
-    stages) over the Qwen3-0.6B and Llama-3.1-8B shapes: stages mattered least."""
-    block_n = 4 if n <= 4096 else 8 if n <= 16384 else 16
-    if silu_mul and k >= 8192:
-        block_n = max(block_n, 8)
-    block_k = min(_TILE // block_n, max(16, 1 << (k - 1).bit_length()))
-    if block_n == 4:
-        num_warps = 8 if k < 4096 else 2
-    else:
-        num_warps = 8 if silu_mul else 4
-    return block_n, block_k, num_warps
+def tiling(n: int, k: int, weight_bytes: int = 2, silu_mul: bool = False,
+           sms: int = 132) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K) for an [N, K] weight of weight_bytes a value: 8 rows a program, or 4
+    where 8 would leave fewer than two programs per SM (N < 16 x SMs), and _STAGE_BYTES of W a
+    stage (twice that with silu_mul, whose x is two loads and the activation per column).
+    From a sweep on the H200 (4-16 rows, 4-16 KB a stage, 2 or 4 warps, 3 or 4 stages) over the
+    Qwen3-0.6B and Llama-3.1-8B shapes in bf16, int8 and fp8: within 4 % of each shape's best
+    on a decode step's sum, and faster than the unpipelined kernel on every shape but two
+    (Llama's o in bf16, 9.6 -> 10.3 us, and Qwen3's o, 2.8 -> 3.0)."""
+    block_n = 8 if n >= 16 * sms else 4
+    stage = _STAGE_BYTES * (2 if silu_mul else 1)
+    block_k = min(stage // (block_n * weight_bytes), max(16, 1 << (k - 1).bit_length()))
+    return block_n, block_k
 
 
 QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)
@@ -150,15 +159,13 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if n == 0:
         return y
     groups = 0 if scale is None else scale.shape[1]
-    block_n, block_k, num_warps = tiling(n, k, silu_mul)
-    if weight.element_size() == 1:   # the same bytes per load as a 2-byte weight's tile
-        block_k = min(2 * block_k, max(16, 1 << (k - 1).bit_length()))
+    block_n, block_k = tiling(n, k, weight.element_size(), silu_mul, num_sms(x.device))
     _skinny_gemm_kernel[(-(-n // block_n),)](
         x, weight, scale if scale is not None else y, bias if bias is not None else y, y, n, k,
         weight.stride(0), groups, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
         EVEN_K=k % block_k == 0, SCALE=0 if groups == 0 else 1 if groups == 1 else 2,
         GROUP=k // groups if groups > 1 else 1, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=num_warps, num_stages=_NUM_STAGES, **pdl_args())
+        STAGES=_STAGES, num_warps=_WARPS, **pdl_args())
     return y
 
 

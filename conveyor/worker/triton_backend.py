@@ -4,16 +4,10 @@ run inside a CUDA graph.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
+from conveyor.kernels._util import num_sms
 from conveyor.worker.context import StepContext
-
-
-@functools.cache
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 class TritonAttentionBackend:
@@ -33,7 +27,7 @@ class TritonAttentionBackend:
         decode_only = ctx.num_decodes == num_seqs
         splits = 1
         if decode_only:   # few sequences: split each context so the grid fills the GPU
-            splits = default_num_splits(num_seqs, kv_cache.shape[3], _num_sms(q.device.index or 0))
+            splits = default_num_splits(num_seqs, kv_cache.shape[3], num_sms(q.device))
         out = paged_attention(q, kv_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
                               scale, 1 if decode_only else max(ctx.query_lens_cpu),
                               num_splits=splits, k_scale=k_scale, v_scale=v_scale,
