@@ -8,14 +8,14 @@ BLOCK_K columns at a time, into a [BLOCK_N, BLOCK_K] float32 accumulator summed 
 (`tl.range(num_stages=STAGES)`): cp.async copies the next stages' tiles of W (and x) into shared
 memory while the current one is multiplied, so each program keeps STAGES - 1 tiles in flight.
 Loaded into registers instead, a program waited on every tile, and the 1-byte weights, which
-cost twice the conversions and FMAs per byte, streamed at 2.2-3.3 TB/s on an H200; pipelined
-they reach 2.7-3.9 (docs/BENCHMARKS.md, session 14).
+cost twice the conversions and FMAs per byte, streamed Llama-8B's layers and LM head at
+2.0-3.8 TB/s on an H200; pipelined, at 2.5-4.3 (docs/BENCHMARKS.md, session 14).
 
-The next kernel is let launch (PDL, _triton.py) after the loop, not at the start: with the
-pipelined loop, launching it at the start made the bf16 Llama-8B decode 0.2 ms a token slower
-(4.31 against 4.13 ms; fp8 no different), after the loop 4.10. Measured, not explained: the
-waiting programs of the next kernel hold SM resources (its own shared memory, for a GEMV) that
-this one's programs would use.
+The kernel lets the next one launch (PDL, _triton.py) only after its loop. With the pipelined
+loop, letting it launch at the start made the bf16 Llama-8B decode 0.2 ms a token slower (4.31
+against 4.13 ms; fp8 no different); after the loop, 4.10. That is measured, not understood; a
+likely cause is that the next kernel's waiting programs hold SM resources (a GEMV's shared
+memory) that this one's programs would use.
 
 Why not cuBLAS: at one row its kernels for these shapes reach 0.3-2.2 TB/s on an H200 (the
 Qwen3-0.6B o and down projections worst), this kernel 1.2-4.4 TB/s (scripts/bench_kernels.py,
