@@ -33,7 +33,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from conveyor.kernels._util import Fp8Rows
+from conveyor.kernels._util import Fp8Rows, num_sms
 from conveyor.kernels.dequantize import dequantize
 from conveyor.kernels.fp8_gemm import TILED_TO_M, fp8_gemm, tiling
 from conveyor.kernels.int8_gemm import int8_gemm
@@ -192,7 +192,7 @@ def _fp8_ways(x: torch.Tensor, sx: torch.Tensor, pick: list) -> list[float]:
 
 
 def fp8_table(shapes: list[str]) -> None:
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sms = num_sms(torch.device("cuda", 0))
     print("\nfp8 GEMMs at decode batch sizes: GPU us per call, TFLOP/s and GB/s of fp8_gemm")
     print("| GEMM | M | fp8_gemm | cuBLAS | cuBLAS use_fast_accum | fp8_gemm x | tile | TFLOP/s "
           "| GB/s |")

@@ -30,7 +30,7 @@ import functools
 import torch
 
 from conveyor.kernels._triton import grid_sync, jit, pdl_args, require_triton, tl
-from conveyor.kernels._util import Fp8Rows, check
+from conveyor.kernels._util import Fp8Rows, check, num_sms
 from conveyor.kernels.quant_fp8 import MAX_K, quant_fp8, quant_fp8_ref
 
 TILED_TO_M = 256    # rows up to which Hopper takes the Triton tiles; cuBLAS from there
@@ -97,8 +97,7 @@ def programs(m: int, n: int, block_m: int, block_n: int) -> int:
 @functools.cache
 def _tiled_on(device: torch.device) -> int:
     """The SM count where the Triton tiles run (Hopper), else 0."""
-    props = torch.cuda.get_device_properties(device)
-    return props.multi_processor_count if props.major == 9 else 0
+    return num_sms(device) if torch.cuda.get_device_capability(device)[0] == 9 else 0
 
 
 def supported(device: torch.device) -> bool:

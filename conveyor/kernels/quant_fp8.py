@@ -21,7 +21,8 @@ from conveyor.kernels.silu_and_mul import silu_mul, silu_mul_ref
 
 MIN_SCALE = 1e-12 / FP8_MAX      # an all-zero row gets a tiny scale, not a division by zero
 MAX_K = 65536                    # the longest row a program holds (128 values a thread)
-_FP8_MAX = tl.constexpr(FP8_MAX)  # a global a kernel may read: a constexpr
+_FP8_MAX = tl.constexpr(FP8_MAX)  # globals a kernel may read: constexprs
+_MIN_SCALE = tl.constexpr(MIN_SCALE)
 
 
 @jit
@@ -29,7 +30,7 @@ def store_fp8_row(x, q_ptr, scale_ptr, cols, mask):
     """Quantize one row x [BLOCK] (float32, zeros outside mask) to q_ptr + cols, its scale to
     scale_ptr: amax / 448, the values divided as torch divides (exactly), clamped, rounded to
     nearest even."""
-    scale = tl.maximum(tl.max(tl.abs(x), 0) / _FP8_MAX, 1e-12 / _FP8_MAX)
+    scale = tl.maximum(tl.max(tl.abs(x), 0) / _FP8_MAX, _MIN_SCALE)
     tl.store(scale_ptr, scale)
     q = tl.clamp(tl.div_rn(x, scale), -_FP8_MAX, _FP8_MAX)
     tl.store(q_ptr + cols, q.to(q_ptr.dtype.element_ty), mask=mask)

@@ -207,7 +207,6 @@ def test_int8_parameters_load_only_int8():
     torch.testing.assert_close(layer(torch.ones(1, 64)), torch.full((1, 8), 32.0))
 
 
-
 def test_fp8_rows_are_not_asked_for_on_the_cpu():
     layer = RowParallelLinear(64, 32)
     quantize_model(layer, "fp8", (), "cpu")
