@@ -4,11 +4,15 @@ Fills `--batch` sequences with 512-token prompts, runs until all of them decode,
 `--steps` decode steps: busy = the union of the GPU kernels' intervals, idle = the rest of the
 window from the first kernel's start to the last kernel's end.
 
+With --top, the kernels that add most to a step: walking the kernels in start order, the part
+of each past the latest end so far (under programmatic dependent launch a kernel's own duration
+includes its wait for the one before, so durations overstate the small kernels).
+
 The profiler slows the host: under it a CUDA graph launch costs the host 300-670 µs against
 25-28 µs without (H200, 2026-12-01), so where the host is the limit the window's idle time is
 overstated. So the same number of steps is first timed without the profiler, and the idle
 share reported against that: 1 - (GPU busy a step, from the profile) / (wall time a step, not
-profiled). The kernels' own durations are what the profiler measures well.
+profiled). The kernels' own intervals are what the profiler measures well.
 
     python scripts/gpu_idle.py --shape qwen3-0.6b --random-weights --batch 256
     python scripts/gpu_idle.py --shape llama3.1-8b --random-weights --quantization fp8 \
@@ -27,14 +31,17 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_models import add_model_args, model_path, quant_args  # noqa: E402
 
 
-def busy_time(intervals: list[tuple[float, float]]) -> float:
-    """Length of the union of [start, end) intervals."""
-    total, end = 0.0, float("-inf")
-    for s, e in sorted(intervals):
-        if e > end:
-            total += e - max(s, end)
-            end = e
-    return total
+def critical_times(spans: list[tuple[str, float, float]]) -> dict[str, float]:
+    """What each kernel adds to the GPU's busy time, summed by name: walking the (name, start,
+    end) spans in start order, the part of each past the latest end so far. Under PDL a kernel
+    starts before the one before it ends and waits in its programs, so its duration overstates
+    what it costs the step; this does not. The values sum to the union of the spans."""
+    added: dict[str, float] = {}
+    end = float("-inf")
+    for name, s, e in sorted(spans, key=lambda span: span[1]):
+        added[name] = added.get(name, 0.0) + max(0.0, e - max(s, end))
+        end = max(end, e)
+    return added
 
 
 def main() -> None:
@@ -87,12 +94,13 @@ def main() -> None:
         sync()
         wall = time.perf_counter() - t0
     events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-    kernels = [(e.time_range.start, e.time_range.end) for e in events]
+    kernels = [(e.name, e.time_range.start, e.time_range.end) for e in events]
     if not kernels:
         print("no GPU kernels in the trace")
         return
-    window = max(e for _, e in kernels) - min(s for s, _ in kernels)      # microseconds
-    busy = busy_time(kernels)
+    window = max(e for *_, e in kernels) - min(s for _, s, _ in kernels)  # microseconds
+    added = critical_times(kernels)
+    busy = sum(added.values())
     per_step = busy / args.steps / 1e6                                      # seconds
     print(f"GPU busy {per_step * 1e3:.2f} ms per step: idle {max(0.0, 1 - per_step / plain):.1%} "
           f"of a step not profiled")
@@ -100,19 +108,21 @@ def main() -> None:
           f"{(window - busy) / window:.1%} of the {window / 1e3:.1f} ms window "
           f"({len(kernels)} kernels)")
     if args.top:
-        print_top(events, args.steps, args.top)
+        print_top(events, added, args.steps, args.top)
 
 
-def print_top(events: list, steps: int, top: int) -> None:
-    """The kernels that take most GPU time, per decode step."""
+def print_top(events: list, added: dict[str, float], steps: int, top: int) -> None:
+    """The kernels that add most to the GPU's busy time, per decode step (critical_times), with
+    their own durations beside (under PDL those include the wait for the kernel before)."""
     total: dict[str, float] = {}
     count: dict[str, int] = {}
     for e in events:
         total[e.name] = total.get(e.name, 0.0) + e.time_range.elapsed_us()
         count[e.name] = count.get(e.name, 0) + 1
-    print(f"{'us/step':>9} {'calls/step':>10}  kernel")
-    for name in sorted(total, key=total.get, reverse=True)[:top]:
-        print(f"{total[name] / steps:9.1f} {count[name] / steps:10.1f}  {name[:110]}")
+    print(f"{'adds us':>9} {'lasts us':>9} {'calls':>6}  kernel (per step)")
+    for name in sorted(added, key=added.get, reverse=True)[:top]:
+        print(f"{added[name] / steps:9.1f} {total[name] / steps:9.1f} "
+              f"{count[name] / steps:6.1f}  {name[:110]}")
 
 
 if __name__ == "__main__":
