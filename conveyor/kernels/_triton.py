@@ -84,5 +84,15 @@ def launch_next(USE_PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
+@jit
+def weight_major_tile(tile, M, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The (batch rows, weight rows) of a GEMM's tile number `tile` over y [M, N], numbered so
+    that a weight tile's batch tiles are neighbours: they run together, and W leaves DRAM once."""
+    num_m = tl.cdiv(M, BLOCK_M)
+    rm = (tile % num_m) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = (tile // num_m) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return rm, rn
+
+
 __all__ = ["grid_sync", "grid_wait", "interpreting", "jit", "launch_next", "libdevice", "pdl",
-           "pdl_args", "require_triton", "tl", "triton"]
+           "pdl_args", "require_triton", "tl", "triton", "weight_major_tile"]

@@ -29,7 +29,14 @@ import functools
 
 import torch
 
-from conveyor.kernels._triton import grid_sync, jit, pdl_args, require_triton, tl
+from conveyor.kernels._triton import (
+    grid_sync,
+    jit,
+    pdl_args,
+    require_triton,
+    tl,
+    weight_major_tile,
+)
 from conveyor.kernels._util import Fp8Rows, check, num_sms
 from conveyor.kernels.quant_fp8 import MAX_K, quant_fp8, quant_fp8_ref
 
@@ -42,12 +49,7 @@ def _fp8_gemm_kernel(q_ptr, sq_ptr, w_ptr, sw_ptr, bias_ptr, y_ptr, M, N, K, str
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      USE_PDL: tl.constexpr):
     grid_sync(USE_PDL)
-    tile = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    pid_n = tile // num_m          # a weight tile's batch tiles run together: W leaves DRAM once
-    pid_m = tile % num_m
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm, rn = weight_major_tile(tl.program_id(0), M, BLOCK_M, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     m_ok = rm < M
     n_ok = rn < N

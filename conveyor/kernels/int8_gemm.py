@@ -26,7 +26,7 @@ CUBLAS_FROM_M rows (prefill) linear() dequantizes W and calls cuBLAS.
 """
 import torch
 
-from conveyor.kernels._triton import jit, require_triton, tl
+from conveyor.kernels._triton import jit, require_triton, tl, weight_major_tile
 from conveyor.kernels._util import check, next_pow2
 from conveyor.kernels.dequantize import dequantize_ref
 from conveyor.kernels.skinny_gemm import int8_to_float, scale_fits
@@ -54,11 +54,7 @@ def _int8_gemm_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, count_
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     tile = tl.program_id(0)
     split = tl.program_id(1)
-    num_m = tl.cdiv(M, BLOCK_M)
-    pid_n = tile // num_m          # a weight tile's batch tiles run together: W leaves DRAM once
-    pid_m = tile % num_m
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rm, rn = weight_major_tile(tile, M, BLOCK_M, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     # out-of-range rows load a valid row again (wrapped); the store drops them
     wn = (rn % N).to(tl.int64)

@@ -30,7 +30,7 @@ multiply the row sums once at the end; group scales multiply W as it is loaded.
 import torch
 
 from conveyor.kernels._triton import grid_wait, jit, launch_next, pdl_args, require_triton, tl
-from conveyor.kernels._util import check, num_sms
+from conveyor.kernels._util import check, next_pow2, num_sms
 from conveyor.kernels.dequantize import dequantize_ref
 from conveyor.kernels.silu_and_mul import silu_mul, silu_mul_ref
 
@@ -111,7 +111,7 @@ def tiling(n: int, k: int, weight_bytes: int = 2, silu_mul: bool = False,
     two (Llama's o in bf16, 9.6 -> 10.3 us, and Qwen3's o, 2.8 -> 3.0)."""
     block_n = 8 if n >= 16 * sms else 4
     stage = _STAGE_BYTES * (2 if silu_mul else 1)
-    block_k = min(stage // (block_n * weight_bytes), max(16, 1 << (k - 1).bit_length()))
+    block_k = min(stage // (block_n * weight_bytes), max(16, next_pow2(k)))
     return block_n, block_k
 
 
