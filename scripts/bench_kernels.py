@@ -19,11 +19,16 @@ choices on their own (to check int8_gemm.CUBLAS_FROM_M). GB/s counts the weight'
 stored. Its last lines add up a decode step's GEMMs with the LM head kept in bf16 (the default
 --keep-precision).
 
+The read ceiling (--tables read): how long a plain read of each weight's bytes takes (bf16 and
+1-byte), by a kernel that only XORs them (8 KB a program, one load a thread, one 4-byte store a
+program). The GEMV's time over this one's, for the same bytes, is how far the GEMV is from the
+device's ceiling at that size; small reads do not reach the peak (ramp-up and tail).
+
 fp8 at decode batch sizes (--tables fp8): fp8_gemm (its Triton tiles) against torch._scaled_mm
 (cuBLAS, plain and with use_fast_accum) at M = 16 to 256, and the per-token quantization fused
 into RMSNorm / SiLU-and-mul against the separate kernels.
 
-    python scripts/bench_kernels.py [--tables base quant fp8] [--shapes llama3.1-8b]
+    python scripts/bench_kernels.py [--tables base quant read fp8] [--shapes llama3.1-8b]
 """
 from __future__ import annotations
 
@@ -33,6 +38,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
+from conveyor.kernels._triton import jit, tl
 from conveyor.kernels._util import Fp8Rows, num_sms
 from conveyor.kernels.dequantize import dequantize
 from conveyor.kernels.fp8_gemm import TILED_TO_M, fp8_gemm, tiling
@@ -191,6 +197,46 @@ def _fp8_ways(x: torch.Tensor, sx: torch.Tensor, pick: list) -> list[float]:
                                       use_fast_accum=True) for w, s in pick])]
 
 
+READ_BLOCK = 2048      # int32s a program reads: 8 KB, the best of 8-256 KB a program on an H200
+
+
+@jit
+def _read_kernel(x_ptr, out_ptr, BLOCK: tl.constexpr):
+    """out[program] = XOR of the program's BLOCK int32s: a stream of reads, no arithmetic."""
+    pid = tl.program_id(0)
+    x = tl.load(x_ptr + pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK))
+    tl.store(out_ptr + pid, tl.xor_sum(x, 0))
+
+
+def read(x: torch.Tensor) -> torch.Tensor:
+    """The per-program XORs of int32 x (numel a multiple of READ_BLOCK), new."""
+    out = torch.empty(x.numel() // READ_BLOCK, dtype=torch.int32, device=x.device)
+    _read_kernel[(out.numel(),)](x, out, BLOCK=READ_BLOCK, num_warps=4)
+    return out
+
+
+def read_us(nbytes: int) -> float:
+    """GPU us per plain read of nbytes (rounded down to whole programs), as graph_us times."""
+    n = nbytes // 4 // READ_BLOCK * READ_BLOCK
+    bufs = [torch.randint(-2**31, 2**31 - 1, (n,), dtype=torch.int32, device="cuda")
+            for _ in range(copies(n * 4))]
+    pick = [bufs[i % len(bufs)] for i in range(CALLS)]
+    return graph_us([lambda b=b: read(b) for b in pick])
+
+
+def read_table(shapes: list[str]) -> None:
+    print("\nThe read ceiling: GPU us to read each weight's bytes and nothing else (TB/s)")
+    print("| weight | bf16 bytes: read us | 1-byte: read us |")
+    print("|---|---:|---:|")
+    for shape in shapes:
+        for name, (n, k) in SHAPES[shape].items():
+            cells = []
+            for wb in (2, 1):
+                t = read_us(n * k * wb)
+                cells.append(f"{t:8.1f} ({n * k * wb / t / 1e6:4.2f})")
+            print(f"| {shape} {name} [{n}x{k}] | {' | '.join(cells)} |", flush=True)
+
+
 def fp8_table(shapes: list[str]) -> None:
     sms = num_sms(torch.device("cuda", 0))
     print("\nfp8 GEMMs at decode batch sizes: GPU us per call, TFLOP/s and GB/s of fp8_gemm")
@@ -295,9 +341,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--tables", nargs="+", default=["base", "quant"],
-                    choices=["base", "quant", "fp8"],
+                    choices=["base", "quant", "read", "fp8"],
                     help="base: skinny GEMM and sampling against torch; quant: int8/fp8 weights; "
-                         "fp8: the fp8 GEMMs and the fused quantization at decode batches")
+                         "read: a plain read of the weights' bytes; fp8: the fp8 GEMMs and the "
+                         "fused quantization at decode batches")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
@@ -307,6 +354,8 @@ def main() -> None:
         base_table(args.shapes)
     if "quant" in args.tables:
         quant_table(args.shapes)
+    if "read" in args.tables:
+        read_table(args.shapes)
     if "fp8" in args.tables:
         fp8_table(args.shapes)
 
