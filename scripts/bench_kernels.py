@@ -95,13 +95,18 @@ def copies(nbytes: int) -> int:
     return max(1, min(CALLS, -(-4 * l2 // nbytes)))
 
 
+def cycled(items: list) -> list:
+    """CALLS operands taken from items in turn (the copies made by `copies`)."""
+    return [items[i % len(items)] for i in range(CALLS)]
+
+
 def bench_gemm(n: int, k: int, m: int, fused_silu: bool) -> tuple[float, float, int]:
     """(skinny us, torch us, weight bytes) for [m, k] x [n, k]^T (x [m, 2k] with fused_silu)."""
     dt = torch.bfloat16
     weights = [torch.randn(n, k, device="cuda", dtype=dt) / k ** 0.5
                for _ in range(copies(n * k * 2))]
     x = torch.randn(m, 2 * k if fused_silu else k, device="cuda", dtype=dt)
-    pick = [weights[i % len(weights)] for i in range(CALLS)]
+    pick = cycled(weights)
     if fused_silu:
         ours = [lambda w=w: skinny_gemm(x, w, silu_mul=True) for w in pick]
         theirs = [lambda w=w: F.linear(silu_and_mul(x), w) for w in pick]
@@ -128,7 +133,7 @@ def bench_quant(n: int, k: int, m: int, fused_silu: bool) -> dict[str, float]:
     out = {}
     for name, (w, scale) in variants.items():
         ws = [(w.clone(), scale) for _ in range(copies(w.numel() * w.element_size()))]
-        pick = [ws[i % len(ws)] for i in range(CALLS)]
+        pick = cycled(ws)
         out[name] = graph_us([lambda w=w, s=s: linear(x, w, silu_mul=fused_silu, scale=s)
                               for w, s in pick])
         if name == "int8" and m >= 256:   # both prefill choices, whichever linear() takes
@@ -220,7 +225,7 @@ def read_us(nbytes: int) -> float:
     n = nbytes // 4 // READ_BLOCK * READ_BLOCK
     bufs = [torch.randint(-2**31, 2**31 - 1, (n,), dtype=torch.int32, device="cuda")
             for _ in range(copies(n * 4))]
-    pick = [bufs[i % len(bufs)] for i in range(CALLS)]
+    pick = cycled(bufs)
     return graph_us([lambda b=b: read(b) for b in pick])
 
 
@@ -253,8 +258,7 @@ def fp8_table(shapes: list[str]) -> None:
             total = [0.0] * 3
             for name, (n, k) in layer.items():
                 x, sx = quant_fp8(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
-                t = _fp8_ways(x, sx, [weights[name][i % len(weights[name])]
-                                      for i in range(CALLS)])
+                t = _fp8_ways(x, sx, cycled(weights[name]))
                 total = [a + b for a, b in zip(total, t)]
                 tile = "x".join(map(str, tiling(m, n, sms)[:2])) if m <= TILED_TO_M else "cuBLAS"
                 print(f"| {shape} {name} [{n}x{k}] | {m} | "
@@ -281,7 +285,7 @@ def fp8_table(shapes: list[str]) -> None:
             print(f"| {shape} RMSNorm + residual [{hidden}] | {m} | {fused:.1f} | {apart:.1f} |")
             gs = [torch.randn(m, 2 * inter, device="cuda", dtype=torch.bfloat16)
                   for _ in range(copies(m * inter * 4))]
-            pick = [gs[i % len(gs)] for i in range(CALLS)]
+            pick = cycled(gs)
             fused = graph_us([lambda g=g: quant_fp8(g, silu_mul=True) for g in pick])
             apart = graph_us([lambda g=g: quant_fp8(silu_and_mul(g)) for g in pick])
             print(f"| {shape} SiLU-and-mul [2x{inter}] | {m} | {fused:.1f} | {apart:.1f} |",
@@ -302,7 +306,7 @@ def torch_sample(x: torch.Tensor, temperature: torch.Tensor | None) -> torch.Ten
 def bench_sample(n: int, greedy: bool) -> tuple[float, float, int]:
     logits = [torch.randn(n, VOCAB, device="cuda").to(torch.bfloat16)
               for _ in range(copies(n * VOCAB * 2))]
-    pick = [logits[i % len(logits)] for i in range(CALLS)]
+    pick = cycled(logits)
     temperature = None if greedy else torch.full((n,), 0.6, device="cuda")
     seeds = None if greedy else torch.arange(n, device="cuda")
     ours = [lambda x=x: sample(x, temperature, seeds) for x in pick]
@@ -315,7 +319,7 @@ def bench_top_p(n: int, top_p: float = 0.9) -> tuple[float, float, int]:
     cumsum, scatter back, then the exponential race)."""
     logits = [torch.randn(n, VOCAB, device="cuda").to(torch.bfloat16)
               for _ in range(copies(n * VOCAB * 2))]
-    pick = [logits[i % len(logits)] for i in range(CALLS)]
+    pick = cycled(logits)
     rows = torch.arange(n, device="cuda")
     t, p, none = (torch.full((n,), v, device="cuda") for v in (0.6, top_p, 0.0))
     seeds = torch.arange(n, device="cuda")
