@@ -1,0 +1,45 @@
+"""scripts/ab.py: interleaved runs of a command per arm, the figures parsed and summarised."""
+import sys
+
+import pytest
+
+sys.path.insert(0, "scripts")
+import ab  # noqa: E402
+
+PRINT_V = [sys.executable, "-c", "import os; print('x', os.environ.get('AB_V', '2.0'), 'ms/token')"]
+
+
+def test_env_arms_interleaved_and_summarised(capsys):
+    ab.main(["--runs", "3", "--arm", "base=", "--arm", "hi=AB_V=3.0 OTHER=1", "--"] + PRINT_V)
+    out = capsys.readouterr().out
+    rounds = [line.split()[2] for line in out.splitlines() if line.startswith("  round")]
+    assert rounds == ["base", "hi", "hi", "base", "base", "hi"]   # each round starts one later
+    rows = {r.split("|")[1].strip(): r for r in out.splitlines() if r.startswith("| ")}
+    assert "| 3 | 2 | 0 | 2 | 2 |" in rows["base"]
+    assert "| 3 | 3 | 0 | 3 | 3 | +1 (+50.0 %) | 0 |" in rows["hi"]
+
+
+def test_a_run_without_the_figure_counts_as_failed(capsys):
+    silent = [sys.executable, "-c", "import os, sys; sys.exit(int(os.environ.get('AB_FAIL', 0)))"]
+    ab.main(["--runs", "2", "--pattern", r"(\d+) ms/token", "--arm", "a=", "--arm",
+             "b=AB_FAIL=3", "--"] + silent)
+    out = capsys.readouterr().out
+    assert "a: failed (exit 0)" in out and "b: failed (exit 3)" in out
+    assert "| a | 0 (2 failed) |" in out and "| b | 0 (2 failed) |" in out
+
+
+def test_rev_arm_runs_in_an_export_of_that_revision(capsys):
+    here = [sys.executable, "-c", "import os, pathlib; print(int("
+            "pathlib.Path('conveyor/__init__.py').exists() and 'conveyor-ab-' in os.getcwd()"
+            " and os.environ['PYTHONPATH'].startswith(os.getcwd())), 'ms/token')"]
+    ab.main(["--runs", "1", "--arm", "head@HEAD", "--arm", "tree=", "--"] + here)
+    rows = {r.split("|")[1].strip(): r for r in capsys.readouterr().out.splitlines()
+            if r.startswith("| ")}
+    assert "| 1 | 1 |" in rows["head"]       # ran in the export, its tree first on PYTHONPATH
+    assert "| 1 | 0 |" in rows["tree"]       # ran in this checkout
+
+
+@pytest.mark.parametrize("spec", ["nothing", "a=B", "a=B=1 C"])
+def test_an_arm_that_is_neither_env_nor_rev_is_refused(spec):
+    with pytest.raises(SystemExit, match="--arm"):
+        ab.main(["--arm", spec, "--arm", "x=", "--", "true"])
