@@ -9,7 +9,9 @@ first in each round) keeps a drift of the machine from landing on one arm.
 
 An arm is NAME=ENV (environment assignments, space-separated; empty for none) or NAME@REV (the
 command runs in an export of git revision REV's tracked files, with REV's `conveyor` first on
-PYTHONPATH):
+PYTHONPATH). REV may also be a folder holding such an export, for a copy of the checkout without
+its git history (the device machine's: `git archive REV | tar -x -C .whl/old` here, then
+`--arm old@.whl/old` there):
 
     python scripts/ab.py --runs 8 --arm head= --arm no-pdl=CONVEYOR_PDL=0 -- \\
         python3 scripts/bench_latency.py --shape llama3.1-8b --random-weights --load-format dummy
@@ -127,7 +129,8 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="conveyor-ab-") as tmp:
         for arm in arms:
             if arm.rev is not None:
-                arm.tree = export(arm.rev, Path(tmp))
+                folder = Path(arm.rev)
+                arm.tree = folder.resolve() if folder.is_dir() else export(arm.rev, Path(tmp))
         for r in range(args.runs):
             for i in range(len(arms)):
                 arm = arms[(r + i) % len(arms)]          # each round starts one arm later

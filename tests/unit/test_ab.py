@@ -43,3 +43,15 @@ def test_rev_arm_runs_in_an_export_of_that_revision(capsys):
 def test_an_arm_that_is_neither_env_nor_rev_is_refused(spec):
     with pytest.raises(SystemExit, match="--arm"):
         ab.main(["--arm", spec, "--arm", "x=", "--", "true"])
+
+
+def test_rev_arm_may_name_a_folder_holding_an_export(tmp_path, capsys):
+    tree = tmp_path / "conveyor-ab-old"
+    (tree / "conveyor").mkdir(parents=True)
+    (tree / "conveyor" / "__init__.py").write_text("")
+    here = [sys.executable, "-c", "import os; print(int(os.getcwd().endswith('conveyor-ab-old')"
+            " and os.environ['PYTHONPATH'].startswith(os.getcwd())), 'ms/token')"]
+    ab.main(["--runs", "1", "--arm", f"old@{tree}", "--arm", "tree=", "--"] + here)
+    rows = {r.split("|")[1].strip(): r for r in capsys.readouterr().out.splitlines()
+            if r.startswith("| ")}
+    assert "| 1 | 1 |" in rows["old"] and "| 1 | 0 |" in rows["tree"]
