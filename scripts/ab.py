@@ -124,6 +124,8 @@ def main(argv: list[str] | None = None) -> None:
     command = argv[split + 1:]
     if not command or len(args.arm) < 2 or args.runs < 1:
         raise SystemExit("give a command, two or more arms and --runs >= 1")
+    if os.sep in command[0]:        # a relative program stays this folder's in every arm's tree
+        command[0] = os.path.abspath(command[0])
     arms = [parse_arm(a) for a in args.arm]
     pattern = re.compile(args.pattern)
     with tempfile.TemporaryDirectory(prefix="conveyor-ab-") as tmp:

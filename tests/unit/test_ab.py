@@ -1,4 +1,5 @@
 """scripts/ab.py: interleaved runs of a command per arm, the figures parsed and summarised."""
+import os
 import sys
 
 import pytest
@@ -55,3 +56,14 @@ def test_rev_arm_may_name_a_folder_holding_an_export(tmp_path, capsys):
     rows = {r.split("|")[1].strip(): r for r in capsys.readouterr().out.splitlines()
             if r.startswith("| ")}
     assert "| 1 | 1 |" in rows["old"] and "| 1 | 0 |" in rows["tree"]
+
+
+def test_a_relative_program_is_found_from_every_arms_folder(tmp_path, capsys):
+    tree = tmp_path / "old"
+    tree.mkdir()
+    python = os.path.relpath(sys.executable)
+    assert os.sep in python
+    ab.main(["--runs", "1", "--arm", f"old@{tree}", "--arm", "here=", "--", python, "-c",
+             "print(7, 'ms/token')"])
+    out = capsys.readouterr().out
+    assert "| old | 1 | 7 |" in out and "| here | 1 | 7 |" in out
