@@ -80,7 +80,7 @@ def run_once(arm: Arm, command: list[str], pattern: re.Pattern) -> float | None:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(arm.tree),
                                                           env.get("PYTHONPATH")]))
     proc = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True)
-    found = pattern.findall(proc.stdout + proc.stderr)
+    found = [m.group(1) for m in pattern.finditer(proc.stdout + proc.stderr)]
     if proc.returncode != 0 or not found:
         tail = (proc.stdout + proc.stderr).strip().splitlines()[-5:]
         print(f"  {arm.name}: failed (exit {proc.returncode}): " + " | ".join(tail), flush=True)
@@ -128,6 +128,8 @@ def main(argv: list[str] | None = None) -> None:
         command[0] = os.path.abspath(command[0])
     arms = [parse_arm(a) for a in args.arm]
     pattern = re.compile(args.pattern)
+    if pattern.groups < 1:
+        raise SystemExit(f"--pattern {args.pattern!r}: put the figure in a group, (...)")
     with tempfile.TemporaryDirectory(prefix="conveyor-ab-") as tmp:
         for arm in arms:
             if arm.rev is not None:

@@ -40,6 +40,11 @@ def test_rev_arm_runs_in_an_export_of_that_revision(capsys):
     assert "| 1 | 0 |" in rows["tree"]       # ran in this checkout
 
 
+def test_a_pattern_without_a_group_is_refused():
+    with pytest.raises(SystemExit, match="group"):
+        ab.main(["--pattern", "ms/token", "--arm", "a=", "--arm", "b=", "--", "true"])
+
+
 @pytest.mark.parametrize("spec", ["nothing", "a=B", "a=B=1 C"])
 def test_an_arm_that_is_neither_env_nor_rev_is_refused(spec):
     with pytest.raises(SystemExit, match="--arm"):
