@@ -88,6 +88,11 @@ def run_once(arm: Arm, command: list[str], pattern: re.Pattern) -> float | None:
     return float(found[-1])
 
 
+def spread(values: list[float]) -> tuple[float, float]:
+    """(mean, sample standard deviation; 0 for a single value)."""
+    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
 def summary(arms: list[Arm]) -> str:
     rows = ["| arm | runs | mean | sd | min | max | vs first | its SE |",
             "|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -97,15 +102,15 @@ def summary(arms: list[Arm]) -> str:
         if not v:
             rows.append(f"| {arm.name} | 0 ({arm.failed} failed) | | | | | | |")
             continue
-        sd = statistics.stdev(v) if len(v) > 1 else 0.0
+        mean, sd = spread(v)
         diff = se = ""
         if arm is not first and len(v) > 1 and len(first.values) > 1:
-            d = statistics.mean(v) - statistics.mean(first.values)
-            s = (sd ** 2 / len(v) + statistics.stdev(first.values) ** 2 / len(first.values)) ** 0.5
-            diff = f"{d:+.4g} ({d / statistics.mean(first.values) * 100:+.1f} %)"
-            se = f"{s:.2g}"
+            mean0, sd0 = spread(first.values)
+            d = mean - mean0
+            diff = f"{d:+.4g} ({d / mean0 * 100:+.1f} %)"
+            se = f"{(sd ** 2 / len(v) + sd0 ** 2 / len(first.values)) ** 0.5:.2g}"
         runs = f"{len(v)}" + (f" ({arm.failed} failed)" if arm.failed else "")
-        rows.append(f"| {arm.name} | {runs} | {statistics.mean(v):.4g} | {sd:.2g} | {min(v):.4g} "
+        rows.append(f"| {arm.name} | {runs} | {mean:.4g} | {sd:.2g} | {min(v):.4g} "
                     f"| {max(v):.4g} | {diff} | {se} |")
     return "\n".join(rows)
 

@@ -10,12 +10,17 @@ import ab  # noqa: E402
 PRINT_V = [sys.executable, "-c", "import os; print('x', os.environ.get('AB_V', '2.0'), 'ms/token')"]
 
 
+def table_rows(out: str) -> dict[str, str]:
+    """The summary's rows by arm name."""
+    return {r.split("|")[1].strip(): r for r in out.splitlines() if r.startswith("| ")}
+
+
 def test_env_arms_interleaved_and_summarised(capsys):
     ab.main(["--runs", "3", "--arm", "base=", "--arm", "hi=AB_V=3.0 OTHER=1", "--"] + PRINT_V)
     out = capsys.readouterr().out
     rounds = [line.split()[2] for line in out.splitlines() if line.startswith("  round")]
     assert rounds == ["base", "hi", "hi", "base", "base", "hi"]   # each round starts one later
-    rows = {r.split("|")[1].strip(): r for r in out.splitlines() if r.startswith("| ")}
+    rows = table_rows(out)
     assert "| 3 | 2 | 0 | 2 | 2 |" in rows["base"]
     assert "| 3 | 3 | 0 | 3 | 3 | +1 (+50.0 %) | 0 |" in rows["hi"]
 
@@ -34,8 +39,7 @@ def test_rev_arm_runs_in_an_export_of_that_revision(capsys):
             "pathlib.Path('conveyor/__init__.py').exists() and 'conveyor-ab-' in os.getcwd()"
             " and os.environ['PYTHONPATH'].startswith(os.getcwd())), 'ms/token')"]
     ab.main(["--runs", "1", "--arm", "head@HEAD", "--arm", "tree=", "--"] + here)
-    rows = {r.split("|")[1].strip(): r for r in capsys.readouterr().out.splitlines()
-            if r.startswith("| ")}
+    rows = table_rows(capsys.readouterr().out)
     assert "| 1 | 1 |" in rows["head"]       # ran in the export, its tree first on PYTHONPATH
     assert "| 1 | 0 |" in rows["tree"]       # ran in this checkout
 
@@ -58,8 +62,7 @@ def test_rev_arm_may_name_a_folder_holding_an_export(tmp_path, capsys):
     here = [sys.executable, "-c", "import os; print(int(os.getcwd().endswith('conveyor-ab-old')"
             " and os.environ['PYTHONPATH'].startswith(os.getcwd())), 'ms/token')"]
     ab.main(["--runs", "1", "--arm", f"old@{tree}", "--arm", "tree=", "--"] + here)
-    rows = {r.split("|")[1].strip(): r for r in capsys.readouterr().out.splitlines()
-            if r.startswith("| ")}
+    rows = table_rows(capsys.readouterr().out)
     assert "| 1 | 1 |" in rows["old"] and "| 1 | 0 |" in rows["tree"]
 
 
