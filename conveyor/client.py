@@ -6,7 +6,8 @@
 
 A prompt is text, token ids, or chat messages ([{"role": ..., "content": ...}]). Breaking out of a
 stream, closing the client or cancelling a task aborts the request on the server, which frees its
-KV blocks. A lost connection raises ServerError. The wire protocol is in docs/PROTOCOL.md.
+KV blocks. A lost connection raises ServerError, then and on every later call: make a new client.
+The wire protocol is in docs/PROTOCOL.md.
 """
 from __future__ import annotations
 
@@ -149,7 +150,9 @@ def _curve_keys(server_public_key, client_key) -> tuple[bytes, bytes, bytes] | N
     return server_public_key, public, secret
 
 
-def _socket(ctx: zmq.Context, address: str, server_public_key, client_key=None) -> zmq.Socket:
+def _socket(ctx: zmq.Context, address: str, server_public_key,
+            client_key=None) -> tuple[zmq.Socket, zmq.Socket]:
+    """The connected DEALER socket and the monitor socket that reports its disconnects."""
     curve = _curve_keys(server_public_key, client_key)     # bad keys raise before any socket
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -158,8 +161,11 @@ def _socket(ctx: zmq.Context, address: str, server_public_key, client_key=None) 
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
     if curve is not None:
         sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = curve
+    # NOTE: the monitor comes first: a refused handshake disconnects once, for good (no
+    # reconnect), and can do so before connect()'s caller gets to run again
+    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
     sock.connect(address)
-    return sock
+    return sock, monitor
 
 
 def _drop(client) -> None:
@@ -192,14 +198,14 @@ class Client:
         self.address = address
         self.timeout = timeout
         self._ctx = zmq.Context()
-        self._sock = _socket(self._ctx, address, server_public_key, client_key)
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._sock, self._monitor = _socket(self._ctx, address, server_public_key, client_key)
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
         self._ids = itertools.count()
         self._inbox: dict[str, deque] = {}      # request id -> replies not yet read
         self._stats: deque = deque()
+        self._lost: str | None = None           # why the connection is gone, once it is
 
     def generate(self, prompts, sampling_params: SamplingParams | None = None, *,
                  priority: int = 0, ttft_slo: float | None = None,
@@ -230,6 +236,7 @@ class Client:
             self._cancel([rid] if rid in self._inbox else [])
 
     def stats(self) -> Stats:
+        self._check_connected()
         self._sock.send_multipart(encode(StatsRequest()))
         while not self._stats:
             self._receive()
@@ -253,7 +260,13 @@ class Client:
     def __del__(self) -> None:
         _drop(self)
 
+    def _check_connected(self) -> None:
+        # NOTE: a DEALER with no connection left blocks on send, so a lost client sends nothing
+        if self._lost:
+            raise ServerError(self._lost)
+
     def _send(self, prompt, params, stream: bool, scheduling: Scheduling) -> str:
+        self._check_connected()
         rid = f"r{next(self._ids)}"
         msg = build_request(rid, prompt, params, stream, scheduling)
         self._inbox[rid] = deque()
@@ -284,7 +297,8 @@ class Client:
         if self._monitor in events and self._sock not in events:
             parse_monitor_message(self._monitor.recv_multipart())
             self._inbox.clear()
-            raise ServerError(f"lost the connection to {self.address}")
+            self._lost = f"lost the connection to {self.address}"
+            raise ServerError(self._lost)
         if self._sock not in events:
             raise TimeoutError(f"no reply from {self.address} in "
                                f"{time.monotonic() - start:.1f} s")
@@ -304,8 +318,7 @@ class AsyncClient:
                  client_key: str | Path | None = None):
         self.address = address
         self._ctx = zmq.asyncio.Context()
-        self._sock = _socket(self._ctx, address, server_public_key, client_key)
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._sock, self._monitor = _socket(self._ctx, address, server_public_key, client_key)
         self._ids = itertools.count()
         self._queues: dict[str, asyncio.Queue] = {}
         self._stats: deque[asyncio.Future] = deque()

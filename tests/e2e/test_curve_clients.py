@@ -2,6 +2,8 @@
 admits only clients whose public key is in one of its *.key certificates; the server refuses the
 others' handshake and they see the connection drop. A client proves its key with `client_key=`
 (its .key_secret file)."""
+import time
+
 import pytest
 import zmq.auth
 from models_util import make_tiny_model
@@ -45,6 +47,26 @@ def test_other_clients_are_refused(allowlisted, who):
     address, server_key, own = allowlisted
     key = own / f"{who}.key_secret" if who else None    # None: a fresh keypair
     with Client(address, server_public_key=server_key, client_key=key, timeout=30) as client:
+        with pytest.raises(ServerError, match="lost the connection"):
+            client.generate([[1, 2, 3]], GREEDY)
+        with pytest.raises(ServerError, match="lost the connection"):   # at once, no send
+            client.stats()
+
+
+def test_a_refusal_before_the_constructor_returns_is_seen(allowlisted, monkeypatch):
+    """The server may refuse the handshake before Client() returns (a loaded machine): the
+    disconnect must still reach the client (its monitor is attached before it connects)."""
+    address, server_key, own = allowlisted
+    connect = zmq.Socket.connect
+
+    def slow_connect(sock, addr):
+        result = connect(sock, addr)
+        if addr == address:
+            time.sleep(2)                # the refusal arrives inside the constructor
+        return result
+
+    monkeypatch.setattr(zmq.Socket, "connect", slow_connect)
+    with Client(address, server_public_key=server_key, timeout=15) as client:
         with pytest.raises(ServerError, match="lost the connection"):
             client.generate([[1, 2, 3]], GREEDY)
 

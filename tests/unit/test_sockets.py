@@ -44,9 +44,11 @@ def test_curve_server_accepts_clients_that_know_its_key(ctx, tmp_path):
     keys = load_curve_keys(tmp_path / "keys")
     assert load_curve_keys(tmp_path / "keys") == keys           # created once, then reused
     server = Socket(ctx, zmq.ROUTER, "tcp://127.0.0.1:*", bind=True, curve_keys=keys)
-    client = _socket(ctx, server.address, tmp_path / "keys" / "server.key")
+    client, monitor = _socket(ctx, server.address, tmp_path / "keys" / "server.key")
     client.send_multipart(encode(GenerateRequest(id="c", prompt="x")))
     assert server.sock.poll(5000) and server.recv()[1].id == "c"
+    client.disable_monitor()
+    monitor.close(0)
     client.close(0)
 
 
