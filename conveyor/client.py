@@ -276,7 +276,10 @@ class Client:
     def _cancel(self, ids: list[str]) -> None:
         for rid in ids:
             self._inbox.pop(rid, None)
-            self._sock.send_multipart(encode(CancelRequest(rid)))
+            try:        # clean-up never blocks: a DEALER blocks when no connection takes a frame
+                self._sock.send_multipart(encode(CancelRequest(rid)), zmq.DONTWAIT)
+            except zmq.Again:
+                pass    # no connection (or 1,000 frames queued): the request runs to its end
 
     def _next(self, rid: str, remove: bool = True) -> GenerateOutput:
         while not self._inbox[rid]:
