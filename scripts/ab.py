@@ -97,6 +97,7 @@ def summary(arms: list[Arm]) -> str:
     rows = ["| arm | runs | mean | sd | min | max | vs first | its SE |",
             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     first = arms[0]
+    mean0, sd0 = spread(first.values) if first.values else (0.0, 0.0)   # no runs: unused
     for arm in arms:
         v = arm.values
         if not v:
@@ -105,7 +106,6 @@ def summary(arms: list[Arm]) -> str:
         mean, sd = spread(v)
         diff = se = ""
         if arm is not first and len(v) > 1 and len(first.values) > 1:
-            mean0, sd0 = spread(first.values)
             d = mean - mean0
             diff = f"{d:+.4g} ({d / mean0 * 100:+.1f} %)"
             se = f"{(sd ** 2 / len(v) + sd0 ** 2 / len(first.values)) ** 0.5:.2g}"
