@@ -180,6 +180,13 @@ def _drop(client) -> None:
         client._ctx.term()
 
 
+def _check_connected(lost: str | None) -> None:
+    """Raise if the connection is gone. NOTE: a DEALER with no connection left blocks on send,
+    and a lost one never reconnects here, so a lost client sends nothing more."""
+    if lost:
+        raise ServerError(lost)
+
+
 def _decode_reply(frames: list[bytes]):
     try:
         return decode(frames, _REPLIES)
@@ -236,7 +243,7 @@ class Client:
             self._cancel([rid] if rid in self._inbox else [])
 
     def stats(self) -> Stats:
-        self._check_connected()
+        _check_connected(self._lost)
         self._sock.send_multipart(encode(StatsRequest()))
         while not self._stats:
             self._receive()
@@ -260,13 +267,8 @@ class Client:
     def __del__(self) -> None:
         _drop(self)
 
-    def _check_connected(self) -> None:
-        # NOTE: a DEALER with no connection left blocks on send, so a lost client sends nothing
-        if self._lost:
-            raise ServerError(self._lost)
-
     def _send(self, prompt, params, stream: bool, scheduling: Scheduling) -> str:
-        self._check_connected()
+        _check_connected(self._lost)
         rid = f"r{next(self._ids)}"
         msg = build_request(rid, prompt, params, stream, scheduling)
         self._inbox[rid] = deque()
@@ -360,6 +362,7 @@ class AsyncClient:
             self._finish(rid)
 
     async def stats(self) -> Stats:
+        _check_connected(self._lost)          # the reader has stopped: nothing would answer
         self._start_reader()
         future = asyncio.get_running_loop().create_future()
         self._stats.append(future)
@@ -388,8 +391,7 @@ class AsyncClient:
 
     def _send(self, prompt, params, stream: bool,
               scheduling: Scheduling) -> tuple[str, asyncio.Queue]:
-        if self._lost:
-            raise ServerError(self._lost)
+        _check_connected(self._lost)
         rid = f"r{next(self._ids)}"
         msg = build_request(rid, prompt, params, stream, scheduling)
         self._start_reader()

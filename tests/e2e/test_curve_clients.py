@@ -2,6 +2,7 @@
 admits only clients whose public key is in one of its *.key certificates; the server refuses the
 others' handshake and they see the connection drop. A client proves its key with `client_key=`
 (its .key_secret file)."""
+import asyncio
 import time
 
 import pytest
@@ -51,6 +52,20 @@ def test_other_clients_are_refused(allowlisted, who):
             client.generate([[1, 2, 3]], GREEDY)
         with pytest.raises(ServerError, match="lost the connection"):   # at once, no send
             client.stats()
+
+
+def test_an_async_client_refused_fails_now_and_on_later_calls(allowlisted):
+    address, server_key, _ = allowlisted
+
+    async def run():
+        async with AsyncClient(address, server_public_key=server_key) as client:
+            with pytest.raises(ServerError, match="lost the connection"):
+                await client.generate([1, 2, 3], GREEDY)
+            for call in (client.generate([1, 2, 3], GREEDY), client.stats()):
+                with pytest.raises(ServerError, match="lost the connection"):
+                    await call
+
+    asyncio.run(asyncio.wait_for(run(), 30))
 
 
 def test_a_refusal_before_the_constructor_returns_is_seen(allowlisted, monkeypatch):
