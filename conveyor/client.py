@@ -181,8 +181,7 @@ def _drop(client) -> None:
 
 
 def _check_connected(lost: str | None) -> None:
-    """Raise if the connection is gone. NOTE: a DEALER with no connection left blocks on send,
-    and a lost one never reconnects here, so a lost client sends nothing more."""
+    """Raise if the connection is gone: a lost one never comes back (see _socket)."""
     if lost:
         raise ServerError(lost)
 
@@ -201,7 +200,8 @@ class Client:
                  client_key: str | Path | None = None, timeout: float | None = None):
         """server_public_key: the server's CurveZMQ public key (or its server.key file);
         client_key: this client's NAME.key_secret certificate, for a server that admits only
-        the clients in its DIR/clients (default: a fresh keypair)."""
+        the clients in its DIR/clients (default: a fresh keypair); timeout: seconds to wait
+        for a reply, or for room to send, before TimeoutError (default: no limit)."""
         self.address = address
         self.timeout = timeout
         self._ctx = zmq.Context()
@@ -209,6 +209,9 @@ class Client:
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
+        self._send_poller = zmq.Poller()        # room to send, or the connection lost
+        self._send_poller.register(self._sock, zmq.POLLOUT)
+        self._send_poller.register(self._monitor, zmq.POLLIN)
         self._ids = itertools.count()
         self._inbox: dict[str, deque] = {}      # request id -> replies not yet read
         self._stats: deque = deque()
@@ -220,8 +223,10 @@ class Client:
         """One prompt -> GenerateResult; a list of prompts -> a list, run concurrently."""
         batch = prompts if is_batch(prompts) else [prompts]
         scheduling = Scheduling(priority, ttft_slo, tpot_slo)
-        ids = [self._send(p, sampling_params, False, scheduling) for p in batch]
+        ids = []
         try:
+            for p in batch:     # one by one: a send that fails cancels those before it
+                ids.append(self._send(p, sampling_params, False, scheduling))
             results = [result_of(self._next(i)) for i in ids]
         finally:
             self._cancel([i for i in ids if i in self._inbox])
@@ -243,8 +248,7 @@ class Client:
             self._cancel([rid] if rid in self._inbox else [])
 
     def stats(self) -> Stats:
-        _check_connected(self._lost)
-        self._sock.send_multipart(encode(StatsRequest()))
+        self._put(StatsRequest())
         while not self._stats:
             self._receive()
         return self._stats.popleft()
@@ -268,17 +272,40 @@ class Client:
         _drop(self)
 
     def _send(self, prompt, params, stream: bool, scheduling: Scheduling) -> str:
-        _check_connected(self._lost)
         rid = f"r{next(self._ids)}"
         msg = build_request(rid, prompt, params, stream, scheduling)
+        self._put(msg)
         self._inbox[rid] = deque()
-        self._sock.send_multipart(encode(msg))
         return rid
+
+    def _put(self, msg) -> None:
+        """Send msg, waiting for room no longer than for a reply. NOTE: a DEALER whose
+        connection is gone cannot take a frame, so a plain send would block forever."""
+        frames = encode(msg)
+        while True:
+            if self._monitor.poll(0):
+                self._lose()
+            _check_connected(self._lost)
+            try:
+                return self._sock.send_multipart(frames, zmq.DONTWAIT)
+            except zmq.Again:
+                if not self._send_poller.poll(self._wait_ms()):
+                    raise TimeoutError(f"could not send to {self.address} in "
+                                       f"{self.timeout} s") from None
+
+    def _wait_ms(self) -> int | None:
+        return None if self.timeout is None else int(self.timeout * 1000)
+
+    def _lose(self) -> None:
+        parse_monitor_message(self._monitor.recv_multipart())
+        self._lost = f"lost the connection to {self.address}"
 
     def _cancel(self, ids: list[str]) -> None:
         for rid in ids:
             self._inbox.pop(rid, None)
-            try:        # clean-up never blocks: a DEALER blocks when no connection takes a frame
+            if self._lost:
+                continue
+            try:        # clean-up never blocks
                 self._sock.send_multipart(encode(CancelRequest(rid)), zmq.DONTWAIT)
             except zmq.Again:
                 pass    # no connection (or 1,000 frames queued): the request runs to its end
@@ -295,16 +322,13 @@ class Client:
         return msg
 
     def _receive(self) -> None:
-        timeout = None if self.timeout is None else int(self.timeout * 1000)
         start = time.monotonic()
-        events = dict(self._poller.poll(timeout))
+        events = dict(self._poller.poll(0 if self._lost else self._wait_ms()))
         # NOTE: replies already received are read before a disconnect is believed.
-        if self._monitor in events and self._sock not in events:
-            parse_monitor_message(self._monitor.recv_multipart())
-            self._inbox.clear()
-            self._lost = f"lost the connection to {self.address}"
-            raise ServerError(self._lost)
         if self._sock not in events:
+            if self._monitor in events:
+                self._lose()
+            _check_connected(self._lost)
             raise TimeoutError(f"no reply from {self.address} in "
                                f"{time.monotonic() - start:.1f} s")
         msg = _decode_reply(self._sock.recv_multipart())
@@ -366,7 +390,7 @@ class AsyncClient:
         self._start_reader()
         future = asyncio.get_running_loop().create_future()
         self._stats.append(future)
-        await self._sock.send_multipart(encode(StatsRequest()))
+        self._sock.send_multipart(encode(StatsRequest()))   # not awaited: see _send
         return self._check(await future)
 
     def close(self) -> None:
@@ -396,6 +420,8 @@ class AsyncClient:
         msg = build_request(rid, prompt, params, stream, scheduling)
         self._start_reader()
         queue = self._queues[rid] = asyncio.Queue()
+        # NOTE: not awaited: with the connection gone the send never completes, and the
+        # reader answers the queue with the loss instead
         self._sock.send_multipart(encode(msg))
         return rid, queue
 

@@ -98,3 +98,17 @@ def test_a_flood_of_malformed_frames_logs_one_line_then_the_count(ctx, tmp_path,
         server.recv()
     assert len(caplog.records) == 2
     assert "(49 more since the last warning)" in caplog.records[1].getMessage()
+
+
+@pytest.mark.timeout(30)
+def test_a_client_with_no_connection_left_never_blocks_on_a_send():
+    """A DEALER with no connection cannot take a frame (a refused handshake can leave a client
+    so): generate, stats and close wait at most the client's timeout, then raise."""
+    from conveyor.client import Client
+
+    client = Client("tcp://127.0.0.1:9", timeout=0.5)
+    client._sock.disconnect("tcp://127.0.0.1:9")           # its one connection, gone
+    for call in (lambda: client.generate([1, 2, 3]), client.stats):
+        with pytest.raises(TimeoutError, match="could not send"):
+            call()
+    client.close()
