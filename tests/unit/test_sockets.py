@@ -103,7 +103,7 @@ def test_a_flood_of_malformed_frames_logs_one_line_then_the_count(ctx, tmp_path,
 @pytest.mark.timeout(30)
 def test_a_client_with_no_connection_left_never_blocks_on_a_send():
     """A DEALER with no connection cannot take a frame (a refused handshake can leave a client
-    so): generate, stats and close wait at most the client's timeout, then raise."""
+    so): generate and stats wait at most the client's timeout, then raise; close returns."""
     from conveyor.client import Client
 
     client = Client("tcp://127.0.0.1:9", timeout=0.5)
