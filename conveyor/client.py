@@ -168,15 +168,19 @@ def _socket(ctx: zmq.Context, address: str, server_public_key,
     return sock, monitor
 
 
+def _close_socket(sock: zmq.Socket, monitor: zmq.Socket, linger_ms: int) -> None:
+    """Close _socket()'s pair. NOTE: the monitor is stopped first, else Context.term() waits
+    forever (in the garbage collector's case, in whatever thread the collection runs)."""
+    sock.disable_monitor()
+    monitor.close(0)
+    sock.close(linger=linger_ms)
+
+
 def _drop(client) -> None:
     """Close a client that was dropped without close()."""
-    # NOTE: its socket monitor must be stopped, else the garbage collector's Context.term()
-    # waits forever, in whatever thread the collection runs
     sock = getattr(client, "_sock", None)
     if sock is not None and not sock.closed:
-        sock.disable_monitor()
-        client._monitor.close(0)
-        sock.close(linger=0)
+        _close_socket(sock, client._monitor, 0)
         client._ctx.term()
 
 
@@ -257,9 +261,7 @@ class Client:
         if self._sock.closed:
             return
         self._cancel(list(self._inbox))
-        self._sock.disable_monitor()
-        self._monitor.close(0)
-        self._sock.close(linger=500)
+        _close_socket(self._sock, self._monitor, 500)
         self._ctx.term()
 
     def __enter__(self) -> Client:
@@ -400,9 +402,7 @@ class AsyncClient:
             self._finish(rid)
         if self._reader is not None:
             self._reader.cancel()
-        self._sock.disable_monitor()
-        self._monitor.close(0)
-        self._sock.close(linger=500)
+        _close_socket(self._sock, self._monitor, 500)
 
     def __del__(self) -> None:
         _drop(self)

@@ -6,7 +6,7 @@ import stat
 import pytest
 import zmq
 
-from conveyor.client import _socket
+from conveyor.client import _close_socket, _socket
 from conveyor.shared.messages import Abort, ErrorReply, GenerateRequest, encode
 from conveyor.shared.sockets import (
     Socket,
@@ -47,9 +47,7 @@ def test_curve_server_accepts_clients_that_know_its_key(ctx, tmp_path):
     client, monitor = _socket(ctx, server.address, tmp_path / "keys" / "server.key")
     client.send_multipart(encode(GenerateRequest(id="c", prompt="x")))
     assert server.sock.poll(5000) and server.recv()[1].id == "c"
-    client.disable_monitor()
-    monitor.close(0)
-    client.close(0)
+    _close_socket(client, monitor, 0)
 
 
 def test_runtime_dir_is_private_and_removed():
