@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import signal
 import sys
 import typing
 
@@ -79,12 +80,11 @@ def cmd_generate(args) -> int:
 
 def cmd_chat(args) -> int:
     llm = _llm(args)
-    from conveyor.frontend.tokenizer import apply_chat_template
-
     history: list[dict] = []
     if args.system:
         history.append({"role": "system", "content": args.system})
-    print("conveyor chat: type a message, Ctrl-D to quit.", file=sys.stderr)
+    print("conveyor chat: type a message, Ctrl-D to quit (Ctrl-C stops a reply).",
+          file=sys.stderr)
     while True:
         try:
             line = input("> ")
@@ -94,11 +94,18 @@ def cmd_chat(args) -> int:
         if not line.strip():
             continue
         history.append({"role": "user", "content": line})
-        prompt = apply_chat_template(llm.tokenizer, history)
-        reply = ""
-        for piece in llm.stream(prompt, _sampling(args)):
-            reply += piece
-            print(piece, end="", flush=True)
+        reply, stopped = "", []
+        # NOTE: Ctrl-C between two steps, never inside one: leaving the stream aborts the reply
+        previous = signal.signal(signal.SIGINT, lambda *_, s=stopped: s.append(True))
+        try:
+            for piece in llm.stream(history, _sampling(args)):
+                reply += piece
+                print(piece, end="", flush=True)
+                if stopped:
+                    print(" [stopped]", end="")
+                    break
+        finally:
+            signal.signal(signal.SIGINT, previous)
         print()
         history.append({"role": "assistant", "content": reply})
 
@@ -184,7 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="requests of different API keys never share prefix-cache blocks")
     srv.add_argument("--zmq-port", type=int, default=5555,
                      help="frontend i listens on ZMQ_PORT + i (0: any free port)")
-    srv.add_argument("--frontends", type=int, default=1, help="number of frontend processes")
+    srv.add_argument("--frontends", type=int, default=None,
+                     help="number of frontend processes (default: one per 4 cores, 1 to 8)")
     srv.add_argument("--zmq-curve-keys", default=None, metavar="DIR",
                      help="require CurveZMQ: server keypair in DIR (created if missing); with "
                           "DIR/clients/, only the client public keys (*.key) there")

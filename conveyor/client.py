@@ -1,13 +1,14 @@
 """The ZMQ client library for `conveyor serve`: `Client` (blocking) and `AsyncClient` (asyncio).
 
     with Client("tcp://127.0.0.1:5555") as c:
-        print(c.generate("Hello", SamplingParams(max_tokens=20)).text)
-        c.generate("Hi", priority=-1, ttft_slo=0.5)     # scheduling options (docs/SCHEDULING.md)
+        print(c.generate("Hello", SamplingParams(max_tokens=20)).outputs[0].text)
+        c.generate("Hi", priority=-1, ttft_slo=0.5)     # RequestOptions (docs/SCHEDULING.md)
 
-A prompt is text, token ids, or chat messages ([{"role": ..., "content": ...}]). Breaking out of a
-stream, closing the client or cancelling a task aborts the request on the server, which frees its
-KV blocks. A lost connection raises ServerError, then and on every later call: make a new client.
-The wire protocol is in docs/PROTOCOL.md.
+A prompt is text, token ids, or chat messages ([{"role": ..., "content": ...}]). Results are the
+offline API's RequestOutput (conveyor/outputs.py): whole from `generate`, deltas from `stream`.
+Breaking out of a stream, closing the client or cancelling a task aborts the request on the
+server, which frees its KV blocks. A lost connection raises ServerError, then and on every later
+call: make a new client. The wire protocol is in docs/PROTOCOL.md.
 """
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ import itertools
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import zmq
@@ -24,88 +24,29 @@ import zmq.asyncio
 import zmq.auth
 from zmq.utils.monitor import parse_monitor_message
 
-from conveyor.shared.messages import (
-    MAX_MESSAGE_BYTES,
-    CancelRequest,
-    ErrorReply,
-    GenerateOutput,
-    GenerateRequest,
-    Logprob,
-    MessageError,
-    Stats,
-    StatsRequest,
-    decode,
-    encode,
-)
+from conveyor.outputs import RequestOutput
+from conveyor.shared.messages import MAX_MESSAGE_BYTES, MessageError, decode, encode
+from conveyor.shared.messages.client import CancelRequest, ErrorReply, GenerateRequest
+from conveyor.shared.messages.engine import Stats, StatsRequest
+from conveyor.shared.request_options import RequestOptions
 from conveyor.shared.sampling_params import SamplingParams
 
-_REPLIES = (GenerateOutput, ErrorReply, Stats)
+_REPLIES = (RequestOutput, ErrorReply, Stats)
 
 
 class ServerError(RuntimeError):
     """The server rejected a request, or the connection to it was lost."""
 
 
-@dataclass
-class StreamDelta:
-    index: int                               # which of the n samples
-    text: str
-    token_ids: list[int]
-    logprobs: list[list[Logprob]] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    error: str | None = None
-
-
-@dataclass
-class CompletionResult:
-    index: int
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[list[Logprob]] | None = None
-    finish_reason: str | None = None         # "stop" | "length" | "abort" | "error"
-    stop_reason: int | str | None = None
-    error: str | None = None
-
-
-@dataclass
-class GenerateResult:
-    id: str
-    prompt_token_ids: list[int]
-    outputs: list[CompletionResult]
-
-    @property
-    def text(self) -> str:
-        return self.outputs[0].text
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.outputs[0].token_ids
-
-    @property
-    def finish_reason(self) -> str | None:
-        return self.outputs[0].finish_reason
-
-    @property
-    def error(self) -> str | None:
-        return self.outputs[0].error
-
-
-@dataclass(frozen=True)
-class Scheduling:
-    """A request's scheduling options: priority (lower runs first) and latency objectives in
-    seconds (time to first token, mean time per output token after it)."""
-    priority: int = 0
-    ttft_slo: float | None = None
-    tpot_slo: float | None = None
-
-
 def build_request(request_id: str, prompt, params: SamplingParams | None, stream: bool,
-                  scheduling: Scheduling = Scheduling()) -> GenerateRequest:
-    """ValueError for an objective that is not a positive number of seconds."""
+                  options: dict) -> GenerateRequest:
+    """ValueError for options that are not RequestOptions' fields or not valid."""
+    try:
+        opts = RequestOptions(**options)
+    except TypeError as e:
+        raise ValueError(str(e)) from None
     req = GenerateRequest(id=request_id, sampling=params or SamplingParams(), stream=stream,
-                          priority=scheduling.priority, ttft_slo=scheduling.ttft_slo,
-                          tpot_slo=scheduling.tpot_slo)
+                          options=opts)
     if isinstance(prompt, str):
         req.prompt = prompt
     elif prompt and all(isinstance(m, dict) for m in prompt):
@@ -119,18 +60,6 @@ def is_batch(prompts) -> bool:
     """A list of prompts (texts, token id lists or conversations), not one prompt."""
     return isinstance(prompts, (list, tuple)) and bool(prompts) and not isinstance(
         prompts[0], (int, dict))
-
-
-def deltas(msg: GenerateOutput) -> list[StreamDelta]:
-    return [StreamDelta(c.index, c.text, c.token_ids, c.logprobs, c.finish_reason,
-                        c.stop_reason, c.error) for c in msg.outputs]
-
-
-def result_of(msg: GenerateOutput, prompt_ids: list[int] | None = None) -> GenerateResult:
-    outs = [CompletionResult(c.index, c.text, c.token_ids, c.logprobs, c.finish_reason,
-                             c.stop_reason, c.error) for c in msg.outputs]
-    return GenerateResult(msg.id, msg.prompt_token_ids or prompt_ids or [],
-                          sorted(outs, key=lambda c: c.index))
 
 
 def _curve_keys(server_public_key, client_key) -> tuple[bytes, bytes, bytes] | None:
@@ -221,30 +150,28 @@ class Client:
         self._stats: deque = deque()
         self._lost: str | None = None           # why the connection is gone, once it is
 
-    def generate(self, prompts, sampling_params: SamplingParams | None = None, *,
-                 priority: int = 0, ttft_slo: float | None = None,
-                 tpot_slo: float | None = None):
-        """One prompt -> GenerateResult; a list of prompts -> a list, run concurrently."""
+    def generate(self, prompts, sampling_params: SamplingParams | None = None, **options):
+        """One prompt -> RequestOutput; a list of prompts -> a list, run concurrently.
+        options: RequestOptions' fields (priority, ttft_slo, tpot_slo, cache_salt)."""
         batch = prompts if is_batch(prompts) else [prompts]
-        scheduling = Scheduling(priority, ttft_slo, tpot_slo)
         ids = []
         try:
             for p in batch:     # one by one: a send that fails cancels those before it
-                ids.append(self._send(p, sampling_params, False, scheduling))
-            results = [result_of(self._next(i)) for i in ids]
+                ids.append(self._send(p, sampling_params, False, options))
+            results = [self._next(i) for i in ids]
         finally:
             self._cancel([i for i in ids if i in self._inbox])
         return results if is_batch(prompts) else results[0]
 
-    def stream(self, prompt, sampling_params: SamplingParams | None = None, *,
-               priority: int = 0, ttft_slo: float | None = None,
-               tpot_slo: float | None = None) -> Iterator[StreamDelta]:
-        """Yield deltas as the server produces them; leaving early cancels the request."""
-        rid = self._send(prompt, sampling_params, True, Scheduling(priority, ttft_slo, tpot_slo))
+    def stream(self, prompt, sampling_params: SamplingParams | None = None,
+               **options) -> Iterator[RequestOutput]:
+        """Yield RequestOutput deltas as the server produces them; leaving early cancels the
+        request."""
+        rid = self._send(prompt, sampling_params, True, options)
         try:
             while True:
                 msg = self._next(rid, remove=False)
-                yield from deltas(msg)
+                yield msg
                 if msg.finished:
                     del self._inbox[rid]
                     return
@@ -273,9 +200,9 @@ class Client:
     def __del__(self) -> None:
         _drop(self)
 
-    def _send(self, prompt, params, stream: bool, scheduling: Scheduling) -> str:
+    def _send(self, prompt, params, stream: bool, options: dict) -> str:
         rid = f"r{next(self._ids)}"
-        msg = build_request(rid, prompt, params, stream, scheduling)
+        msg = build_request(rid, prompt, params, stream, options)
         self._put(msg)
         self._inbox[rid] = deque()
         return rid
@@ -312,7 +239,7 @@ class Client:
             except zmq.Again:
                 pass    # no connection (or 1,000 frames queued): the request runs to its end
 
-    def _next(self, rid: str, remove: bool = True) -> GenerateOutput:
+    def _next(self, rid: str, remove: bool = True) -> RequestOutput:
         while not self._inbox[rid]:
             self._receive()
         msg = self._inbox[rid].popleft()
@@ -338,8 +265,8 @@ class Client:
             self._stats.append(msg)
         elif isinstance(msg, ErrorReply) and msg.id is None:
             raise ServerError(msg.error)      # a frame of ours the server could not read
-        elif msg.id in self._inbox:
-            self._inbox[msg.id].append(msg)
+        elif _reply_id(msg) in self._inbox:
+            self._inbox[_reply_id(msg)].append(msg)
 
 
 class AsyncClient:
@@ -356,31 +283,25 @@ class AsyncClient:
         self._reader: asyncio.Task | None = None
         self._lost: str | None = None
 
-    async def generate(self, prompts, sampling_params: SamplingParams | None = None, *,
-                       priority: int = 0, ttft_slo: float | None = None,
-                       tpot_slo: float | None = None):
+    async def generate(self, prompts, sampling_params: SamplingParams | None = None,
+                       **options):
         if is_batch(prompts):
             return list(await asyncio.gather(*(
-                self.generate(p, sampling_params, priority=priority, ttft_slo=ttft_slo,
-                              tpot_slo=tpot_slo) for p in prompts)))
-        rid, queue = self._send(prompts, sampling_params, False,
-                                Scheduling(priority, ttft_slo, tpot_slo))
+                self.generate(p, sampling_params, **options) for p in prompts)))
+        rid, queue = self._send(prompts, sampling_params, False, options)
         try:
-            return result_of(self._check(await queue.get()))
+            return self._check(await queue.get())
         finally:
             self._finish(rid)
 
-    async def stream(self, prompt, sampling_params: SamplingParams | None = None, *,
-                     priority: int = 0, ttft_slo: float | None = None,
-                     tpot_slo: float | None = None) -> AsyncIterator[StreamDelta]:
+    async def stream(self, prompt, sampling_params: SamplingParams | None = None,
+                     **options) -> AsyncIterator[RequestOutput]:
         """Leaving early cancels the request (wrap in contextlib.aclosing to do it at once)."""
-        rid, queue = self._send(prompt, sampling_params, True,
-                                Scheduling(priority, ttft_slo, tpot_slo))
+        rid, queue = self._send(prompt, sampling_params, True, options)
         try:
             while True:
                 msg = self._check(await queue.get())
-                for d in deltas(msg):
-                    yield d
+                yield msg
                 if msg.finished:
                     self._queues.pop(rid, None)
                     return
@@ -413,11 +334,10 @@ class AsyncClient:
     async def __aexit__(self, *exc) -> None:
         self.close()
 
-    def _send(self, prompt, params, stream: bool,
-              scheduling: Scheduling) -> tuple[str, asyncio.Queue]:
+    def _send(self, prompt, params, stream: bool, options: dict) -> tuple[str, asyncio.Queue]:
         _check_connected(self._lost)
         rid = f"r{next(self._ids)}"
-        msg = build_request(rid, prompt, params, stream, scheduling)
+        msg = build_request(rid, prompt, params, stream, options)
         self._start_reader()
         queue = self._queues[rid] = asyncio.Queue()
         # NOTE: not awaited: with the connection gone the send never completes, and the
@@ -462,5 +382,9 @@ class AsyncClient:
                 if isinstance(msg, Stats) or (isinstance(msg, ErrorReply) and msg.id is None):
                     if self._stats:
                         self._stats.popleft().set_result(msg)
-                elif msg.id in self._queues:
-                    self._queues[msg.id].put_nowait(msg)
+                elif _reply_id(msg) in self._queues:
+                    self._queues[_reply_id(msg)].put_nowait(msg)
+
+
+def _reply_id(msg: RequestOutput | ErrorReply) -> str | None:
+    return msg.request_id if isinstance(msg, RequestOutput) else msg.id

@@ -25,9 +25,9 @@ from conveyor.engine import max_model_len
 from conveyor.frontend.server import frontend_main
 from conveyor.scheduler.policy import make_policy
 from conveyor.scheduler.process import scheduler_main
-from conveyor.shared.config import HttpConfig, ModelConfig, ServeConfig
-from conveyor.shared.messages import Drain, Drained, EngineDead, FrontendDead, Ready
-from conveyor.shared.model_files import read_model_config, resolve_model
+from conveyor.shared.config import EngineConfig, HttpConfig, ModelConfig, ServeConfig
+from conveyor.shared.messages.control import Drain, Drained, EngineDead, FrontendDead, Ready
+from conveyor.shared.model_files import DEFAULT_MODEL_NAME, read_model_config, resolve_model
 from conveyor.shared.process import child_main
 from conveyor.shared.sockets import (
     Socket,
@@ -60,9 +60,20 @@ def check_tensor_parallel(model: ModelConfig, tp: int) -> None:
                           f"multiple of them")
 
 
-def serve(engine, http: HttpConfig, *, host: str = "127.0.0.1", zmq_port: int = 0,
-          num_frontends: int = 1, curve_keys: str | None = None,
+def default_frontends() -> int:
+    """One frontend process per 4 cores this process may use, 1 to 8: a frontend's event loop
+    (HTTP, detokenizing, streaming) takes one core at its busiest, and the scheduler, the
+    workers and the clients of a benchmark on the same host need theirs."""
+    return max(1, min(8, len(os.sched_getaffinity(0)) // 4))
+
+
+def serve(engine: EngineConfig, http: HttpConfig, *, host: str = "127.0.0.1", zmq_port: int = 0,
+          num_frontends: int | None = None, curve_keys: str | None = None,
           startup_timeout: float = 600.0, skip_tokenizer_init: bool = False) -> int:
+    """Run `conveyor serve` until it stops; returns the exit code. The engine's device and
+    token budget default here (EngineConfig.with_defaults), once for every process."""
+    engine = engine.with_defaults(offline=False)
+    num_frontends = num_frontends or default_frontends()
     model = read_model_config(resolve_model(engine.model))
     check_tensor_parallel(model, engine.tensor_parallel_size)
     max_model_len(engine, model)
@@ -91,6 +102,22 @@ def serve(engine, http: HttpConfig, *, host: str = "127.0.0.1", zmq_port: int = 
             reserved.close()
 
 
+def summary(cfg: ServeConfig, info: dict[str, dict]) -> str:
+    """The start-up summary: what runs where, with which limits."""
+    e, worker, scheduler = cfg.engine, info.get("worker-0", {}), info.get("scheduler", {})
+    blocks = int(worker.get("num_blocks", 0))
+    lines = [f"model {e.model or DEFAULT_MODEL_NAME}, {worker.get('dtype')} on "
+             f"{worker.get('device')}, tensor parallel {e.tensor_parallel_size}, "
+             f"{cfg.num_frontends} frontend(s)",
+             f"KV cache {blocks:,} blocks of {e.block_size} = {blocks * e.block_size:,} tokens "
+             f"({worker.get('kv_dtype')}); max model length {scheduler.get('max_model_len')}",
+             f"a step: up to {e.max_num_batched_tokens} tokens and {e.max_num_seqs} sequences; "
+             f"waiting requests beyond {scheduler.get('queue_cap') or 'none'} are refused"]
+    if "quantization" in worker:
+        lines.append(str(worker["quantization"]))
+    return "\n".join(f"conveyor: {line}" for line in lines)
+
+
 class Launcher:
     def __init__(self, cfg: ServeConfig):
         self.cfg = cfg
@@ -106,16 +133,18 @@ class Launcher:
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             self._spawn()
-            addresses = self._wait_ready(startup_timeout)
+            started = time.monotonic()
+            info = self._wait_ready(startup_timeout)
             # NOTE: "serving on" waits until every frontend has taken the Ready: a client that
             # reads it and connects at once must not meet "the server is starting"
             self._await_frontends(self._tell_frontends(Ready("launcher")), Ready)
+            print(summary(self.cfg, info), flush=True)
             http = self.cfg.http
+            addresses = [info[k]["address"] for k in sorted(info) if "address" in info[k]]
             where = ([f"http://{self.cfg.host}:{http.port} (HTTP)"] if http.port is not None
                      else []) + [f"{', '.join(addresses)} (ZMQ)"]
-            print(f"conveyor: serving on {', '.join(where)}; tp="
-                  f"{self.cfg.engine.tensor_parallel_size}, frontends={self.cfg.num_frontends}, "
-                  f"pid {os.getpid()}", flush=True)
+            print(f"conveyor: serving on {', '.join(where)}; ready in "
+                  f"{time.monotonic() - started:.1f} s, pid {os.getpid()}", flush=True)
             try:
                 dead = self._supervise()
             except _Stop:
@@ -172,10 +201,11 @@ class Launcher:
                 return None, name
         return None, None
 
-    def _wait_ready(self, timeout_s: float) -> list[str]:
+    def _wait_ready(self, timeout_s: float) -> dict[str, dict]:
+        """Each child's Ready info, by role."""
         deadline = time.monotonic() + timeout_s
         waiting = set(self.procs)
-        addresses: dict[str, str] = {}
+        info: dict[str, dict] = {}
         while waiting:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -191,11 +221,8 @@ class Launcher:
                 raise LaunchError(msg.reason)
             if isinstance(msg, Ready):
                 waiting.discard(msg.role)
-                if msg.role == "worker-0" and "quantization" in msg.info:
-                    print(f"conveyor: {msg.info['quantization']}", flush=True)
-                if "address" in msg.info:
-                    addresses[msg.role] = str(msg.info["address"])
-        return [addresses[k] for k in sorted(addresses)]
+                info[msg.role] = msg.info
+        return info
 
     def _supervise(self) -> str:
         """Block until the engine fails; fail every open request; return what died. A frontend

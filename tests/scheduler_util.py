@@ -17,7 +17,9 @@ import pytest
 
 from conveyor.scheduler import Scheduler
 from conveyor.shared.config import EngineConfig
-from conveyor.shared.messages import AddRequest, StepPlan, StepResult, TokenLogprobs, TokenOutput
+from conveyor.shared.messages.engine import AddRequest, TokenOutput
+from conveyor.shared.messages.worker import StepPlan, StepResult, TokenLogprobs
+from conveyor.shared.request_options import RequestOptions
 from conveyor.shared.sampling_params import SamplingParams
 
 VOCAB = 1000
@@ -163,8 +165,9 @@ class Harness:
         """Queue a request arriving now (or at `arrival`); `sampling`: SamplingParams fields."""
         sampling.setdefault("max_tokens", 8)
         msg = AddRequest(id=rid, token_ids=list(prompt), sampling=SamplingParams(**sampling),
-                         arrival=self.now if arrival is None else arrival, priority=priority,
-                         ttft_slo=ttft_slo, tpot_slo=tpot_slo)
+                         arrival=self.now if arrival is None else arrival,
+                         options=RequestOptions(priority=priority, ttft_slo=ttft_slo,
+                                                tpot_slo=tpot_slo))
         self.collect(self.sched.add(msg))
 
     def collect(self, outputs: list[TokenOutput]) -> None:

@@ -1,11 +1,13 @@
-"""The request core of a frontend process, shared by its ZMQ and HTTP endpoints.
+"""The one request path: from a user's prompt and options to engine requests, and back.
 
-`submit` tokenizes a GenerateRequest, fans it out to the scheduler (one AddRequest per sample) and
-remembers how to reach its caller: a `deliver` callback that gets the request's GenerateOutputs
-(one per step when streaming, else one at the end). `on_outputs` folds the scheduler's
-TokenOutputs back in. Every accepted request ends exactly once: finished, cancelled by its caller
-(no reply), or failed with an error output (timeout, drain, engine failure). The core also holds
-the server's state (starting, ready, draining, dead) and records each finished request's metrics.
+Every door uses it: `LLM.generate` (in process), the HTTP server and the ZMQ server (in a frontend
+process), and so the CLI. `submit` checks a GenerateRequest, tokenizes it (or applies the chat
+template), fans it out to the engine (one AddRequest per sample, ids `<rid>/<i>`) and remembers
+whom to `deliver` its RequestOutputs to: a delta per step when streaming, else the whole output at
+the end. `on_outputs` folds the engine's TokenOutputs in: tokens, logprobs, detokenized text, stop
+strings (a sequence a stop string ends is aborted in the engine). Every accepted request ends
+exactly once: finished, cancelled by its caller (no reply), or failed with an error output
+(timeout, drain, engine failure). The core also holds the server's state and records metrics.
 """
 from __future__ import annotations
 
@@ -18,20 +20,19 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from conveyor.frontend.detokenizer import IncrementalDetokenizer, backend_of
 from conveyor.frontend.tokenizer import apply_chat_template, check_token_ids
-from conveyor.frontend.tracker import RequestTracker, sub_id
-from conveyor.outputs import PositionLogprobs, RequestOutput
-from conveyor.shared.messages import (
+from conveyor.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from conveyor.shared.messages.client import GenerateRequest
+from conveyor.shared.messages.engine import (
     Abort,
-    Completion,
-    GenerateOutput,
-    GenerateRequest,
-    Logprob,
+    AddRequest,
     Stats,
     StatsRequest,
-    TokenOutputs,
+    TokenOutput,
 )
-from conveyor.shared.sampling_params import INT64_MAX, INT64_MIN
+from conveyor.shared.messages.worker import TokenLogprobs
+from conveyor.shared.sampling_params import INT64_MIN, SamplingParams
 
 STARTING, READY, DRAINING, DEAD = "starting", "ready", "draining", "dead"
 
@@ -44,12 +45,19 @@ class RequestError(ValueError):
         self.code = code
 
 
-@dataclass
-class _Open:
-    client_id: str
+@dataclass(slots=True, eq=False)
+class _Sample:
+    out: CompletionOutput                    # the whole completion so far
+    detok: IncrementalDetokenizer
+    sent: int = 0                            # tokens delivered (streams); -1 once it ended
+
+
+@dataclass(slots=True, eq=False)
+class _Request:
+    output: RequestOutput                    # the whole output so far
+    samples: list[_Sample]
+    deliver: Callable[[RequestOutput], None]
     stream: bool
-    deliver: Callable[[GenerateOutput], None]
-    sent_tokens: list[int]                   # per sample: token ids delivered, -1 once ended
     sent_prompt: bool = False
     timer: asyncio.TimerHandle | None = None
 
@@ -60,22 +68,22 @@ class FrontendCore:
     vocab_size: int
     max_model_len: int
     id_prefix: str                           # keeps request ids unique across frontends
-    send: Callable[[object], None]           # a message to the scheduler
+    send: Callable[[object], None]           # a message to the engine
     max_open: int | None = None              # open requests beyond this are refused (429)
     timeout_s: float | None = None           # a request open longer than this fails (408)
     metrics: object | None = None            # ServerMetrics, or None
     max_n: int | None = None                 # a request's n beyond this is refused (400)
     state: str = STARTING
-    open: dict[str, _Open] = field(default_factory=dict)
+    open: dict[str, _Request] = field(default_factory=dict)
     _stats_waiters: deque = field(default_factory=deque)
 
     def __post_init__(self) -> None:
-        self.tracker = RequestTracker(self.tokenizer)
         self._ids = itertools.count()
+        self._backend = None if self.tokenizer is None else backend_of(self.tokenizer)
 
     # --- requests -----------------------------------------------------------------------------
 
-    def submit(self, msg: GenerateRequest, deliver: Callable[[GenerateOutput], None],
+    def submit(self, req: GenerateRequest, deliver: Callable[[RequestOutput], None],
                fit_context: bool = False) -> str:
         """Queue a request; returns its id. RequestError (with an HTTP status) if refused.
 
@@ -87,55 +95,66 @@ class FrontendCore:
         if self.max_open is not None and len(self.open) >= self.max_open:
             raise RequestError(f"the server is at its cap of {self.max_open} open requests", 429)
         try:
-            if self.max_n is not None and msg.sampling.n > self.max_n:
-                raise ValueError(f"n must be at most {self.max_n}, got {msg.sampling.n}")
-            if not INT64_MIN <= msg.priority <= INT64_MAX:
-                raise ValueError(f"priority must fit in 64 bits, got {msg.priority}")
-            text, token_ids = self.tokenize(msg)
-            params = self._fit(msg.sampling, len(token_ids)) if fit_context else msg.sampling
-            if params.stop and self.tokenizer is None:
-                raise ValueError("stop strings need a tokenizer")
+            text, token_ids, params = self.prepare(req, fit_context)
         except ValueError as e:
             raise RequestError(str(e)) from None
         rid = f"{self.id_prefix}{next(self._ids)}"
-        adds = self.tracker.add(rid, text, token_ids, params, msg.priority,
-                                cache_salt=msg.cache_salt, ttft_slo=msg.ttft_slo,
-                                tpot_slo=msg.tpot_slo)
-        o = _Open(msg.id, msg.stream, deliver, [0] * len(adds))
+        arrival = time.time()
+        want_logprobs = params.logprobs is not None
+        output = RequestOutput(req.id, text, token_ids, [], metrics=RequestMetrics(arrival),
+                               prompt_logprobs=None if params.prompt_logprobs is None else [None])
+        samples = []
+        for i in range(params.n):
+            c = CompletionOutput(i, cumulative_logprob=0.0 if want_logprobs else None,
+                                 logprobs=[] if want_logprobs else None)
+            output.outputs.append(c)
+            samples.append(_Sample(c, IncrementalDetokenizer(
+                self.tokenizer, token_ids, params.skip_special_tokens, params.stop,
+                params.include_stop_str_in_output)))
+        r = self.open[rid] = _Request(output, samples, deliver, req.stream)
         if self.timeout_s is not None:
-            o.timer = asyncio.get_running_loop().call_later(
-                self.timeout_s, self._expire, rid)
-        self.open[rid] = o
-        for add in adds:
-            self.send(add)
+            r.timer = asyncio.get_running_loop().call_later(self.timeout_s, self._expire, rid)
+        for i in range(params.n):
+            self.send(AddRequest(id=f"{rid}/{i}", token_ids=token_ids,
+                                 sampling=_sample_params(params, i), options=req.options,
+                                 arrival=arrival))
         return rid
 
-    def tokenize(self, msg: GenerateRequest) -> tuple[str | None, list[int]]:
-        given = [x is not None for x in (msg.prompt, msg.prompt_token_ids, msg.messages)]
+    def prepare(self, req: GenerateRequest, fit_context: bool
+                ) -> tuple[str | None, list[int], SamplingParams]:
+        """(prompt text, prompt token ids, sampling params), or ValueError saying what is
+        wrong: the one place a request is tokenized and checked against the limits."""
+        params = req.sampling
+        if self.max_n is not None and params.n > self.max_n:
+            raise ValueError(f"n must be at most {self.max_n}, got {params.n}")
+        given = [x is not None for x in (req.prompt, req.prompt_token_ids, req.messages)]
         if sum(given) != 1:
             raise ValueError("set exactly one of prompt, prompt_token_ids and messages")
-        if msg.prompt_token_ids is not None:
-            check_token_ids(msg.prompt_token_ids, self.vocab_size)
-            return None, list(msg.prompt_token_ids)
-        if self.tokenizer is None:
-            raise ValueError("this server has no tokenizer; send prompt_token_ids")
-        if msg.messages is not None:
-            return None, apply_chat_template(self.tokenizer, msg.messages)
-        return msg.prompt, self.tokenizer.encode(msg.prompt)
-
-    def _fit(self, params, prompt_len: int):
-        room = self.max_model_len - prompt_len
-        if room < 1:
-            raise ValueError(f"the prompt has {prompt_len} tokens, but the model's context "
-                             f"length is {self.max_model_len} (prompt plus at least one "
-                             f"generated token)")
-        if params.max_tokens is None:
-            return msgspec.structs.replace(params, max_tokens=room)
-        if params.max_tokens > room:
-            raise ValueError(f"the prompt has {prompt_len} tokens and max_tokens is "
-                             f"{params.max_tokens}, but the model's context length is "
-                             f"{self.max_model_len}; lower max_tokens to at most {room}")
-        return params
+        if self.tokenizer is None and (req.prompt_token_ids is None or params.stop):
+            raise ValueError("this engine has no tokenizer: send prompt_token_ids, and no stop "
+                             "strings")
+        text = None
+        if req.prompt_token_ids is not None:
+            token_ids = list(req.prompt_token_ids)
+            check_token_ids(token_ids, self.vocab_size)
+        elif req.messages is not None:
+            token_ids = apply_chat_template(self.tokenizer, req.messages,
+                                            **(req.chat_template_kwargs or {}))
+        else:
+            text, token_ids = req.prompt, self.tokenizer.encode(req.prompt)
+        if fit_context:
+            room = self.max_model_len - len(token_ids)
+            if room < 1:
+                raise ValueError(f"the prompt has {len(token_ids)} tokens, but the model's "
+                                 f"context length is {self.max_model_len} (prompt plus at least "
+                                 f"one generated token)")
+            if params.max_tokens is None:
+                params = msgspec.structs.replace(params, max_tokens=room)
+            elif params.max_tokens > room:
+                raise ValueError(f"the prompt has {len(token_ids)} tokens and max_tokens is "
+                                 f"{params.max_tokens}, but the model's context length is "
+                                 f"{self.max_model_len}; lower max_tokens to at most {room}")
+        return text, token_ids, params
 
     def cancel(self, rid: str) -> None:
         """The caller went away: abort the request in the engine; no reply follows."""
@@ -149,32 +168,126 @@ class FrontendCore:
     def _end(self, rid: str, reason: str, error: str | None, code: int | None,
              reply: bool = True) -> None:
         """End an open request early: abort its running samples and (if reply) tell its caller."""
-        req = self.tracker.requests[rid]
-        running = [i for i, s in enumerate(req.seqs) if not s.out.finished]
+        r = self.open[rid]
+        running = [i for i, s in enumerate(r.samples) if not s.out.finished]
         if running and self.state != DEAD:
-            self.send(Abort(ids=[sub_id(rid, i) for i in running], reason="abort"))
-        outputs = []
+            self.send(Abort(ids=[f"{rid}/{i}" for i in running], reason="abort"))
         for i in running:
-            c = req.seqs[i].out
+            c = r.samples[i].out
             c.finish_reason, c.error, c.error_code = reason, error, code
-            outputs.append(Completion(i, finish_reason=reason, error=error, error_code=code))
-        o = self.open[rid]
         if reply:
-            o.deliver(GenerateOutput(o.client_id, outputs, True))
-        self._close(rid)
+            self._reply(rid, r)
+        else:
+            self._close(rid)
 
-    # --- scheduler ----------------------------------------------------------------------------
+    # --- engine outputs -----------------------------------------------------------------------
 
-    def on_outputs(self, msg: TokenOutputs) -> None:
-        updated, stopped = self.tracker.process(msg.outputs)
+    def on_outputs(self, outputs: list[TokenOutput]) -> None:
+        now = time.time()
+        updated: dict[str, _Request] = {}
+        stopped = []
+        for o in outputs:
+            rid, _, index = o.id.rpartition("/")
+            r = self.open.get(rid)
+            if r is None:
+                continue
+            index = int(index)
+            s, metrics = r.samples[index], r.output.metrics
+            if o.prompt_logprobs and r.output.prompt_logprobs is not None:
+                r.output.prompt_logprobs.extend(map(self._logprobs, o.prompt_logprobs))
+            if o.stats is not None and index == 0:
+                metrics.first_scheduled_time = o.stats.first_scheduled or None
+                metrics.num_cached_tokens = o.stats.num_cached_tokens
+                metrics.num_preemptions = o.stats.num_preemptions
+            c = s.out
+            if c.finish_reason is not None:  # ended here by a stop string; the engine catches up
+                continue
+            if o.new_token_ids:
+                if metrics.first_token_time is None:
+                    metrics.first_token_time = now
+                c.token_ids += o.new_token_ids
+                s.detok.push(o.new_token_ids)
+            if o.logprobs and c.logprobs is not None:
+                for lp in o.logprobs:
+                    c.logprobs.append(self._logprobs(lp))
+                    c.cumulative_logprob += lp.logprobs[0]
+            if s.detok.stopped_by is not None:
+                c.finish_reason, c.stop_reason = "stop", s.detok.stopped_by
+                stopped.append(o.id)
+            elif o.finish_reason is not None:
+                s.detok.flush()
+                c.finish_reason, c.stop_reason = o.finish_reason, o.stop_reason
+                c.error, c.error_code = o.error, o.error_code
+            c.text = s.detok.text
+            updated[rid] = r
         if stopped:
             self.send(Abort(ids=stopped, reason="stop"))
-        for rid in updated:
-            if rid in self.open:
-                self._reply(rid)
+        for rid, r in updated.items():
+            self._reply(rid, r)
+
+    def _reply(self, rid: str, r: _Request) -> None:
+        """Deliver what is new: the whole output once finished, or (streams) a delta."""
+        finished = all(s.out.finish_reason is not None for s in r.samples)
+        if not r.stream:
+            if finished:
+                r.deliver(self._finish(r))
+                self._close(rid)
+            return
+        deltas = []
+        for s in r.samples:
+            c = s.out
+            if s.sent < 0:                   # its end was delivered already
+                continue
+            text = s.detok.stream(final=c.finish_reason is not None)
+            if len(c.token_ids) == s.sent and not text and c.finish_reason is None:
+                continue
+            deltas.append(CompletionOutput(
+                c.index, text, c.token_ids[s.sent:], None,
+                None if c.logprobs is None else c.logprobs[s.sent:],
+                c.finish_reason, c.stop_reason, c.error, c.error_code))
+            s.sent = -1 if c.finish_reason is not None else len(c.token_ids)
+        if not deltas and not finished:
+            return
+        out = RequestOutput(r.output.request_id, outputs=deltas, finished=finished)
+        if not r.sent_prompt:
+            r.sent_prompt = True
+            out.prompt, out.prompt_token_ids = r.output.prompt, r.output.prompt_token_ids
+            out.prompt_logprobs = r.output.prompt_logprobs
+        if finished:
+            out.metrics = self._finish(r).metrics
+        r.deliver(out)
+        if finished:
+            self._close(rid)
+
+    def _finish(self, r: _Request) -> RequestOutput:
+        out, m = r.output, r.output.metrics
+        out.finished = True
+        if m.finished_time is None:
+            m.finished_time = time.time()
+            m.num_output_tokens = sum(len(s.out.token_ids) for s in r.samples)
+        return out
+
+    def _close(self, rid: str) -> None:
+        r = self.open.pop(rid)
+        if r.timer is not None:
+            r.timer.cancel()
+        if self.metrics is not None:
+            self.metrics.request_finished(self._finish(r))
+
+    def _logprobs(self, lp: TokenLogprobs) -> dict[int, Logprob]:
+        """One position's logprobs: the chosen token first, then the top-k."""
+        texts = (self._backend.decode_batch([[t] for t in lp.token_ids])
+                 if self._backend is not None else [None] * len(lp.token_ids))
+        d: dict[int, Logprob] = {}
+        for i, (tok, value, text) in enumerate(zip(lp.token_ids, lp.logprobs, texts)):
+            if tok not in d:
+                d[tok] = Logprob(value, lp.rank if i == 0 else i, text)
+        return d
+
+    # --- engine stats and the server's state --------------------------------------------------
 
     def request_stats(self, waiter: Callable[[Stats | None], None]) -> None:
-        """waiter gets the scheduler's next Stats, or None if the engine is gone."""
+        """waiter gets the engine's next Stats, or None if the engine is gone."""
         if self.state == DEAD:
             waiter(None)
             return
@@ -185,45 +298,6 @@ class FrontendCore:
         if self._stats_waiters:
             self._stats_waiters.popleft()(stats)
 
-    def _reply(self, rid: str) -> None:
-        req, o = self.tracker.requests[rid], self.open[rid]
-        finished = req.output.finished
-        if not o.stream and not finished:
-            return
-        outputs = []
-        for i, seq in enumerate(req.seqs):
-            c = seq.out
-            if o.sent_tokens[i] < 0:         # its end was delivered already
-                continue
-            text = self.tracker.stream_delta(rid, i) if o.stream else c.text
-            start = o.sent_tokens[i] if o.stream else 0
-            if start == len(c.token_ids) and not text and not c.finished:
-                continue
-            outputs.append(Completion(
-                i, text, c.token_ids[start:],
-                None if c.logprobs is None else [_wire_logprobs(p) for p in c.logprobs[start:]],
-                c.finish_reason, c.stop_reason, c.error, c.error_code))
-            o.sent_tokens[i] = -1 if c.finished else len(c.token_ids)
-        if not outputs and not finished:
-            return
-        out = GenerateOutput(o.client_id, outputs, finished)
-        if not o.sent_prompt:
-            out.prompt_token_ids, o.sent_prompt = req.output.prompt_token_ids, True
-        o.deliver(out)
-        if finished:
-            self._close(rid)
-
-    def _close(self, rid: str) -> None:
-        o = self.open.pop(rid)
-        if o.timer is not None:
-            o.timer.cancel()
-        output = self.tracker.pop(rid)
-        if self.metrics is not None:
-            _finalize(output)
-            self.metrics.request_finished(output)
-
-    # --- server state -------------------------------------------------------------------------
-
     def fail_all(self, reason: str, code: int = 503) -> None:
         """End every open request with an error (engine failure, or a drain that ran out)."""
         for rid in list(self.open):
@@ -232,14 +306,13 @@ class FrontendCore:
             self._stats_waiters.popleft()(None)
 
 
-def _finalize(output: RequestOutput) -> None:
-    """Fill the metrics of a request that ended early (cancelled or failed)."""
-    m = output.metrics
-    if m.finished_time is None:
-        m.finished_time = time.time()
-        m.num_output_tokens = sum(len(c.token_ids) for c in output.outputs)
-
-
-def _wire_logprobs(position: PositionLogprobs) -> list[Logprob]:
-    return [Logprob(tok, lp.logprob, lp.rank or 0, lp.decoded_token)
-            for tok, lp in position.items()]
+def _sample_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The i-th of n samples: its own seed, and prompt logprobs computed once."""
+    if params.n == 1:
+        return params
+    changes = {"n": 1}
+    if params.seed is not None:   # seed + index, wrapped to stay in 64 bits
+        changes["seed"] = (params.seed + index - INT64_MIN) % (1 << 64) + INT64_MIN
+    if index > 0:
+        changes["prompt_logprobs"] = None
+    return msgspec.structs.replace(params, **changes)

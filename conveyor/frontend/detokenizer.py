@@ -1,45 +1,68 @@
 """Incremental detokenization and stop strings for one generated sequence.
 
-Text is decoded a few tokens at a time with some tokens of left context (so tokenizers that mark
-word starts decode spaces right); a piece ending in an incomplete UTF-8 character is held back
-until the next token completes it. Stop strings are searched only where new text could form one.
+Text comes from the tokenizer's own streaming decoder (`tokenizers`' DecodeStream, in Rust: about
+a microsecond a token), primed with the end of the prompt so that the first token's leading space
+decodes right. It returns nothing while a token ends inside a UTF-8 character, so a partial
+character is never emitted; `flush` decodes whatever is still pending at the end. Stop strings are
+searched only where new text could form one.
 """
 from __future__ import annotations
 
-_CONTEXT_TOKENS = 5
-_REPLACEMENT = "\ufffd"
+from tokenizers.decoders import DecodeStream
+
+_CONTEXT_TOKENS = 5               # prompt tokens the stream starts from
+
+
+def backend_of(tokenizer):
+    """The `tokenizers.Tokenizer` under a Hugging Face tokenizer (ValueError without one)."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is None:
+        raise ValueError(f"{type(tokenizer).__name__} is not a fast tokenizer; conveyor needs one "
+                         f"(a tokenizer.json)")
+    return backend
 
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True,
                  stop: list[str] | None = None, include_stop_str_in_output: bool = False):
-        self.tokenizer = tokenizer
+        self.backend = None if tokenizer is None else backend_of(tokenizer)   # None: ids only
         self.skip_special_tokens = skip_special_tokens
-        self.ids = list(prompt_ids[-_CONTEXT_TOKENS:])
-        self.prefix_offset = 0
-        self.read_offset = len(self.ids)
+        context = list(prompt_ids[-_CONTEXT_TOKENS:])
+        self.stream_ = DecodeStream(context, skip_special_tokens)
+        self.recent = context                  # decoded tokens, then the pending ones
+        self.num_pending = 0                   # tokens at the end of `recent` not yet in text
         self.text = ""
         self.stop = stop or []
+        self.max_stop = max((len(s) for s in self.stop), default=0)
         self.include_stop = include_stop_str_in_output
         self.stopped_by: str | None = None     # the stop string that ended the text, if any
         self._streamed = 0                     # characters of `text` already handed out
 
     def push(self, new_ids: list[int]) -> None:
         """Add generated tokens; sets `stopped_by` when a stop string appears."""
-        if self.stopped_by is not None or self.tokenizer is None:   # no tokenizer: ids only
+        if self.stopped_by is not None or self.backend is None:
             return
         for token in new_ids:
-            self.ids.append(token)
-            piece = self._decode_piece()
+            piece = self.stream_.step(self.backend, token)
+            self.recent.append(token)
+            if piece is None:
+                self.num_pending += 1
+                continue
+            del self.recent[:-_CONTEXT_TOKENS]
+            self.num_pending = 0
             if piece and self._append(piece):
                 return
 
     def flush(self) -> None:
-        """At the end: whatever bytes are still pending are decoded, replacement marks and all."""
-        if self.stopped_by is None and self.tokenizer and self.read_offset < len(self.ids):
-            prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-            self._append(self._decode(self.ids[self.prefix_offset:])[len(prefix):])
-            self.read_offset = len(self.ids)
+        """At the end: tokens still pending (a partial character) are decoded, replacement
+        marks and all."""
+        if self.stopped_by is None and self.backend is not None and self.num_pending:
+            decode = self.backend.decode
+            done = self.recent[:-self.num_pending]
+            full = decode(self.recent, skip_special_tokens=self.skip_special_tokens)
+            prefix = decode(done, skip_special_tokens=self.skip_special_tokens)
+            self.num_pending = 0
+            self._append(full[len(prefix):])
 
     def stream(self, final: bool = False) -> str:
         """Text not yet handed out, minus a tail that could still grow into a stop string."""
@@ -48,20 +71,11 @@ class IncrementalDetokenizer:
         self._streamed = max(self._streamed, end)
         return delta
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
-
-    def _decode_piece(self) -> str:
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset:])
-        if len(full) <= len(prefix) or full.endswith(_REPLACEMENT):
-            return ""
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        return full[len(prefix):]
-
     def _append(self, piece: str) -> bool:
-        start = max(0, len(self.text) - max((len(s) for s in self.stop), default=0) + 1)
         self.text += piece
+        if not self.stop:
+            return False
+        start = max(0, len(self.text) - len(piece) - self.max_stop + 1)
         best = None
         for s in self.stop:
             i = self.text.find(s, start)
@@ -75,7 +89,7 @@ class IncrementalDetokenizer:
         return True
 
     def _safe_end(self) -> int:
-        for n in range(min(len(self.text), max((len(s) for s in self.stop), default=1) - 1), 0, -1):
+        for n in range(min(len(self.text), self.max_stop - 1), 0, -1):
             tail = self.text[-n:]
             if any(s.startswith(tail) for s in self.stop):
                 return len(self.text) - n

@@ -8,7 +8,8 @@ undeclared one as it is read, through the app's HTTPException handler). Every
 response's status is counted for the metrics under its route.
 
 Below the ASGI layer, `read_deadline_protocol` gives each request a deadline to arrive whole
-(headers and body), so clients that trickle bytes (slowloris) cannot hold connections forever.
+(headers and body), so clients that trickle bytes (slowloris) cannot hold connections forever,
+and caps the size of its headers.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import msgspec
 from starlette.exceptions import HTTPException
 
 OPEN_PATHS = frozenset({"/health"})          # answered without an API key
+MAX_HEAD_BYTES = 16 << 10                    # a request's header block, as h11's and Node's
 ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
                     "/metrics", "/version", "/tokenize", "/detokenize"})
 _MAX_BUCKETS = 10_000
@@ -148,17 +150,19 @@ async def _send_error(send, status: int, message: str) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-def read_deadline_protocol(timeout_s: float) -> type:
-    """uvicorn's h11 protocol, closing a connection whose request (headers and body) is not all
-    in within timeout_s of its first byte (or of the connection, for the first request).
+def read_deadline_protocol(timeout_s: float, max_head_bytes: int = MAX_HEAD_BYTES) -> type:
+    """uvicorn's httptools protocol, closing a connection whose request (headers and body) is
+    not all in within timeout_s of its first byte (or of the connection, for the first request),
+    and answering 431 to a header block still incomplete past max_head_bytes.
 
     NOTE: uvicorn's own timeouts cover only an idle keep-alive connection; nothing bounds the
-    time a request takes to arrive.
+    time a request takes to arrive, nor (with httptools) the size of its headers.
     """
-    from uvicorn.protocols.http.h11_impl import H11Protocol
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-    class ReadDeadline(H11Protocol):
+    class ReadDeadline(HttpToolsProtocol):
         _deadline = None
+        _head_bytes = -1                     # bytes of an incomplete header block; -1: none
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
@@ -168,8 +172,22 @@ def read_deadline_protocol(timeout_s: float) -> type:
             if self._deadline is None and (self.cycle is None or self.cycle.response_complete):
                 self._arm()                  # the first bytes of the next request
             super().data_received(data)
+            if self._head_bytes >= 0:
+                self._head_bytes += len(data)
+                if self._head_bytes > max_head_bytes and not self.transport.is_closing():
+                    self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+                                         b"content-length: 0\r\nconnection: close\r\n\r\n")
+                    self.transport.close()
             if self.cycle is not None and not self.cycle.more_body:
                 self._disarm()               # the request is all in
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._head_bytes = 0
+
+        def on_headers_complete(self) -> None:
+            self._head_bytes = -1
+            super().on_headers_complete()
 
         def connection_lost(self, exc) -> None:
             self._disarm()

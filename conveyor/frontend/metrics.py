@@ -22,7 +22,7 @@ from prometheus_client import multiprocess as _mp
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from conveyor.outputs import RequestOutput
-from conveyor.shared.messages import Stats
+from conveyor.shared.messages.engine import Stats
 
 _ENV = "PROMETHEUS_MULTIPROC_DIR"
 # NOTE: the classic text format (what prometheus_client serves a scraper that asks nothing);

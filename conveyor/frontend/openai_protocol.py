@@ -3,7 +3,7 @@
 Requests are decoded with msgspec: a field of the wrong type is a clear 400, unknown fields are
 ignored (as OpenAI's servers do). `sampling_params` maps a request onto SamplingParams, with
 vLLM's extra fields (top_k, min_p, ignore_eos, repetition_penalty, min_tokens, ...). The builders
-turn the engine's Completions into response bodies and stream chunks (plain dicts, sent as JSON).
+turn RequestOutputs into response bodies and stream chunks (plain dicts, sent as JSON).
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 
 import msgspec
 
-from conveyor.shared.messages import Completion, GenerateOutput, Logprob
+from conveyor.outputs import CompletionOutput, Logprob, RequestOutput
 from conveyor.shared.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
@@ -171,29 +171,29 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion_logprobs(entries: list[list[Logprob]], offset: int) -> dict:
+def completion_logprobs(entries: list[dict[int, Logprob]], offset: int) -> dict:
     """OpenAI's legacy logprobs object: tokens, their logprobs, top alternatives, offsets."""
     tokens, token_logprobs, top, offsets = [], [], [], []
     for entry in entries:
-        chosen = entry[0]
-        text = chosen.text or ""
+        chosen = next(iter(entry.values()))
+        text = chosen.decoded_token or ""
         tokens.append(text)
         token_logprobs.append(chosen.logprob)
-        top.append({(lp.text or ""): lp.logprob for lp in entry})
+        top.append({(lp.decoded_token or ""): lp.logprob for lp in entry.values()})
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
             "text_offset": offsets}
 
 
-def chat_logprobs(entries: list[list[Logprob]], top: int) -> dict:
+def chat_logprobs(entries: list[dict[int, Logprob]], top: int) -> dict:
     """Per token: the chosen one, and the `top` most likely (which may include it)."""
     def one(lp: Logprob) -> dict:
-        text = lp.text or ""
+        text = lp.decoded_token or ""
         return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode())}
 
-    return {"content": [{**one(e[0]), "top_logprobs": [
-        one(lp) for lp in sorted(e, key=lambda lp: lp.rank)[:top]]} for e in entries]}
+    return {"content": [{**one(next(iter(e.values()))), "top_logprobs": [
+        one(lp) for lp in sorted(e.values(), key=lambda lp: lp.rank)[:top]]} for e in entries]}
 
 
 # --- response shapes --------------------------------------------------------------------------
@@ -220,13 +220,14 @@ class ResponseShape:
         return {**self.base([], chunk=True),
                 "usage": usage(self.prompt_tokens, self.completion_tokens)}
 
-    def whole(self, finals: list[GenerateOutput]) -> dict:
+    def whole(self, finals: list[RequestOutput]) -> dict:
+        """The response body of whole outputs, one per prompt in prompt order."""
         choices = []
-        for out in finals:
+        for i, out in enumerate(finals):
             self.prompt_tokens += len(out.prompt_token_ids or [])
-            for c in sorted(out.outputs, key=lambda c: c.index):
+            for c in out.outputs:
                 self.completion_tokens += len(c.token_ids)
-                choices.append(self.choice(int(out.id) * self.n + c.index, c))
+                choices.append(self.choice(i * self.n + c.index, c))
         return {**self.base(choices),
                 "usage": usage(self.prompt_tokens, self.completion_tokens)}
 
@@ -250,7 +251,7 @@ class CompletionShape(ResponseShape):
             return prompt if isinstance(prompt, str) else ""
         return self.tokenizer.decode(prompt)
 
-    def choice(self, index: int, c: Completion) -> dict:
+    def choice(self, index: int, c: CompletionOutput) -> dict:
         out = {"index": index, "text": self._prefix(index) + c.text,
                "logprobs": None if c.logprobs is None else completion_logprobs(c.logprobs, 0),
                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
@@ -258,7 +259,7 @@ class CompletionShape(ResponseShape):
             out["token_ids"] = c.token_ids
         return out
 
-    def chunk(self, prompt_index: int, c: Completion) -> dict:
+    def chunk(self, prompt_index: int, c: CompletionOutput) -> dict:
         return self.base([self.choice(prompt_index * self.n + c.index, c)], chunk=True)
 
 
@@ -269,7 +270,7 @@ class ChatShape(ResponseShape):
         super().__init__(id, model, n)
         self.top = top_logprobs
 
-    def _logprobs(self, c: Completion) -> dict | None:
+    def _logprobs(self, c: CompletionOutput) -> dict | None:
         return None if c.logprobs is None else chat_logprobs(c.logprobs, self.top)
 
     def opening(self) -> list[dict]:
@@ -277,7 +278,7 @@ class ChatShape(ResponseShape):
                             "logprobs": None, "finish_reason": None}], chunk=True)
                 for i in range(self.n)]
 
-    def choice(self, index: int, c: Completion) -> dict:
+    def choice(self, index: int, c: CompletionOutput) -> dict:
         out = {"index": index, "message": {"role": "assistant", "content": c.text},
                "logprobs": self._logprobs(c),
                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
@@ -285,7 +286,7 @@ class ChatShape(ResponseShape):
             out["token_ids"] = c.token_ids
         return out
 
-    def chunk(self, prompt_index: int, c: Completion) -> dict:
+    def chunk(self, prompt_index: int, c: CompletionOutput) -> dict:
         choice = {"index": c.index, "delta": {"content": c.text},
                   "logprobs": self._logprobs(c),
                   "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}

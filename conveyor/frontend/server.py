@@ -18,21 +18,11 @@ import zmq.asyncio
 from conveyor.engine import max_model_len
 from conveyor.frontend.core import DEAD, DRAINING, READY, FrontendCore, RequestError
 from conveyor.frontend.tokenizer import load_tokenizer
+from conveyor.outputs import RequestOutput
 from conveyor.shared.config import ServeConfig
-from conveyor.shared.messages import (
-    CancelRequest,
-    Drain,
-    Drained,
-    EngineDead,
-    ErrorReply,
-    GenerateOutput,
-    GenerateRequest,
-    Ready,
-    Shutdown,
-    Stats,
-    StatsRequest,
-    TokenOutputs,
-)
+from conveyor.shared.messages.client import CancelRequest, ErrorReply, GenerateRequest
+from conveyor.shared.messages.control import Drain, Drained, EngineDead, Ready, Shutdown
+from conveyor.shared.messages.engine import Stats, StatsRequest, TokenOutputs
 from conveyor.shared.model_files import DEFAULT_MODEL_NAME, read_model_config, resolve_model
 from conveyor.shared.process import StartupError
 from conveyor.shared.sockets import (
@@ -62,7 +52,10 @@ def frontend_main(ctx: zmq.Context, control: Socket, cfg: ServeConfig, index: in
                         f"f{index}-", lambda msg: None,
                         None if share is None else -(-share // cfg.num_frontends),
                         cfg.http.request_timeout, metrics, cfg.http.max_n)
-    asyncio.run(Frontend(cfg, index, core, metrics).run(ctx, control))
+    import uvloop
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(Frontend(cfg, index, core, metrics).run(ctx, control))
 
 
 class Frontend:
@@ -157,7 +150,7 @@ class Frontend:
         import uvicorn
 
         from conveyor.frontend.guard import Guard, read_deadline_protocol
-        from conveyor.frontend.http import build_app
+        from conveyor.frontend.routes import build_app
 
         h = self.cfg.http
         names = h.served_model_names or (self.cfg.engine.model or DEFAULT_MODEL_NAME,)
@@ -184,7 +177,7 @@ class Frontend:
         if isinstance(msg, Stats):
             self.core.on_stats(msg)
         elif isinstance(msg, TokenOutputs):
-            self.core.on_outputs(msg)
+            self.core.on_outputs(msg.outputs)
         else:
             raise RuntimeError(f"unreadable message from the scheduler: {msg}")
 
@@ -216,10 +209,9 @@ class Frontend:
             self.clients.send(ErrorReply(None, "the engine is not running", 503), to=peer)
             return
         stats.frontend_open_requests = len(self.core.open)
-        stats.frontend_tracked_requests = len(self.core.tracker.requests)
         self.clients.send(stats, to=peer)
 
-    def _to_client(self, peer: bytes, key: tuple[bytes, str], out: GenerateOutput) -> None:
+    def _to_client(self, peer: bytes, key: tuple[bytes, str], out: RequestOutput) -> None:
         self.clients.send(out, to=peer)
         if out.finished:
             self.by_client.pop(key, None)

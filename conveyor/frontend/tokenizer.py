@@ -45,6 +45,9 @@ def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: 
     if not tokenizer.chat_template:
         raise ValueError("this model's tokenizer has no chat template; use generate() with a "
                          "plain prompt instead")
-    text = tokenizer.apply_chat_template(messages, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt, **kwargs)
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt, **kwargs)
+    except Exception as e:      # the template's own errors (jinja2's are not ValueErrors)
+        raise ValueError(f"the chat template failed on these messages: {e}") from None
     return tokenizer.encode(text, add_special_tokens=False)

@@ -216,7 +216,7 @@ class BlockManager:
         """Extend req.block_hashes to its first num_blocks full blocks."""
         hashes = req.block_hashes
         for i in range(len(hashes), num_blocks):
-            parent = hashes[i - 1] if i else self._root_of(req.cache_salt)
+            parent = hashes[i - 1] if i else self._root_of(req.options.cache_salt)
             hashes.append(block_hash(parent, self._tokens(req, i), key=self.hash_key))
 
     def _root_of(self, cache_salt: str | None) -> bytes:

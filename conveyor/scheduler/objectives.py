@@ -16,16 +16,18 @@ class ObjectiveCounts:
         self.tpot_judged = self.tpot_missed = 0
 
     def first_token(self, req: Request) -> None:
-        if req.ttft_slo is not None:
+        ttft = req.options.ttft_slo
+        if ttft is not None:
             self.ttft_judged += 1
-            self.ttft_missed += req.stats.first_token - req.arrival > req.ttft_slo
+            self.ttft_missed += req.stats.first_token - req.arrival > ttft
 
     def ended(self, req: Request, now: float) -> None:
+        ttft, tpot = req.options.ttft_slo, req.options.tpot_slo
         if not req.stats.first_token:
-            if req.ttft_slo is not None and now - req.arrival > req.ttft_slo:
+            if ttft is not None and now - req.arrival > ttft:
                 self.ttft_judged += 1
                 self.ttft_missed += 1
-        elif req.tpot_slo is not None and req.num_output_tokens >= 2:
+        elif tpot is not None and req.num_output_tokens >= 2:
             self.tpot_judged += 1
-            tpot = (now - req.stats.first_token) / (req.num_output_tokens - 1)
-            self.tpot_missed += tpot > req.tpot_slo
+            mean = (now - req.stats.first_token) / (req.num_output_tokens - 1)
+            self.tpot_missed += mean > tpot

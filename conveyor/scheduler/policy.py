@@ -71,7 +71,7 @@ class PriorityPolicy(Policy):
         return sorted(waiting, key=_priority_key)
 
     def may_preempt(self, waiting, running, ctx):
-        return waiting.priority < running.priority
+        return waiting.options.priority < running.options.priority
 
     def pick_victim(self, candidates):
         return max(candidates, key=_priority_key)
@@ -156,7 +156,7 @@ def _arrival_key(req: Request) -> tuple[float, int]:
 
 
 def _priority_key(req: Request) -> tuple[int, float, int]:
-    return req.priority, req.arrival, req.arrival_index
+    return req.options.priority, req.arrival, req.arrival_index
 
 
 def _due_key(req: Request) -> tuple[float, int]:

@@ -7,7 +7,7 @@ with prompt_logprobs_from = f >= 0 the worker returns positions [f, min(end + 1,
 from __future__ import annotations
 
 from conveyor.scheduler.request import Request
-from conveyor.shared.messages import TokenLogprobs
+from conveyor.shared.messages.worker import TokenLogprobs
 
 
 def first_position(req: Request, start: int, end: int) -> int:

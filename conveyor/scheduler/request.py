@@ -8,7 +8,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from conveyor.shared.messages import AddRequest, RequestStats
+from conveyor.shared.messages.engine import AddRequest, RequestStats
+from conveyor.shared.request_options import RequestOptions
 from conveyor.shared.sampling_params import SamplingParams
 
 
@@ -24,12 +25,9 @@ class Request:
     token_ids: list[int]                     # prompt + output so far
     prompt_len: int
     sampling: SamplingParams
-    priority: int = 0                        # lower runs first (the priority policy)
-    ttft_slo: float | None = None            # objective: seconds from arrival to the first token
-    tpot_slo: float | None = None            # objective: mean seconds per output token after it
+    options: RequestOptions = field(default_factory=RequestOptions)
     arrival: float = 0.0
     arrival_index: int = 0                   # order of `add` calls, breaks ties between arrivals
-    cache_salt: str | None = None            # its prefix-cache blocks match only this salt's
     status: RequestStatus = RequestStatus.WAITING
     # NOTE: the first num_computed_tokens tokens have their KV in the blocks of block_table, or
     # will have once the planned steps have run (it advances when a step is planned).
@@ -50,10 +48,8 @@ class Request:
     def from_message(cls, msg: AddRequest, arrival_index: int = 0) -> Request:
         return cls(
             id=msg.id, token_ids=list(msg.token_ids), prompt_len=len(msg.token_ids),
-            sampling=msg.sampling, priority=msg.priority, ttft_slo=msg.ttft_slo,
-            tpot_slo=msg.tpot_slo, arrival=msg.arrival, arrival_index=arrival_index,
-            cache_salt=msg.cache_salt,
-            stats=RequestStats(arrival=msg.arrival),
+            sampling=msg.sampling, options=msg.options, arrival=msg.arrival,
+            arrival_index=arrival_index, stats=RequestStats(arrival=msg.arrival),
         )
 
     @property
@@ -86,8 +82,9 @@ class Request:
         """When its next token is due under its objectives (a time.time()), or None when no
         objective is at stake: the first token at arrival + ttft_slo; after it, the next one
         while the mean time per output token stays within tpot_slo."""
+        ttft, tpot = self.options.ttft_slo, self.options.tpot_slo
         if not self.stats.first_token:
-            return None if self.ttft_slo is None else self.arrival + self.ttft_slo
-        if self.tpot_slo is None:
+            return None if ttft is None else self.arrival + ttft
+        if tpot is None:
             return None
-        return self.stats.first_token + self.tpot_slo * self.num_output_tokens
+        return self.stats.first_token + tpot * self.num_output_tokens

@@ -36,15 +36,8 @@ from conveyor.scheduler.request import Request, RequestStatus
 from conveyor.scheduler.slots import SlotPool
 from conveyor.scheduler.stop import check_stop
 from conveyor.shared.config import EngineConfig
-from conveyor.shared.messages import (
-    AddRequest,
-    NewSeq,
-    SeqStep,
-    Stats,
-    StepPlan,
-    StepResult,
-    TokenOutput,
-)
+from conveyor.shared.messages.engine import AddRequest, Stats, TokenOutput
+from conveyor.shared.messages.worker import NewSeq, SeqStep, StepPlan, StepResult
 
 # NOTE: a waiting request is admitted only if this share of the pool stays free afterwards (or
 # the running requests' expected growth, if more: admission.py), unless nothing is running, so
@@ -100,6 +93,8 @@ class Scheduler:
         self._last_result = 0.0               # when update() last applied a result
         self._arrivals = itertools.count()
         self.num_preemptions = 0
+        self.num_prompt_tokens = 0            # prompt tokens computed (prefix-cache hits not)
+        self.num_generated_tokens = 0
         self._integrity_ok = True
         self._last_audit = float("-inf")      # when audit() last ran check_integrity()
 
@@ -231,6 +226,8 @@ class Scheduler:
             queue_cap=self.admission.queue_cap(),
             ttft_slo_judged=o.ttft_judged, ttft_slo_missed=o.ttft_missed,
             tpot_slo_judged=o.tpot_judged, tpot_slo_missed=o.tpot_missed,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generated_tokens=self.num_generated_tokens,
         )
 
     def check_integrity(self) -> None:
@@ -386,6 +383,8 @@ class Scheduler:
             if p.req is req:
                 del batch[i]
                 req.num_pending_tokens -= p.step.sample
+                start = p.end - p.step.num_tokens
+                self.num_prompt_tokens -= max(0, min(p.end, req.prompt_len) - start)
                 return p.step.num_tokens
         return 0
 
@@ -404,6 +403,7 @@ class Scheduler:
                        prompt_logprobs.first_position(req, start, end))
         req.num_computed_tokens = end
         req.num_pending_tokens += sample
+        self.num_prompt_tokens += max(0, min(end, req.prompt_len) - start)
         return _Planned(req, step, end, req.stats.num_preemptions)
 
     def _ends_in_flight(self, req: Request) -> bool:
@@ -439,6 +439,7 @@ class Scheduler:
 
     def _add_token(self, req: Request, token: int, logprobs, out: TokenOutput) -> None:
         req.token_ids.append(token)
+        self.num_generated_tokens += 1
         out.new_token_ids.append(token)
         if req.sampling.logprobs is not None and logprobs is not None:
             out.logprobs = [logprobs]

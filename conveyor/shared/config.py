@@ -13,18 +13,30 @@ from typing import Any
 
 QUANTIZATION_MODES = (None, "int8", "fp8")
 
+# max_num_batched_tokens by (device, offline) when not given. A GPU server keeps steps short for
+# the requests already decoding (vLLM's server default); an offline batch gains from fewer, larger
+# mixed steps (docs/BENCHMARKS.md). A CPU step's cost grows with its tokens: short steps.
+TOKEN_BUDGETS = {("cuda", False): 8192, ("cuda", True): 16384,
+                 ("cpu", False): 2048, ("cpu", True): 2048}
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
 
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None                 # HF folder or .gguf file; None: the default model
     tokenizer: str | None = None             # defaults to the model's own
-    device: str = "cpu"                      # "cpu" | "cuda"
+    device: str = "auto"                     # "auto" (CUDA when there is one) | "cpu" | "cuda"
     dtype: str = "auto"                      # auto: float32 on CPU, bfloat16 on GPU
     seed: int = 0
     max_model_len: int | None = None         # defaults to the model's context length
     block_size: int = 16
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = None   # tokens a step; None: by device (TOKEN_BUDGETS)
     # upper bound on waiting requests (more are refused); `serve` also derives one from the pool
     max_queued_requests: int | None = None
     # fcfs | priority | deadline | length-aware | module:Class (docs/SCHEDULING.md)
@@ -56,13 +68,14 @@ class EngineConfig:
         def check(ok: bool, name: str, rule: str) -> None:
             if not ok:
                 raise ValueError(f"{name} {rule}, got {getattr(self, name)!r}")
-        check(self.device in ("cpu", "cuda"), "device", "must be 'cpu' or 'cuda'")
+        check(self.device in ("auto", "cpu", "cuda"), "device", "must be 'auto', 'cpu' or 'cuda'")
         check(self.dtype in ("auto", "float32", "float16", "bfloat16"), "dtype",
               "must be auto, float32, float16 or bfloat16")
         check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256), "block_size",
               "must be a power of two up to 256")
         check(self.max_num_seqs >= 1, "max_num_seqs", "must be at least 1")
-        check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be at least 1")
+        check(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
+              "max_num_batched_tokens", "must be at least 1")
         check(self.max_queued_requests is None or self.max_queued_requests >= 0,
               "max_queued_requests", "must be non-negative")
         check(math.isfinite(self.max_wait_s) and self.max_wait_s > 0, "max_wait_s",
@@ -105,6 +118,15 @@ class EngineConfig:
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)
+
+    def with_defaults(self, offline: bool, cuda: bool | None = None) -> EngineConfig:
+        """This config with what was left to choose chosen: the device ("auto": CUDA when
+        `cuda`, by default whether torch sees a GPU) and the token budget (TOKEN_BUDGETS)."""
+        device = self.device
+        if device == "auto":
+            device = "cuda" if (cuda_available() if cuda is None else cuda) else "cpu"
+        budget = self.max_num_batched_tokens or TOKEN_BUDGETS[device, offline]
+        return self.replace(device=device, max_num_batched_tokens=budget)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

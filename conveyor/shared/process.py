@@ -17,7 +17,7 @@ import time
 import zmq
 
 from conveyor.shared.config import ServeConfig
-from conveyor.shared.messages import EngineDead
+from conveyor.shared.messages.control import EngineDead
 from conveyor.shared.sockets import Socket, ipc
 
 log = logging.getLogger(__name__)

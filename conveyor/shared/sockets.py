@@ -18,14 +18,8 @@ from pathlib import Path
 import msgspec
 import zmq
 
-from conveyor.shared.messages import (
-    MAX_MESSAGE_BYTES,
-    MESSAGE_TYPES,
-    ErrorReply,
-    MessageError,
-    decode,
-    encode,
-)
+from conveyor.shared.messages import MAX_MESSAGE_BYTES, MESSAGE_TYPES, MessageError, decode, encode
+from conveyor.shared.messages.client import ErrorReply
 
 log = logging.getLogger(__name__)
 
@@ -109,10 +103,16 @@ def _request_id(frames: list[bytes]) -> str | None:
 def tcp_listener(host: str, port: int, reuse_addr: bool = True,
                  reuse_port: bool = True) -> socket.socket:
     """A bound TCP socket, not yet listening. With SO_REUSEPORT every frontend can listen on one
-    port (the kernel spreads connections over them)."""
-    info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-    sock = socket.socket(info[0], socket.SOCK_STREAM)
+    port (the kernel spreads connections over them).
+
+    NOTE: accepted connections inherit TCP_NODELAY, so a response is never held back by Nagle's
+    algorithm waiting for the client's delayed ACK (40 ms a keep-alive response); and the socket
+    names its protocol (IPPROTO_TCP), without which asyncio does not set TCP_NODELAY itself."""
+    info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP,
+                              flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(info[0], socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, int(reuse_addr))
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, int(reuse_port))
         sock.bind(info[4])

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from conveyor.shared.config import EngineConfig, ModelConfig
-from conveyor.shared.messages import StepPlan, StepResult
+from conveyor.shared.messages.worker import StepPlan, StepResult
 from conveyor.shared.model_files import ModelFiles
 from conveyor.shared.sampling_params import SamplingParams
 from conveyor.worker.context import StepContext
@@ -63,6 +63,7 @@ class ModelRunner:
                  max_model_len: int, device: torch.device | None = None):
         self.config = config
         self.model_config = model_config
+        self.files = files
         self.device = device or torch.device(config.device)
         self.dtype = getattr(torch, config.torch_dtype_name)
         self.kv_dtype = kv_cache_dtype(config, self.dtype)    # the pool's: float8 or self.dtype
@@ -104,6 +105,15 @@ class ModelRunner:
 
             self.graphs = DecodeGraphs(self.model, self.kv_caches, min(config.max_num_seqs, 512),
                                        max_blocks, self.device)
+
+    def describe(self) -> dict[str, int | float | str]:
+        """What the start-up summary says of this runner."""
+        info = {"num_blocks": self.num_blocks, "device": str(self.device),
+                "dtype": str(self.dtype).removeprefix("torch."),
+                "kv_dtype": str(self.kv_dtype).removeprefix("torch.")}
+        if self.quant_report is not None:
+            info["quantization"] = self.quant_report.summary()
+        return info
 
     # --- sizing -------------------------------------------------------------------------------
 

@@ -1,9 +1,9 @@
 """A worker process: rank r of the tensor-parallel group, one model shard and its KV pool.
 
-Every rank pulls every StepPlan and runs it (the layers all-reduce between ranks); rank 0 also
-tells the scheduler the KV pool size at start (the minimum over ranks) and pushes each StepResult.
-A step is submitted to the device before the previous one's result is taken: the result goes out
-when the next plan has been queued behind it, or when its step is done and no plan came first.
+Every rank pulls every StepPlan and hands it to its executor (the layers all-reduce between
+ranks); rank 0 also tells the scheduler the KV pool size at start (the minimum over ranks) and
+pushes each StepResult. This is the worker end of the scheduler's executor: the step loop itself
+is EngineCore's (conveyor/engine.py).
 """
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import zmq
 
 from conveyor.engine import max_model_len
 from conveyor.shared.config import ServeConfig
-from conveyor.shared.messages import Ready, Shutdown, StepPlan, StepResult
+from conveyor.shared.messages.control import Ready, Shutdown
+from conveyor.shared.messages.worker import StepPlan
 from conveyor.shared.model_files import read_model_config, resolve_model
 from conveyor.shared.sockets import Socket, ipc
 
@@ -24,6 +25,7 @@ def worker_main(ctx: zmq.Context, control: Socket, cfg: ServeConfig, rank: int) 
     import torch
     import torch.distributed as dist
 
+    from conveyor.worker.executor import LocalExecutor
     from conveyor.worker.model_runner import ModelRunner
     from conveyor.worker.profiling import StepProfiler, host_phase
 
@@ -52,22 +54,19 @@ def worker_main(ctx: zmq.Context, control: Socket, cfg: ServeConfig, rank: int) 
     model = read_model_config(files)
     profiler = StepProfiler.from_env(rank, device.type == "cuda")
     runner = ModelRunner(cfg.engine, model, files, max_model_len(cfg.engine, model), device)
+    executor = LocalExecutor(runner, cfg.engine.async_scheduling)
     plans = Socket(ctx, zmq.PULL, ipc(cfg.runtime_dir, f"worker-{rank}"), bind=False,
                    allowed=(StepPlan, Shutdown))
     results = None
     if rank == 0:
         results = Socket(ctx, zmq.PUSH, ipc(cfg.runtime_dir, "results"), bind=False)
         results.send(Ready("worker", {"num_blocks": runner.num_blocks}))
-    info = {"num_blocks": runner.num_blocks}
-    if runner.quant_report is not None:
-        info["quantization"] = runner.quant_report.summary()
-    control.send(Ready(f"worker-{rank}", info))
+    control.send(Ready(f"worker-{rank}", runner.describe()))
     while True:
         with host_phase(profiler, "conveyor: wait for a plan"):
             plan_first = _plan_comes_first(plans, runner)
-        if not plan_first:
-            with host_phase(profiler, "conveyor: send a finished result"):
-                _send(results, runner.flush())
+        if not plan_first:                   # its step is done and no plan came first
+            _send(results, [executor.result(wait=True)])
             continue
         with host_phase(profiler, "conveyor: receive a plan"):
             _, plan = plans.recv()
@@ -80,10 +79,9 @@ def worker_main(ctx: zmq.Context, control: Socket, cfg: ServeConfig, rank: int) 
         if profiler is not None:
             profiler.before_step()
         with host_phase(profiler, "conveyor: run a step"):
-            if cfg.engine.async_scheduling:
-                _send(results, runner.submit(plan))
-            else:                            # one step at a time: no result to wait for later
-                _send(results, runner.execute(plan))
+            executor.submit(plan)            # the previous step's result is ready behind it
+        _send(results, executor.ready)
+        executor.ready.clear()
 
 
 def _plan_comes_first(plans: Socket, runner) -> bool:
@@ -102,6 +100,7 @@ def _plan_comes_first(plans: Socket, runner) -> bool:
     return True
 
 
-def _send(results: Socket | None, result: StepResult | None) -> None:
-    if results is not None and result is not None:
-        results.send(result)
+def _send(results: Socket | None, outgoing) -> None:
+    for result in outgoing:
+        if results is not None and result is not None:
+            results.send(result)

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from conveyor.kernels import triton_available
-from conveyor.shared.messages import TokenLogprobs
+from conveyor.shared.messages.worker import TokenLogprobs
 from conveyor.shared.sampling_params import SamplingParams
 
 

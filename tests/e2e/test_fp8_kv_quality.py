@@ -62,7 +62,7 @@ def run(device: str, kv_cache_dtype: str, text, prompts, top: int = TOP, **model
     llm = LLM(device=device, kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=64,
               enable_prefix_caching=False, max_num_seqs=4, max_model_len=1024,
               gpu_memory_utilization=0.3, **model)
-    pool_dtype = llm.engine.runner.kv_caches[0].dtype
+    pool_dtype = llm.runner.kv_caches[0].dtype
     ppl, n = perplexity(llm, text)
     params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, logprobs=top)
     greedy = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]

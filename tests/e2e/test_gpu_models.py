@@ -61,7 +61,7 @@ def test_greedy_matches_transformers(shape, tmp_path):
 
 def release(llm) -> None:
     """Give the GPU memory of an LLM back before the next one sizes its KV pool."""
-    del llm.engine
+    del llm.engine, llm.runner
     gc.collect()
     torch.cuda.empty_cache()
 

@@ -174,12 +174,12 @@ def test_the_checkpoints_kv_scales_serve_the_fp8_pool(tiny, tmp_path, kv_names):
     make_checkpoint(tiny, tmp_path / "fp8", "compressed-tensors", "channel", kv_names)
     llm = LLM(model=str(tmp_path / "fp8"), kv_cache_dtype="fp8", **ENGINE)
     expected = [pytest.approx(kv_scale(i, kind)) for i in range(2) for kind in "kv"]
-    assert [s for pair in llm.engine.runner.kv_scales for s in pair] == expected
-    attn = [m for m in llm.engine.runner.model.modules() if hasattr(m, "k_scale")]
+    assert [s for pair in llm.runner.kv_scales for s in pair] == expected
+    attn = [m for m in llm.runner.model.modules() if hasattr(m, "k_scale")]
     assert [s for a in attn for s in (a.k_scale, a.v_scale)] == expected
     assert len(llm.generate(PROMPTS, GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 12
     plain = LLM(model=str(tmp_path / "fp8"), **ENGINE)
-    assert plain.engine.runner.kv_scales is None
+    assert plain.runner.kv_scales is None
 
 
 def test_bad_fp8_checkpoints_are_refused_clearly(tiny, tmp_path):

@@ -55,7 +55,7 @@ def check_modes(device: str) -> None:
     for mode, bound in BOUND.items():
         llm = LLM(device=device, quantization=mode)
         report = llm.quantization_report
-        assert len(report.quantized) == 4 * llm.engine.model_config.num_hidden_layers
+        assert len(report.quantized) == 4 * llm.runner.model_config.num_hidden_layers
         assert report.kept == ["model.embed_tokens", "lm_head"]
         ppl = perplexity(llm)
         assert abs(ppl / ref - 1) < bound, (mode, ppl, ref)
@@ -90,7 +90,7 @@ def test_gguf_q8_0_kept_in_int8_matches_dequantized(tmp_path):
               ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")]
     assert report.prequantized == layers and report.quantized == []
     assert "kept 8 GGUF Q8_0 layers in int8" in report.summary()
-    qkv = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj
+    qkv = llm.runner.model.model.layers[0].self_attn.qkv_proj
     assert qkv.weight.dtype == torch.int8 and qkv.weight_scale.shape == (64 + 2 * 32, 64 // 32)
     for a, b in zip(runs[None], runs["int8"]):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
@@ -109,7 +109,7 @@ def test_gguf_q8_0_layers_kept_in_precision_are_dequantized(tmp_path):
     assert report.kept == ["model.embed_tokens", "model.layers.1.mlp.gate_up_proj",
                            "model.layers.1.mlp.down_proj", "lm_head"]
     assert len(report.prequantized) == 6
-    down = llm.engine.runner.model.model.layers[1].mlp.down_proj
+    down = llm.runner.model.model.layers[1].mlp.down_proj
     assert down.weight.dtype == torch.float32 and down.weight_scale is None
 
 
@@ -220,6 +220,6 @@ def test_llama_shape_greedy_matches_quantized_transformers(mode, tmp_path):
                 if a != b:
                     assert a in hf_tops[j] and b in out.outputs[0].logprobs[j], (mode, j)
                     break
-    del llm.engine
+    del llm.engine, llm.runner
     gc.collect()
     torch.cuda.empty_cache()

@@ -15,7 +15,9 @@ from stresskit.fuzz import bad_input, deep_msgpack_request
 from stresskit.harness import launch, stats
 
 from conveyor import SamplingParams
-from conveyor.shared.messages import ErrorReply, GenerateOutput, GenerateRequest, encode
+from conveyor.outputs import RequestOutput
+from conveyor.shared.messages import encode
+from conveyor.shared.messages.client import ErrorReply, GenerateRequest
 from conveyor.shared.model_files import default_model_path
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not default_model_path().is_file(),
@@ -87,7 +89,7 @@ def _survives(server, frames: list[bytes]) -> None:
     finally:
         ctx.destroy(linger=0)
     assert server.proc.poll() is None, server.stderr()[-2000:]
-    assert isinstance(again[-1], GenerateOutput) and again[-1].outputs[0].finish_reason == "length"
+    assert isinstance(again[-1], RequestOutput) and again[-1].outputs[0].finish_reason == "length"
 
 
 def test_a_seed_that_overflows_for_the_second_sample_does_not_kill_the_server(fragile):

@@ -17,7 +17,9 @@ from stresskit.fuzz import oversized_zmq_frame, raw_http
 from stresskit.harness import Report, launch, stats
 
 from conveyor.frontend.guard import ROUTES
-from conveyor.shared.messages import MESSAGE_TYPES, ErrorReply, Stats, StatsRequest, encode
+from conveyor.shared.messages import MESSAGE_TYPES, encode
+from conveyor.shared.messages.client import ErrorReply
+from conveyor.shared.messages.engine import Stats, StatsRequest
 from conveyor.shared.model_files import default_model_path
 
 needs_model = pytest.mark.skipif(not default_model_path().is_file(),
@@ -118,7 +120,7 @@ def test_internal_sockets_live_in_a_private_directory(server):
 def test_every_route_but_health_needs_the_key(server):
     from conveyor.frontend.core import FrontendCore
     from conveyor.frontend.guard import OPEN_PATHS
-    from conveyor.frontend.http import build_app
+    from conveyor.frontend.routes import build_app
 
     app = build_app(FrontendCore(None, 100, 512, "t-", lambda msg: None), ("m",), 4)
     routes = sorted((r.path, m) for r in app.routes for m in r.methods)

@@ -6,6 +6,7 @@ import pytest
 from conveyor.scheduler import block_manager
 from conveyor.scheduler.block_manager import BlockManager, IntegrityError, block_hash
 from conveyor.scheduler.request import Request
+from conveyor.shared.request_options import RequestOptions
 from conveyor.shared.sampling_params import SamplingParams
 
 
@@ -200,14 +201,14 @@ def test_cache_salts_never_share_blocks(key):
     first = {}
     for salt in (None, "tenant-a", "tenant-b"):
         r = req(prompt, f"{salt}-1")
-        r.cache_salt = salt
+        r.options = RequestOptions(cache_salt=salt)
         assert admit(bm, r) == 0                               # nobody else's blocks
         compute(bm, r, 13)
         first[salt] = list(r.block_table)
         bm.free(r)
     for salt in (None, "tenant-a", "tenant-b"):
         r = req(prompt, f"{salt}-2")
-        r.cache_salt = salt
+        r.options = RequestOptions(cache_salt=salt)
         assert admit(bm, r) == 12                              # its own three blocks
         assert r.block_table == first[salt][:3]
         bm.free(r)

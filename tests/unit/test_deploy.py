@@ -164,7 +164,7 @@ def command_line(path: Path) -> list[str]:
     return cmd
 
 
-@pytest.mark.parametrize("name, device", [("Dockerfile", "cpu"), ("Dockerfile.cuda", "cuda")])
+@pytest.mark.parametrize("name, device", [("Dockerfile", "auto"), ("Dockerfile.cuda", "cuda")])
 def test_image_command_parses(name, device):
     path = DEPLOY / name
     args = parse_serve(command_line(path))

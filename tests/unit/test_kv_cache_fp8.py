@@ -109,7 +109,7 @@ def test_calibration_measures_the_models_k_and_v(arch, tmp_path):
     path = make_tiny_model(arch, tmp_path)
     llm = LLM(str(path), skip_tokenizer_init=True, kv_cache_dtype="fp8", block_size=4,
               max_num_seqs=2)
-    runner = llm.engine.runner
+    runner = llm.runner
     assert all(c.dtype == FP8 for c in runner.kv_caches)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ids = calibration_ids(256, min(512, runner.max_model_len))
@@ -128,8 +128,8 @@ def test_fp8_pool_has_four_times_the_float32_blocks(tmp_path):
     path = make_tiny_model("llama", tmp_path)
     budget = dict(kv_cache_memory_bytes=1 << 20, max_num_seqs=256, max_model_len=128,
                   skip_tokenizer_init=True)
-    auto = LLM(str(path), **budget).engine.runner
-    fp8 = LLM(str(path), kv_cache_dtype="fp8", **budget).engine.runner
+    auto = LLM(str(path), **budget).runner
+    fp8 = LLM(str(path), kv_cache_dtype="fp8", **budget).runner
     assert auto.kv_caches[0].dtype == torch.float32 and fp8.kv_caches[0].dtype == FP8
     assert fp8.num_blocks == 4 * auto.num_blocks
     assert auto.kv_scales is None

@@ -1,17 +1,27 @@
-"""LLM's offline defaults: a large prefill budget on a GPU, the engine's own elsewhere."""
-from conveyor.llm import OFFLINE_GPU_TOKEN_BUDGET, offline_defaults
-from conveyor.shared.config import EngineConfig
+"""Engine defaults that depend on the device and the use: the device ("auto": CUDA when there is
+one) and the token budget (a large prefill budget offline on a GPU, vLLM's 8192 for a GPU server,
+short steps on a CPU); a value the user gives always wins."""
+import pytest
+
+from conveyor.shared.config import TOKEN_BUDGETS, EngineConfig
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_auto_picks_cuda_when_there_is_one_and_cpu_forces(cuda):
+    assert EngineConfig().with_defaults(offline=False, cuda=cuda).device == (
+        "cuda" if cuda else "cpu")
+    assert EngineConfig(device="cpu").with_defaults(offline=False, cuda=True).device == "cpu"
 
 
 def test_gpu_offline_budget_is_large_and_the_users_value_wins():
-    budget = offline_defaults({"device": "cuda"})["max_num_batched_tokens"]
-    assert budget == OFFLINE_GPU_TOKEN_BUDGET
-    assert OFFLINE_GPU_TOKEN_BUDGET > EngineConfig().max_num_batched_tokens
-    args = {"device": "cuda", "max_num_batched_tokens": 512}
-    assert offline_defaults(args)["max_num_batched_tokens"] == 512
+    offline = EngineConfig().with_defaults(offline=True, cuda=True).max_num_batched_tokens
+    server = EngineConfig().with_defaults(offline=False, cuda=True).max_num_batched_tokens
+    assert offline == TOKEN_BUDGETS["cuda", True] > server == 8192
+    mine = EngineConfig(max_num_batched_tokens=512)
+    assert mine.with_defaults(offline=True, cuda=True).max_num_batched_tokens == 512
 
 
-def test_cpu_keeps_the_engine_default():
-    for args in ({}, {"device": "cpu"}):
-        config = EngineConfig.from_kwargs(**offline_defaults(args))
-        assert config.max_num_batched_tokens == EngineConfig().max_num_batched_tokens
+def test_cpu_budget_is_the_same_offline_and_served():
+    for offline in (False, True):
+        config = EngineConfig(device="cpu").with_defaults(offline=offline)
+        assert config.max_num_batched_tokens == TOKEN_BUDGETS["cpu", offline] == 2048

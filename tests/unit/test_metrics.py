@@ -20,7 +20,7 @@ from conveyor.frontend.metrics import (
     setup_multiprocess_dir,
 )
 from conveyor.outputs import CompletionOutput, RequestOutput
-from conveyor.shared.messages import Stats
+from conveyor.shared.messages.engine import Stats
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = "PROMETHEUS_MULTIPROC_DIR"

@@ -22,7 +22,9 @@ from conveyor.scheduler import (
     SchedulingContext,
     make_policy,
 )
-from conveyor.shared.messages import GenerateRequest, MessageError, decode, encode
+from conveyor.shared.messages import MessageError, decode, encode
+from conveyor.shared.messages.client import GenerateRequest
+from conveyor.shared.request_options import RequestOptions
 from conveyor.shared.sampling_params import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -138,9 +140,10 @@ def test_an_overdue_request_goes_first_and_is_not_preempted(depth):
 
 # --- deadline ---------------------------------------------------------------------------------
 
-def make(rid: str, arrival: float, n_tokens: int = 10, index: int = 0, **kw) -> Request:
+def make(rid: str, arrival: float, n_tokens: int = 10, index: int = 0, **options) -> Request:
     return Request(id=rid, token_ids=[1] * n_tokens, prompt_len=n_tokens,
-                   sampling=SamplingParams(), arrival=arrival, arrival_index=index, **kw)
+                   sampling=SamplingParams(), arrival=arrival, arrival_index=index,
+                   options=RequestOptions(**options))
 
 
 def test_deadline_order_is_earliest_reachable_deadline_first():
@@ -311,13 +314,14 @@ def test_the_custom_policy_of_the_guide_runs(tmp_path, monkeypatch):
 
 
 def test_objectives_must_be_positive_seconds():
-    ok = GenerateRequest(id="a", prompt="x", ttft_slo=0.5, tpot_slo=0.05)
+    ok = GenerateRequest(id="a", prompt="x", options=RequestOptions(ttft_slo=0.5, tpot_slo=0.05))
     assert decode(encode(ok)) == ok
     for bad in (0.0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="ttft_slo must be a positive number"):
-            GenerateRequest(id="a", prompt="x", ttft_slo=bad)
+            RequestOptions(ttft_slo=bad)
         with pytest.raises(MessageError, match="tpot_slo"):
-            decode([encode(ok)[0], msgpack.packb({"id": "a", "prompt": "x", "tpot_slo": bad})])
+            decode([encode(ok)[0], msgpack.packb({"id": "a", "prompt": "x",
+                                                  "options": {"tpot_slo": bad}})])
 
 
 @pytest.mark.parametrize("policy", ["priority", "deadline", "length-aware"])
@@ -352,10 +356,11 @@ def test_random_workloads_keep_integrity_and_outputs(policy, seed, depth):
             assert c.tokens == reference(prompts_by_id[rid], len(c.tokens))
 
 
-def test_a_request_without_scheduling_options_does_not_send_them():
-    """A client of this version talks to a server from before priorities and objectives: the
-    fields it leaves at their defaults stay off the wire (the server forbids unknown fields)."""
+def test_a_request_sends_only_the_options_it_sets():
+    """Options left at their defaults stay off the wire: a field the server does not know is
+    refused (GenerateRequest and RequestOptions forbid unknown fields)."""
     body = msgpack.unpackb(encode(GenerateRequest(id="a", prompt="x"))[1])
-    assert body == {"id": "a", "prompt": "x", "sampling": {}}
-    body = msgpack.unpackb(encode(GenerateRequest(id="a", prompt="x", ttft_slo=0.5))[1])
-    assert body == {"id": "a", "prompt": "x", "sampling": {}, "ttft_slo": 0.5}
+    assert body == {"id": "a", "prompt": "x", "sampling": {}, "options": {}}
+    ask = GenerateRequest(id="a", prompt="x", options=RequestOptions(ttft_slo=0.5))
+    body = msgpack.unpackb(encode(ask)[1])
+    assert body == {"id": "a", "prompt": "x", "sampling": {}, "options": {"ttft_slo": 0.5}}

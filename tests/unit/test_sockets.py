@@ -7,7 +7,9 @@ import pytest
 import zmq
 
 from conveyor.client import _close_socket, _socket
-from conveyor.shared.messages import Abort, ErrorReply, GenerateRequest, encode
+from conveyor.shared.messages import encode
+from conveyor.shared.messages.client import ErrorReply, GenerateRequest
+from conveyor.shared.messages.engine import Abort
 from conveyor.shared.sockets import (
     Socket,
     ipc,

@@ -1,0 +1,199 @@
+"""The OpenAI-compatible HTTP API of a frontend process (FastAPI on uvicorn): its routes.
+
+POST /v1/completions, /v1/chat/completions (streamed as server-sent events when asked),
+/tokenize, /detokenize; GET /v1/models, /health, /metrics, /version. Every frontend process
+serves this app on one shared port, behind `Guard` (auth, rate limit, body cap). Errors are
+OpenAI's error JSON with the right status. The generation routes turn a request into
+GenerateRequests for the FrontendCore; http.py sends back what it delivers.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException
+
+from conveyor import __version__
+from conveyor.frontend import openai_protocol as oai
+from conveyor.frontend.core import READY, FrontendCore
+from conveyor.frontend.http import ApiError, Run, error_response
+from conveyor.frontend.tokenizer import apply_chat_template, check_token_ids
+from conveyor.shared.messages.client import GenerateRequest
+from conveyor.shared.request_options import RequestOptions
+
+log = logging.getLogger(__name__)
+STATS_TIMEOUT_S = 2.0
+
+
+@contextlib.contextmanager
+def _bad_request():
+    """A ValueError inside is the client's mistake: a 400 saying what is wrong."""
+    try:
+        yield
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None
+
+
+def _decode(body: bytes, kind: type):
+    with _bad_request():
+        return oai.decode_request(body, kind)
+
+
+class _TokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[oai.ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class _DetokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    tokens: list[int]
+
+
+class Routes:
+    def __init__(self, core: FrontendCore, model_names: tuple[str, ...], max_n: int,
+                 metrics=None, salt_per_key: bool = False):
+        self.core, self.model_names, self.max_n = core, model_names, max_n
+        self.metrics, self.salt_per_key = metrics, salt_per_key
+        self.created = int(time.time())
+
+    def check_model(self, name: str | None) -> str:
+        if name is not None and name not in self.model_names:
+            raise ApiError(400, f"the model {name!r} does not exist; this server serves "
+                                f"{', '.join(self.model_names)}")
+        return name or self.model_names[0]
+
+    def options(self, request: Request, req) -> RequestOptions:
+        """The request's RequestOptions; with salt_per_key, its cache salt is inside its API
+        key's own namespace."""
+        salt = req.cache_salt
+        if self.salt_per_key:
+            tenant = request.scope.get("state", {}).get("api_key_index", "none")
+            salt = f"key-{tenant}" + ("" if salt is None else f"/{salt}")
+        return RequestOptions(priority=req.priority, ttft_slo=req.ttft_slo,
+                              tpot_slo=req.tpot_slo, cache_salt=salt)
+
+    async def parse(self, request: Request, kind: type):
+        req = _decode(await request.body(), kind)
+        if self.core.state != READY:
+            raise ApiError(503, f"the server is {self.core.state}")
+        return req, self.check_model(req.model)
+
+    async def completions(self, request: Request):
+        req, model = await self.parse(request, oai.CompletionRequest)
+        with _bad_request():
+            params = oai.sampling_params(req)
+            prompts = oai.completion_prompts(req)
+            if len(prompts) * params.n > self.max_n:
+                raise ValueError(f"n times the number of prompts must be at most {self.max_n} "
+                                 f"(--max-n), got {params.n} x {len(prompts)}")
+            options = self.options(request, req)
+        gens = [GenerateRequest(id=str(i), sampling=params, stream=req.stream, options=options,
+                                **({"prompt": p} if isinstance(p, str) else
+                                   {"prompt_token_ids": p})) for i, p in enumerate(prompts)]
+        shape = oai.CompletionShape(f"cmpl-{uuid.uuid4().hex}", model, req, self.core.tokenizer)
+        shape.token_ids = req.return_token_ids or self.core.tokenizer is None
+        return await self._respond(request, gens, shape, req)
+
+    async def chat_completions(self, request: Request):
+        req, model = await self.parse(request, oai.ChatRequest)
+        with _bad_request():
+            gen = GenerateRequest(id="0", messages=oai.chat_messages(req),
+                                  sampling=oai.sampling_params(req), stream=req.stream,
+                                  options=self.options(request, req))
+        shape = oai.ChatShape(f"chatcmpl-{uuid.uuid4().hex}", model, req.n,
+                              req.top_logprobs or 0)
+        shape.token_ids = req.return_token_ids
+        return await self._respond(request, [gen], shape, req)
+
+    async def _respond(self, request: Request, gens: list[GenerateRequest], shape, req):
+        usage = bool(req.stream_options and req.stream_options.include_usage)
+        return await Run(self.core, request, gens).respond(shape, req.stream, usage)
+
+    async def models(self):
+        data = [{"id": name, "object": "model", "created": self.created, "owned_by": "conveyor",
+                 "max_model_len": self.core.max_model_len} for name in self.model_names]
+        return {"object": "list", "data": data}
+
+    async def health(self):
+        if self.core.state != READY:
+            return error_response(503, f"the server is {self.core.state}")
+        return Response(status_code=200)
+
+    async def version(self):
+        return {"version": __version__}
+
+    async def prometheus(self):
+        if self.metrics is None:
+            raise ApiError(404, "metrics are off")
+        future = asyncio.get_running_loop().create_future()
+        self.core.request_stats(lambda s: future.done() or future.set_result(s))
+        try:
+            stats = await asyncio.wait_for(future, STATS_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            stats = None
+        body, content_type = self.metrics.render(stats)
+        return Response(body, media_type=content_type)
+
+    async def tokenize(self, request: Request):
+        req = _decode(await request.body(), _TokenizeRequest)
+        tokenizer = self._tokenizer(req.model)
+        with _bad_request():
+            if (req.prompt is None) == (req.messages is None):
+                raise ValueError("set exactly one of prompt and messages")
+            if req.messages is not None:
+                ids = apply_chat_template(tokenizer, oai.chat_messages(req),
+                                          req.add_generation_prompt)
+            else:
+                ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return {"count": len(ids), "max_model_len": self.core.max_model_len, "tokens": ids}
+
+    async def detokenize(self, request: Request):
+        req = _decode(await request.body(), _DetokenizeRequest)
+        tokenizer = self._tokenizer(req.model)
+        with _bad_request():
+            check_token_ids(req.tokens, self.core.vocab_size)
+        return {"prompt": tokenizer.decode(req.tokens)}
+
+    def _tokenizer(self, model: str | None):
+        self.check_model(model)
+        if self.core.tokenizer is None:
+            raise ApiError(400, "this server has no tokenizer")
+        return self.core.tokenizer
+
+
+def build_app(core: FrontendCore, model_names: tuple[str, ...], max_n: int,
+              metrics=None, salt_per_key: bool = False) -> FastAPI:
+    app = FastAPI(title="conveyor", version=__version__, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    routes = Routes(core, model_names, max_n, metrics, salt_per_key)
+    for method, path, handler in (
+            ("POST", "/v1/completions", routes.completions),
+            ("POST", "/v1/chat/completions", routes.chat_completions),
+            ("GET", "/v1/models", routes.models), ("GET", "/health", routes.health),
+            ("GET", "/version", routes.version), ("GET", "/metrics", routes.prometheus),
+            ("POST", "/tokenize", routes.tokenize), ("POST", "/detokenize", routes.detokenize)):
+        app.add_api_route(path, handler, methods=[method])
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request, e: ApiError):
+        return error_response(e.status, str(e))
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request, e: HTTPException):
+        return error_response(e.status_code, str(e.detail))
+
+    @app.exception_handler(Exception)
+    async def _internal(request, e: Exception):
+        log.exception("internal error on %s", request.url.path)
+        return error_response(500, "internal server error")
+
+    return app

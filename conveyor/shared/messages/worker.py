@@ -1,0 +1,50 @@
+"""scheduler <-> workers: the StepPlan each rank runs, and rank 0's StepResult.
+
+A plan is a delta: a sequence is sent whole once, when it takes a worker slot (NewSeq); after that
+only what changed (its token count for the step, new block ids) and the slots freed since.
+"""
+from __future__ import annotations
+
+import msgspec
+
+from conveyor.shared.sampling_params import SamplingParams
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """Logprobs at one position: the chosen token first, then the top-k (rank order)."""
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int                                # rank of the chosen token among all (1 = most likely)
+
+
+class NewSeq(msgspec.Struct, array_like=True):
+    """A sequence the worker has not seen in this slot: sent once, whole."""
+    slot: int
+    token_ids: list[int]                     # prompt, plus output so far when resumed
+    prompt_len: int                          # tokens of the original prompt (for penalties)
+    sampling: SamplingParams
+    block_ids: list[int]
+    num_computed: int                        # tokens whose KV is already in the blocks (prefix hit)
+
+
+class SeqStep(msgspec.Struct, array_like=True):
+    """What one sequence does in a step."""
+    slot: int
+    num_tokens: int                          # tokens to compute from its num_computed on
+    new_block_ids: list[int]                 # appended to its block table before the step
+    sample: bool                             # sample after this chunk (last prompt chunk, decode)
+    prompt_logprobs_from: int = -1           # first prompt position to return logprobs for, or -1
+
+
+class StepPlan(msgspec.Struct):
+    step: int
+    new: list[NewSeq]                        # new or resumed sequences, before `seqs` is run
+    seqs: list[SeqStep]                      # the batch, in order
+    freed: list[int]                         # slots whose sequences ended or were preempted
+
+
+class StepResult(msgspec.Struct):
+    step: int
+    sampled: list[int]                       # one token per SeqStep with sample=True, in order
+    logprobs: list[TokenLogprobs | None]     # parallel to `sampled`; None where not asked
+    prompt_logprobs: list[tuple[int, list[TokenLogprobs]]]  # (slot, positions from its _from)
