@@ -16,10 +16,10 @@ class RequestOptions(msgspec.Struct, omit_defaults=True, kw_only=True, forbid_un
     cache_salt: str | None = None            # prefix-cache blocks are shared only with this salt
 
     def __post_init__(self) -> None:
-        if (isinstance(self.priority, bool) or not isinstance(self.priority, int)
-                or not INT64_MIN <= self.priority <= INT64_MAX):
-            raise ValueError(f"priority must be an integer that fits in 64 bits, "
-                             f"got {self.priority!r}")
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            raise ValueError(f"priority must be an integer, got {self.priority!r}")
+        if not INT64_MIN <= self.priority <= INT64_MAX:
+            raise ValueError(f"priority must fit in 64 bits, got {self.priority!r}")
         for name in ("ttft_slo", "tpot_slo"):
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value > 0):

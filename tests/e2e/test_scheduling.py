@@ -122,5 +122,5 @@ def test_offline_api_takes_a_priority_per_prompt(tmp_path):
     assert order == [1, 2, 0]
     with pytest.raises(ValueError, match="got 2 priorities for 3 prompts"):
         llm.generate([[3], [4], [5]], params, use_tqdm=False, priority=[0, 1])
-    with pytest.raises(ValueError, match="priority must be an integer"):
+    with pytest.raises(ValueError, match="priority must fit in 64 bits"):
         llm.generate([[3]], params, use_tqdm=False, priority=1 << 64)
