@@ -3,9 +3,10 @@ and report each arm's mean and spread and each arm's difference from the first w
 standard error.
 
 Why: between processes running the same code, bench_latency's ms/token varies with a standard
-deviation of about 1.1 % (H200, docs/BENCHMARKS.md session 17). Two runs an arm cannot show a
-2 % change; about eight interleaved runs an arm can. Interleaving (and rotating which arm goes
-first in each round) keeps a drift of the machine from landing on one arm.
+deviation of about 1.1 % (H200, docs/BENCHMARKS.md, "Single-stream decode latency"). Two runs
+an arm cannot show a 2 % change; about eight interleaved runs an arm can. Interleaving (and
+rotating which arm goes first in each round) keeps a drift of the machine from landing on one
+arm.
 
 An arm is NAME=ENV (environment assignments, space-separated; empty for none) or NAME@REV (the
 command runs in an export of git revision REV's tracked files, with REV's `conveyor` first on

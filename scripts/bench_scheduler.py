@@ -4,7 +4,8 @@ once with random tokens. Reports microseconds per decode step of `schedule()`,
 `update()` and the plan's and result's msgpack round trip, at the full batch.
 
 The step loop's host work is what the GPU waits for when the host falls behind (docs/BENCHMARKS.md,
-"how host-bound the run is"); this measures the scheduler's share without a GPU.
+"GPU: reference offline workload": about 1 ms of slack a step); this measures the scheduler's
+share without a GPU.
 
     python scripts/bench_scheduler.py [--requests 256] [--steps 300] [--async-scheduling 0|1]
 """

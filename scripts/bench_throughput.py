@@ -7,11 +7,11 @@ Reports output tokens / wall time.
 The warm-up is more than one call: Triton compiles a kernel variant on its first use (attention's
 tile follows the longest query of a step; integer arguments specialise on being divisible by 16),
 and a fresh machine has none compiled on disk. So one prompt of each length class is run alone,
-then the workload's first 32 prompts for 8 tokens each (mixed steps of many sizes). That was not
-enough while kernels specialised on per-step counts (a value of 1, a multiple of 16): with an
-empty Triton cache the Qwen3 run made 19.5-19.8k tok/s against 24.0k with a filled one. They no
-longer do, and two runs with an empty cache made 23.7k and 24.1k against 24.0k (H200,
-docs/BENCHMARKS.md).
+then the workload's first 32 prompts for 8 tokens each (mixed steps of many sizes). The kernels
+do not specialise on counts that change every step (do_not_specialize), since each new case (a
+value of 1, a multiple of 16) would compile a variant inside the timed run: that cost the Qwen3
+run 17-20 % with an empty Triton cache. So with an empty cache it makes 23.7k and 24.1k tok/s
+against 24.0k with a filled one (H200, docs/BENCHMARKS.md).
 
     python scripts/bench_throughput.py --shape qwen3-0.6b --random-weights [--compare-hf]
     python scripts/bench_throughput.py --shape llama3.1-8b --random-weights --kv-cache-dtype fp8

@@ -18,9 +18,10 @@ Two ways to run the product on the fp8 tensor cores, float32 accumulation both:
   output: fp16 models get that cast, and a bias is added to it in float32.
 
 H200, Llama-3.1-8B's four projections a layer (qkv, o, gate/up, down), GPU µs against cuBLAS
-(`scripts/bench_kernels.py --tables fp8`, session 13): 72 against 114 at 16 rows, 75 / 108 at
-64, 87 / 103 at 128, 120 / 138 at 192, 123 / 132 at 256. The decode step at batch 96 went from
-5.91 to 5.43 ms, the fp8 + fp8 KV workload from 12,840 to 13,620 tok/s.
+(`scripts/bench_kernels.py --tables fp8`, docs/BENCHMARKS.md): 72 against 114 at 16 rows,
+75 / 108 at 64, 87 / 103 at 128, 120 / 138 at 192, 123 / 132 at 256. With these tiles the
+decode step at batch 96 takes 5.43 ms against 5.91 with cuBLAS, and the fp8 + fp8 KV reference
+workload runs at 13,620 tok/s against 12,840.
 
 Needs compute capability 8.9+ (Ada, Hopper); the Triton tiles were measured on Hopper only, so
 other devices take cuBLAS at every size.
@@ -79,8 +80,8 @@ def tiling(m: int, n: int, sms: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for q [m, K] and W [n, K] on a GPU of
     sms SMs: the widest tile that still gives every SM a program. 128x128 over two warpgroups
     where even that fills the GPU (gate/up from 65 rows), else 64 batch rows by 128, 64 or 32
-    weight rows. From session 13's sweep on an H200 (BLOCK_K and stages: the best of 128/256
-    and 3-6 for each width). The two-warpgroup tile is the shape int8_gemm.py found Triton 3.6
+    weight rows. From a sweep on an H200 (BLOCK_K and stages: the best of 128/256 and 3-6 for
+    each width). The two-warpgroup tile is the shape int8_gemm.py found Triton 3.6
     miscompiling for its bf16 dots; here the GPU tests check it at Llama's sizes."""
     if m > 64 and programs(m, n, 128, 128) >= sms:
         return 128, 128, 128, 8, 3

@@ -5,9 +5,9 @@ Each program owns a tile of BLOCK_N weight rows by BLOCK_M batch rows and walks 
 are swapped: the tile computed is y^T = W_tile @ x_tile^T, so the weight is the tensor-core
 product's first operand. On Hopper that one may come from registers (wgmma's register-A form),
 which is where the int8 tile, loaded into shared memory, is turned into x's dtype on its way
-in; x, the second operand, is read from shared memory as it was loaded. (With W second, as
-an earlier version had it, the converted tile went back to shared memory before every product,
-and a batch under 64 rows fell back to Ampere's mma.) The conversion is int8_to_float's, from
+in; x, the second operand, is read from shared memory as it was loaded. (With W as the second
+operand, the converted tile would go back to shared memory before every product, and a batch
+under 64 rows would fall back to Ampere's mma.) The conversion is int8_to_float's, from
 the bytes (exact: |q| <= 127 fits bf16's 8 bits). Row scales multiply the accumulator once at
 the end; group scales multiply the W tile before its conversion (as the reference rounds it).
 
@@ -18,11 +18,11 @@ programs, each writing its float32 partial tile to a workspace; the last one to 
 same from run to run. The count goes back to zero for the next call.
 
 H200, Llama-3.1-8B's four projections a layer (`scripts/bench_kernels.py --tables quant`,
-session 10): 100 µs at M = 16 (bf16 cuBLAS 121), 282 µs at M = 256 (cuBLAS 186). At 256 rows
-the product is bound by the tensor cores, not by the weight's bytes, and this kernel's dots
-(converted in registers, 4 warps) reach about 450 TFLOP/s where cuBLAS's bf16 kernels reach
-650. Single-row decode takes the skinny GEMV (skinny_gemm.py), which streams W faster, and from
-CUBLAS_FROM_M rows (prefill) linear() dequantizes W and calls cuBLAS.
+docs/BENCHMARKS.md): 100 µs at M = 16 (bf16 cuBLAS 121), 282 µs at M = 256 (cuBLAS 186). At
+256 rows the product is bound by the tensor cores, not by the weight's bytes, and this kernel's
+dots (converted in registers, 4 warps) reach about 450 TFLOP/s where cuBLAS's bf16 kernels
+reach 650. Single-row decode takes the skinny GEMV (skinny_gemm.py), which streams W faster,
+and from CUBLAS_FROM_M rows (prefill) linear() dequantizes W and calls cuBLAS.
 """
 import torch
 
@@ -32,7 +32,7 @@ from conveyor.kernels.dequantize import dequantize_ref
 from conveyor.kernels.skinny_gemm import int8_to_float, scale_fits
 
 # NOTE: weight rows a tile: one warpgroup's tensor-core M, with 4 warps. Tiles of 128 rows over
-# 8 warps (two warpgroups) came out 2-8 % wrong from Triton 3.6 on an H200 (session 10's sweep).
+# 8 warps (two warpgroups) came out 2-8 % wrong from Triton 3.6 on an H200 (in a tile sweep).
 BLOCK_N = 64
 _WAVE = 256            # split K until a call has about this many programs (2 waves of 132 SMs)
 _MAX_SPLIT = 4
@@ -101,7 +101,7 @@ def tiling(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_K, num_warps, num_stages, SPLIT_K) for x [m, k] and W [n, k]; BLOCK_N is
     64. BLOCK_M covers the batch up to 128 rows (256 on a weight of 264 or more tiles, Llama's
     gate_up), and K is split in two or four while the call has fewer than _WAVE programs; from
-    session 10's sweep on an H200 (see the module's docstring)."""
+    a sweep on an H200 (see the module's docstring)."""
     n_tiles = -(-n // BLOCK_N)
     block_m = min(max(next_pow2(m), 16), 256 if m > 128 and n_tiles >= 264 else 128)
     block_k, num_stages = (64, 3) if block_m == 256 else (128, 4 if block_m <= 64 else 3)

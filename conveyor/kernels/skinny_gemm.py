@@ -7,15 +7,15 @@ BLOCK_K columns at a time, into a [BLOCK_N, BLOCK_K] float32 accumulator summed 
 (no tensor cores: with one row of x they would be 1/16 busy). The loop is software-pipelined
 (`tl.range(num_stages=STAGES)`): cp.async copies the next stages' tiles of W (and x) into shared
 memory while the current one is multiplied, so each program keeps STAGES - 1 tiles in flight.
-Loaded into registers instead, a program waited on every tile, and the 1-byte weights, which
-cost twice the conversions and FMAs per byte, streamed Llama-8B's layers and LM head at
-2.0-3.8 TB/s on an H200; pipelined, at 2.5-4.3 (docs/BENCHMARKS.md, session 14).
+Loaded into registers instead, a program waits on every tile, and the 1-byte weights, which
+cost twice the conversions and FMAs per byte, stream Llama-8B's layers and LM head at
+2.0-3.8 TB/s on an H200 that way against 2.5-4.3 pipelined (docs/BENCHMARKS.md).
 
-The kernel lets the next one launch (PDL, _triton.py) only after its loop. With the pipelined
-loop, letting it launch at the start made the bf16 Llama-8B decode 0.2 ms a token slower (4.31
-against 4.13 ms; fp8 no different); after the loop, 4.10. That is measured, not understood; a
-likely cause is that the next kernel's waiting programs hold SM resources (a GEMV's shared
-memory) that this one's programs would use.
+The kernel lets the next one launch (PDL, _triton.py) only after its loop. Letting it launch at
+the start makes the bf16 Llama-8B decode about 0.2 ms a token slower on an H200 (4.29-4.34
+against 4.10-4.11 ms; fp8 no different). That is measured, not understood; a likely cause is
+that the next kernel's waiting programs hold SM resources (a GEMV's shared memory) that this
+one's programs would use.
 
 Why not cuBLAS: at one row its kernels for these shapes reach 0.3-2.2 TB/s on an H200 (the
 Qwen3-0.6B o and down projections worst), this kernel 1.2-4.4 TB/s (scripts/bench_kernels.py,
@@ -56,8 +56,8 @@ def int8_to_float(w):
     at 16 a clock per SM against 64 for integer logic, and at one per weight it bounded the int8
     loop. The byte b, zero-extended and XORed with 0x4B000080, is the float 2^23 + (b + 128): its
     mantissa holds b ^ 0x80, which is b + 128 as an unsigned byte. H200, Llama-3.1-8B's layers:
-    10-17 % faster than I2F, single-stream decode 3.63 -> 3.26 ms a token; int8_gemm's tiles
-    use it too."""
+    10-17 % faster than I2F, single-stream decode 3.26 ms a token against 3.63 with I2F;
+    int8_gemm's tiles use it too."""
     bits = w.to(tl.uint8, bitcast=True).to(tl.uint32) ^ 0x4B000080
     return bits.to(tl.float32, bitcast=True) - 8388736.0
 
