@@ -1,11 +1,9 @@
 """The model runner: turns a StepPlan into one forward pass and a StepResult.
 
 It keeps a mirror of every running sequence in a slot (its tokens, block table, sampling state),
-updated by the plan's deltas, so a step message carries only small integers. The block tables
-live in one [max_num_seqs, max_blocks_per_seq] table, on the host (numpy) and on the device; a
-step writes only the entries it added. A step's integer inputs are built with numpy from per-
-sequence numbers and reach the device in one copy. The same code runs on CPU and GPU; only rank
-0's result is used.
+updated by the plan's deltas, so a step message carries only small integers. A step's integer
+inputs (and the block tables' new entries) reach the device in one copy, built by `StepInputs`
+from per-sequence numbers. The same code runs on CPU and GPU; only rank 0's result is used.
 
 Steps are pipelined: `submit` queues a plan's forward pass before it takes the previous step's
 result, so the host never makes the device wait; a decode whose input is the token the previous
@@ -15,7 +13,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from conveyor.shared.config import EngineConfig, ModelConfig
@@ -34,6 +31,7 @@ from conveyor.worker.layers.parallel import broadcast_tensor, min_over_ranks, tp
 from conveyor.worker.layers.quantization import QuantReport, check_device, resolve_mode
 from conveyor.worker.loader import load_model
 from conveyor.worker.sampler import LogprobTensors, SampledTensors, Sampler, SeqSamplingState
+from conveyor.worker.step_inputs import StepInputs
 
 _PROFILE_PARAMS = SamplingParams(temperature=0)
 
@@ -86,15 +84,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.graphs = None      # CUDA graphs of decode-only steps, made once the pool exists
         max_blocks = -(-max_model_len // self.block_size)
-        self.table_host = np.zeros((config.max_num_seqs, max_blocks), dtype=np.int32)
-        self.block_tables = torch.zeros(config.max_num_seqs, max_blocks, dtype=torch.int32,
-                                        device=self.device)
-        self._table_writes: list[tuple[int, list[int]]] = []   # (flat index, block ids) to copy
-        # host side of the one copy per step: two buffers in turn, each with an event recorded
-        # after its last copy (CUDA)
-        self._staging = [torch.empty(0, dtype=torch.long) for _ in range(2)]
-        self._staging_copied: list[torch.cuda.Event | None] = [None, None]
-        self._turn = 0
+        self.inputs = StepInputs(config.max_num_seqs, max_blocks, self.block_size, self.device)
         self._pending: _Launched | None = None   # submitted, result not taken yet
         self.num_blocks = min_over_ranks(self._num_blocks(), self.device)
         self.kv_caches = allocate_kv_cache(model_config, config, self.num_blocks, self.kv_dtype,
@@ -252,10 +242,8 @@ class ModelRunner:
 
     def _add_blocks(self, slot_id: int, block_ids: list[int]) -> None:
         slot = self.slots[slot_id]
-        n = slot.num_blocks
-        self.table_host[slot_id, n:n + len(block_ids)] = block_ids
-        self._table_writes.append((slot_id * self.table_host.shape[1] + n, block_ids))
-        slot.num_blocks = n + len(block_ids)
+        self.inputs.add_blocks(slot_id, slot.num_blocks, block_ids)
+        slot.num_blocks += len(block_ids)
 
     def _forward(self, steps: list[tuple[int, int, bool, int]], step: int = 0,
                  logits_rows: int = 0) -> _Launched:
@@ -266,9 +254,8 @@ class ModelRunner:
         input_ids: list[int] = []
         starts, query_lens, seq_lens = [], [], []
         sample_rows, sample_states = [], []
-        prompt_rows: list[tuple[int, list[int], list[int], int]] = []  # slot, rows, targets, k
+        lp_rows, prompt_rows = [], []            # prompt-logprob rows; (slot, targets, top-k)
         gather_rows, gather_from = [], []        # rows fed by prev's draw, and its rows there
-        num_decodes, decodes_done = 0, False
         for slot_id, n, sample, lp_from in steps:
             slot = self.slots[slot_id]
             start, end = slot.num_computed, slot.num_computed + n
@@ -278,54 +265,47 @@ class ModelRunner:
                 input_ids.extend(tokens[start:end])
             elif n == 1 and start == len(tokens) and id(slot.state) in prev_rows:
                 # NOTE: the input is the token the previous step is sampling for this sequence;
-                # it is not on the host yet and is copied on the device (below).
+                # it is not on the host yet and is copied on the device (StepInputs.build).
                 gather_rows.append(row0)
                 gather_from.append(prev_rows[id(slot.state)])
                 input_ids.append(0)
             else:
                 raise RuntimeError(f"slot {slot_id}: tokens [{start}, {end}) planned, but "
                                    f"{len(tokens)} known")
-            if n == 1:
-                if not decodes_done:
-                    num_decodes += 1
-            else:
-                decodes_done = True
             starts.append(start)
             query_lens.append(n)
             seq_lens.append(end)
             if sample:
                 sample_rows.append(row0 + n - 1)
                 sample_states.append(slot.state)
-            if lp_from >= 0:
-                # position p is predicted by the row of position p - 1
-                first = max(lp_from, start + 1)
-                last = min(end + 1, slot.state.prompt_len)
-                if first < last:
-                    rows = [row0 + p - 1 - start for p in range(first, last)]
-                    prompt_rows.append((slot_id, rows, tokens[first:last],
-                                        slot.state.params.prompt_logprobs))
+            # prompt position p is predicted by the row of position p - 1
+            first, last = max(lp_from, start + 1), min(end + 1, slot.state.prompt_len)
+            if lp_from >= 0 and first < last:
+                lp_rows.extend(range(row0 + first - 1 - start, row0 + last - 1 - start))
+                prompt_rows.append((slot_id, tokens[first:last],
+                                    slot.state.params.prompt_logprobs))
             slot.num_computed = end
 
         num_seqs, num_tokens = len(steps), len(input_ids)
+        # the decodes (one token each) come first
+        num_decodes = next((i for i, n in enumerate(query_lens) if n != 1), num_seqs)
         graphs = self.graphs
         use_graph = (graphs is not None and num_decodes == num_seqs and not logits_rows
                      and num_decodes <= graphs.max_batch)
         padded = graphs.size_for(num_seqs) if use_graph else num_tokens   # graph rows
-        rows = sample_rows + [r for _, rs, _, _ in prompt_rows for r in rs]
-        dev = self._to_device(steps, input_ids, starts, query_lens, seq_lens, rows, padded,
-                              gather_rows, gather_from)
+        rows = sample_rows + lp_rows
+        dev = self.inputs.build([s[0] for s in steps], input_ids, starts, query_lens, seq_lens,
+                                rows, padded, gather_rows, gather_from,
+                                prev.sampled if prev is not None else None)
         tokens3 = dev["tokens"]                                    # [3, padded]: ids, pos, slot
-        if gather_rows:
-            tokens3[0].index_copy_(0, dev["gather_rows"],
-                                   prev.sampled.index_select(0, dev["gather_from"]))
         if use_graph:
             hidden = graphs.run(num_seqs, tokens3, dev["seq_lens"], dev["order"],
-                                self.block_tables, dev["slots"])
+                                self.inputs.block_tables, dev["slots"])
         else:
             ctx = StepContext(
                 slot_mapping=tokens3[2], query_start_loc=dev["query_start_loc"].int(),
                 seq_lens=dev["seq_lens"].int(),
-                block_tables=self.block_tables.index_select(0, dev["slots"]),
+                block_tables=self.inputs.block_tables.index_select(0, dev["slots"]),
                 kv_caches=self.kv_caches, query_lens_cpu=query_lens, seq_lens_cpu=seq_lens,
                 num_decodes=num_decodes,
                 decode_order=dev["order"].int() if num_decodes == num_seqs else None)
@@ -335,91 +315,4 @@ class ModelRunner:
             return _Launched(step, [], None, [])
         # NOTE: the logits are taken now: the next step's graph replay overwrites `hidden`.
         logits = self.model.compute_logits(hidden[dev["rows"]]) if rows else None
-        return _Launched(step, sample_states, logits,
-                         [(slot_id, targets, k) for slot_id, _, targets, k in prompt_rows])
-
-    def _to_device(self, steps, input_ids, starts, query_lens, seq_lens, rows, padded: int,
-                   gather_rows: list[int], gather_from: list[int]) -> dict[str, torch.Tensor]:
-        """The step's integer inputs, built with numpy and sent to the device in one copy.
-
-        tokens [3, padded] (token ids, positions, KV slots; padding rows: 0, 0, -1), seq_lens
-        [max(padded, B)] (padding 0), order [max(padded, B)] for a decode-only step (the rows of
-        seq_lens, longest first; else empty), query_start_loc [B + 1], slots [B] (block-table rows),
-        rows [R] (hidden rows to compute logits for), gather_rows and gather_from [G] (token-id
-        rows to take from the previous step's draw, and its rows there); and the block-table
-        entries added since the last step, written into the device table.
-        """
-        bs = self.block_size
-        num_seqs, num_tokens = len(steps), len(input_ids)
-        slot_ids = np.fromiter((s[0] for s in steps), dtype=np.int64, count=num_seqs)
-        start = np.asarray(starts, dtype=np.int64)
-        if num_tokens == num_seqs:              # one token each: decodes
-            seq_of, positions = slot_ids, start
-        else:
-            n = np.asarray(query_lens, dtype=np.int64)
-            seq_start = np.repeat(np.cumsum(n) - n - start, n)     # row of position 0, per token
-            seq_of = np.repeat(slot_ids, n)
-            positions = np.arange(num_tokens, dtype=np.int64) - seq_start
-        writes, self._table_writes = self._table_writes, []
-        write_len = sum(len(b) for _, b in writes)
-        b_pad = num_seqs + padded - num_tokens
-        decodes = num_tokens == num_seqs
-        sizes = {"tokens": 3 * padded, "seq_lens": b_pad, "order": b_pad if decodes else 0,
-                 "query_start_loc": num_seqs + 1,
-                 "slots": num_seqs, "rows": len(rows), "gather_rows": len(gather_rows),
-                 "gather_from": len(gather_rows), "write_at": write_len, "write_ids": write_len}
-        total = sum(sizes.values())
-        # NOTE: with a step in flight the buffer of the last step may still be copying: the two
-        # buffers take turns, and a buffer is rewritten only once its last copy ran (its event;
-        # that copy came before the previous step's sampling, which the host waited for, so
-        # this never waits in practice).
-        turn, self._turn = self._turn, self._turn ^ 1
-        if self._staging_copied[turn] is not None:
-            self._staging_copied[turn].synchronize()
-        if self._staging[turn].numel() < total:
-            self._staging[turn] = torch.empty(max(total, 2 * self._staging[turn].numel()),
-                                              dtype=torch.long,
-                                              pin_memory=self.device.type == "cuda")
-        staging = self._staging[turn]
-        host = staging.numpy()[:total]
-        tokens = host[:3 * padded].reshape(3, padded)
-        tokens[0, :num_tokens] = input_ids
-        tokens[1, :num_tokens] = positions
-        tokens[2, :num_tokens] = (self.table_host[seq_of, positions // bs] * bs
-                                  + positions % bs)
-        tokens[:2, num_tokens:] = 0
-        tokens[2, num_tokens:] = -1
-        at = 3 * padded
-        host[at:at + num_seqs] = seq_lens
-        host[at + num_seqs:at + b_pad] = 0
-        if decodes:
-            host[at + b_pad:at + 2 * b_pad] = np.argsort(-host[at:at + b_pad], kind="stable")
-            at += b_pad
-        at += b_pad
-        host[at] = 0
-        np.cumsum(query_lens, out=host[at + 1:at + num_seqs + 1])
-        at += num_seqs + 1
-        host[at:at + num_seqs] = slot_ids
-        at += num_seqs
-        host[at:at + len(rows)] = rows
-        at += len(rows)
-        host[at:at + len(gather_rows)] = gather_rows
-        at += len(gather_rows)
-        host[at:at + len(gather_from)] = gather_from
-        at += len(gather_from)
-        if writes:
-            host[at:at + write_len] = np.concatenate(
-                [np.arange(i, i + len(b)) for i, b in writes])
-            host[at + write_len:at + 2 * write_len] = np.concatenate([b for _, b in writes])
-        flat = staging[:total].to(self.device, non_blocking=True)   # on CPU: staging itself
-        if self.device.type == "cuda":
-            self._staging_copied[turn] = torch.cuda.Event()
-            self._staging_copied[turn].record()
-        out, at = {}, 0
-        for name, size in sizes.items():
-            out[name] = flat[at:at + size]
-            at += size
-        out["tokens"] = out["tokens"].view(3, padded)
-        if writes:
-            self.block_tables.view(-1)[out["write_at"]] = out["write_ids"].int()
-        return out
+        return _Launched(step, sample_states, logits, prompt_rows)
