@@ -1,22 +1,16 @@
-"""scripts/bench_serving.py: arrival schedule, statistics, SSE parsing, datasets, and the whole
-client against a fake OpenAI server (a thread on 127.0.0.1 streaming SSE by hand)."""
-import importlib.util
+"""benchmarks/serving.py (scripts/bench_serving.py): arrival schedule, statistics, SSE parsing,
+datasets, and the whole client against a fake OpenAI server (a thread on 127.0.0.1 streaming SSE
+by hand)."""
 import json
 import math
-import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-_path = Path(__file__).parents[2] / "scripts" / "bench_serving.py"
-_spec = importlib.util.spec_from_file_location("bench_serving", _path)
-bench = importlib.util.module_from_spec(_spec)
-sys.modules["bench_serving"] = bench       # dataclasses look their module up
-_spec.loader.exec_module(bench)
+import benchmarks.serving as bench
 
 
 def test_poisson_schedule_is_seeded_with_mean_gap_one_over_rate():

@@ -18,17 +18,13 @@ from __future__ import annotations
 import argparse
 import functools
 import math
-import sys
-from pathlib import Path
 
 import torch
 
+from benchmarks.kernel_timings import CALLS, copies, graph_us
+from benchmarks.reference_workload import workload
 from conveyor.kernels.paged_attention import default_num_splits, paged_attention
 from conveyor.kernels.store_kv import store_kv
-
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_kernels import CALLS, copies, graph_us  # noqa: E402
-from reference_workload import workload  # noqa: E402
 
 # heads, kv heads, head_dim of one layer
 SHAPES = {"qwen3-0.6b": (16, 8, 128), "llama3.1-8b": (32, 8, 128)}

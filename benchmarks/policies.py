@@ -2,7 +2,7 @@
 
 Measures the engine's capacity first (requests/s with every request sent at once, fcfs, on a
 server warmed by one untimed pass of the same workload), then for each policy starts `conveyor
-serve --scheduling-policy P`, warms it the same way and runs scripts/bench_serving.py's mixed
+serve --scheduling-policy P`, warms it the same way and runs benchmarks/serving.py's mixed
 workload at each load (a multiple of that capacity, Poisson arrivals); every policy sees
 the same requests at a load. Interactive requests are streamed (their TTFT is what is judged),
 batch requests are not unless --batch-stream. Writes every report as JSON and a plot: the
@@ -30,10 +30,9 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).parent))
-import bench_serving  # noqa: E402
-from bench_models import serve_process  # noqa: E402
-from stresskit.harness import parse_metrics  # noqa: E402
+from benchmarks import serving as bench_serving
+from benchmarks.models import serve_process
+from benchmarks.stresskit.harness import parse_metrics
 
 
 @contextlib.contextmanager
@@ -133,7 +132,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.shape:
         if not args.random_weights:
             ap.error("--shape needs --random-weights")
-        from bench_models import build_random_model
+        from benchmarks.models import build_random_model
         model = str(build_random_model(args.shape))
     policies, loads = args.policies.split(","), [float(x) for x in args.loads.split(",")]
 

@@ -21,14 +21,11 @@ profiled). The kernels' own intervals are what the profiler measures well.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_models import add_model_args, model_path, quant_args  # noqa: E402
+from benchmarks.models import add_model_args, model_path, quant_args
 
 
 def critical_times(spans: list[tuple[str, float, float]]) -> dict[str, float]:

@@ -15,12 +15,9 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_models import (  # noqa: E402
+from benchmarks.models import (
     add_model_args,
     append_json,
     engine_flags,

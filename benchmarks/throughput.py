@@ -25,12 +25,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_models import (  # noqa: E402
+from benchmarks.models import (
     add_model_args,
     append_json,
     engine_flags,
@@ -38,7 +35,7 @@ from bench_models import (  # noqa: E402
     quant_args,
     served,
 )
-from reference_workload import workload  # noqa: E402
+from benchmarks.reference_workload import workload
 
 
 def warm_up(prompts) -> list[list[list[int]]]:

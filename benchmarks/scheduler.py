@@ -12,17 +12,13 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
 import time
-from pathlib import Path
 
+from benchmarks.reference_workload import workload
 from conveyor.scheduler.scheduler import Scheduler
 from conveyor.shared.config import EngineConfig
 from conveyor.shared.messages import AddRequest, StepPlan, StepResult, decode, encode
 from conveyor.shared.sampling_params import SamplingParams
-
-sys.path.insert(0, str(Path(__file__).parent))
-from reference_workload import workload  # noqa: E402
 
 
 def run(requests: int, steps: int, async_scheduling: bool, seed: int = 0) -> dict[str, float]:

@@ -11,9 +11,9 @@ process is sampled from `GET /metrics` through the run.
     python scripts/stress.py --scenario abort-storm --duration 60 --concurrency 32
 
 Scenarios: abort-storm, kv-pressure, faults, graceful-stop, bad-input, load (see each function
-in stresskit/scenarios.py and stresskit/fuzz.py). Every scenario returns a `Report` whose
+in benchmarks/stresskit/scenarios.py and fuzz.py). Every scenario returns a `Report` whose
 `problems` list what failed; the script prints a table and exits 1 if any scenario has a problem.
-tests/reliability/ imports the same functions (scripts/ on sys.path) and runs them in small form,
+tests/reliability/ imports the same functions (benchmarks.stresskit) and runs them in small form,
 so the short and the long versions are the same code.
 """
 from __future__ import annotations
@@ -24,9 +24,9 @@ import json
 import sys
 from datetime import datetime, timezone
 
-from stresskit.fuzz import bad_input
-from stresskit.harness import Report, launch
-from stresskit.scenarios import abort_storm, fault, graceful_stop, kv_pressure, load
+from benchmarks.stresskit.fuzz import bad_input
+from benchmarks.stresskit.harness import Report, launch
+from benchmarks.stresskit.scenarios import abort_storm, fault, graceful_stop, kv_pressure, load
 
 SCENARIOS = ("abort-storm", "kv-pressure", "faults", "graceful-stop", "bad-input", "load")
 
