@@ -7,11 +7,16 @@ Reports output tokens / wall time.
 The warm-up is more than one call: Triton compiles a kernel variant on its first use (attention's
 tile follows the longest query of a step; integer arguments specialise on being divisible by 16),
 and a fresh machine has none compiled on disk. So one prompt of each length class is run alone,
-then the workload's first 32 prompts for 8 tokens each (mixed steps of many sizes). That was not
-enough while kernels specialised on per-step counts (a value of 1, a multiple of 16): with an
-empty Triton cache the Qwen3 run made 19.5-19.8k tok/s against 24.0k with a filled one. They no
-longer do, and two runs with an empty cache made 23.7k and 24.1k against 24.0k (H200,
-docs/BENCHMARKS.md).
+then 32 prompts with the lengths of the workload's first 32 for 8 tokens each (mixed steps of
+many sizes). That was not enough while kernels specialised on per-step counts (a value of 1, a
+multiple of 16): with an empty Triton cache the Qwen3 run made 19.5-19.8k tok/s against 24.0k
+with a filled one. They no longer do, and two runs with an empty cache made 23.7k and 24.1k
+against 24.0k (H200, docs/BENCHMARKS.md).
+
+NOTE: the warm-up never runs a timed prompt. Its prompts have the timed ones' lengths but token
+ids of their own (reference_workload.salted), so the timed pass finds none of its prompts in the
+prefix cache. Until this was so, the warm-up ran the workload's first 32 prompts themselves, and
+their full blocks (1/8 of the prompts) were cached before the timed pass.
 
     python scripts/bench_throughput.py --shape qwen3-0.6b --random-weights [--compare-hf]
     python scripts/bench_throughput.py --shape llama3.1-8b --random-weights --kv-cache-dtype fp8
@@ -35,13 +40,15 @@ from benchmarks.models import (
     quant_args,
     served,
 )
-from benchmarks.reference_workload import workload
+from benchmarks.reference_workload import salted, workload
 
 
 def warm_up(prompts) -> list[list[list[int]]]:
     """The warm-up's calls: a prompt of each attention tile class alone (the class follows the
-    longest query of a step), then the first 32 of the workload together."""
-    return [[list(range(1, n + 1))] for n in (3, 6, 12, 30, 600)] + [prompts[:32]]
+    longest query of a step), then 32 prompts of the lengths of the workload's first 32 together;
+    none of them is a timed prompt (their token ids come from a stream of their own)."""
+    return ([[list(range(1, n + 1))] for n in (3, 6, 12, 30, 600)]
+            + [salted(prompts[:32], "bench_throughput warm-up")])
 
 
 def run_hf(path: str, prompts, max_tokens, batch: int = 64) -> tuple[float, int]:
