@@ -1,5 +1,6 @@
 """Random-weight models of published shapes (../shared GPU.md), saved as Hugging Face folders so
-the engine loads them like any checkpoint. Used by the GPU benchmarks and tests.
+the engine loads them like any checkpoint, with a synthetic tokenizer of the shape's vocabulary
+size (so `conveyor serve --model FOLDER` detokenizes). Used by the GPU benchmarks and tests.
 
 A shape whose bf16 checkpoint does not fit the free disk (llama3.1-70b: 141 GB) is written as
 config.json alone and loaded with load_format="dummy": the engine draws the weights itself.
@@ -18,6 +19,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from benchmarks.synthetic_tokenizer import BOS_ID, EOS_ID, save_tokenizer
 
 # what Llama 3.1 8B and 70B share
 _LLAMA31 = dict(num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False,
@@ -59,13 +62,19 @@ def checkpoint_bytes(shape: str, **overrides) -> int:
 
 def build_random_model(shape: str, folder: str | Path | None = None, seed: int = 0,
                        weights: bool = True, **overrides) -> Path:
-    """Save a random bfloat16 model of `shape` (see SHAPES) into `folder` (a temp dir if None);
+    """Save a random bfloat16 model of `shape` (see SHAPES) into `folder` (a temp dir if None),
+    with a synthetic tokenizer of the shape's vocabulary size (benchmarks/synthetic_tokenizer.py);
     `overrides` change config fields, e.g. num_hidden_layers=4. weights=False writes config.json
-    only, for load_format="dummy" (the engine draws normal(0, initializer_range) weights)."""
+    and the tokenizer only, for load_format="dummy" (the engine draws normal(0,
+    initializer_range) weights)."""
     import transformers
 
     config = hf_config(shape, **overrides)
     folder = Path(folder or tempfile.mkdtemp(prefix=f"conveyor-{shape}-"))
+    if (config.bos_token_id, config.eos_token_id) != (BOS_ID, EOS_ID):
+        raise ValueError(f"the synthetic tokenizer has bos {BOS_ID} and eos {EOS_ID}, not "
+                         f"{config.bos_token_id} and {config.eos_token_id}")
+    save_tokenizer(folder, config.vocab_size, config.max_position_embeddings)
     if not weights:
         config.save_pretrained(folder)
         return folder
