@@ -8,6 +8,7 @@ config.json alone and loaded with load_format="dummy": the engine draws the weig
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import re
 import shutil
@@ -152,12 +153,23 @@ def append_json(path: str | None, result: dict) -> None:
             f.write(json.dumps(result) + "\n")
 
 
+def conveyor_env() -> dict[str, str]:
+    """Our environment with the folder of the conveyor this process imports first on PYTHONPATH,
+    so that a `python -m conveyor.cli` child runs the same code whatever its cwd."""
+    root = str(Path(importlib.util.find_spec("conveyor").origin).parents[1])
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, [root, os.environ.get("PYTHONPATH")]))}
+
+
 @contextlib.contextmanager
-def serve_process(*args: str, timeout: float = 900):
-    """`conveyor serve ARGS` in its own process group; yields its "serving on" line, then
-    SIGTERMs it (the launcher drains, then stops its children), killing the group if it hangs."""
+def serve_process(*args: str, timeout: float = 900, stderr=None):
+    """`conveyor serve ARGS` (the conveyor this process imports) in its own process group;
+    yields its "serving on" line, then SIGTERMs it (the launcher drains, then stops its
+    children), killing the group if it hangs. stderr: a file for the server's log (default:
+    ours)."""
     proc = subprocess.Popen([sys.executable, "-m", "conveyor.cli", "serve", *args],
-                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=stderr, text=True,
+                            start_new_session=True, env=conveyor_env())
     try:
         deadline, line = time.monotonic() + timeout, ""
         while "serving on" not in line:

@@ -87,16 +87,21 @@ class Result:
         if "error" in obj:
             self.error = f"error event: {error_message(obj)}"[:300]
             return False
-        if obj.get("usage"):
-            self.output_tokens = obj["usage"].get("completion_tokens")
-            self.prompt_tokens = obj["usage"].get("prompt_tokens")
-        if chunk_text(obj, endpoint):
+        self.on_chunk(chunk_text(obj, endpoint), obj.get("usage"), now)
+        return True
+
+    def on_chunk(self, text: str, usage: dict | None, now: float) -> None:
+        """Account one streamed chunk received at `now`: its generated text ("" for none) and
+        its usage ({"completion_tokens", "prompt_tokens"}, or None)."""
+        if usage:
+            self.output_tokens = usage.get("completion_tokens")
+            self.prompt_tokens = usage.get("prompt_tokens")
+        if text:
             if self.ttft is None:
                 self.ttft = now - self.start
             else:
                 self.itl.append(now - self.last)
             self.last, self.chunks = now, self.chunks + 1
-        return True
 
 
 # ---- pure parts: schedule, datasets, SSE, statistics ----

@@ -13,10 +13,11 @@ multiple of 16): with an empty Triton cache the Qwen3 run made 19.5-19.8k tok/s 
 with a filled one. They no longer do, and two runs with an empty cache made 23.7k and 24.1k
 against 24.0k (H200, docs/BENCHMARKS.md).
 
-NOTE: the warm-up never runs a timed prompt. Its prompts have the timed ones' lengths but token
-ids of their own (reference_workload.salted), so the timed pass finds none of its prompts in the
-prefix cache. Until this was so, the warm-up ran the workload's first 32 prompts themselves, and
-their full blocks (1/8 of the prompts) were cached before the timed pass.
+NOTE: the warm-up never runs a timed prompt (reference_workload.warm_up). Its prompts have the
+timed ones' lengths but token ids of their own (reference_workload.salted), so the timed pass
+finds none of its prompts in the prefix cache. Until this was so, the warm-up ran the workload's
+first 32 prompts themselves, and their full blocks (1/8 of the prompts) were cached before the
+timed pass.
 
     python scripts/bench_throughput.py --shape qwen3-0.6b --random-weights [--compare-hf]
     python scripts/bench_throughput.py --shape llama3.1-8b --random-weights --kv-cache-dtype fp8
@@ -32,6 +33,7 @@ import argparse
 import asyncio
 import time
 
+from benchmarks import reference_workload
 from benchmarks.models import (
     add_model_args,
     append_json,
@@ -40,15 +42,12 @@ from benchmarks.models import (
     quant_args,
     served,
 )
-from benchmarks.reference_workload import salted, workload
+from benchmarks.reference_workload import workload
 
 
 def warm_up(prompts) -> list[list[list[int]]]:
-    """The warm-up's calls: a prompt of each attention tile class alone (the class follows the
-    longest query of a step), then 32 prompts of the lengths of the workload's first 32 together;
-    none of them is a timed prompt (their token ids come from a stream of their own)."""
-    return ([[list(range(1, n + 1))] for n in (3, 6, 12, 30, 600)]
-            + [salted(prompts[:32], "bench_throughput warm-up")])
+    """The warm-up's calls (reference_workload.warm_up): no timed prompt among them."""
+    return reference_workload.warm_up(prompts, "bench_throughput warm-up")
 
 
 def run_hf(path: str, prompts, max_tokens, batch: int = 64) -> tuple[float, int]:
