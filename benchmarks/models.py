@@ -124,15 +124,23 @@ def model_path(args, ap) -> str:
         return args.model
     if not (args.shape and args.random_weights):
         ap.error("give --model, or --shape with --random-weights")
-    extra = {"num_hidden_layers": args.num_layers} if args.num_layers else {}
-    if args.load_format is None:
-        size = checkpoint_bytes(args.shape, **extra)
+    path, args.load_format = random_model(args.shape, args.num_layers, args.load_format)
+    return path
+
+
+def random_model(shape: str, num_layers: int | None = None,
+                 load_format: str | None = None) -> tuple[str, str]:
+    """(folder, load format) of a new random model of `shape`; load_format None chooses dummy
+    (config.json and tokenizer only) if the bf16 checkpoint would not fit the free disk."""
+    extra = {"num_hidden_layers": num_layers} if num_layers else {}
+    if load_format is None:
+        size = checkpoint_bytes(shape, **extra)
         free = shutil.disk_usage(tempfile.gettempdir()).free
-        args.load_format = "dummy" if size > 0.8 * free else "auto"
-        if args.load_format == "dummy":
-            print(f"{args.shape}: the bf16 checkpoint ({size / 1e9:.0f} GB) does not fit the "
+        load_format = "dummy" if size > 0.8 * free else "auto"
+        if load_format == "dummy":
+            print(f"{shape}: the bf16 checkpoint ({size / 1e9:.0f} GB) does not fit the "
                   f"free disk ({free / 1e9:.0f} GB): load_format=dummy", file=sys.stderr)
-    return str(build_random_model(args.shape, weights=args.load_format != "dummy", **extra))
+    return str(build_random_model(shape, weights=load_format != "dummy", **extra)), load_format
 
 
 def engine_flags(engine: dict) -> list[str]:

@@ -350,10 +350,16 @@ def model_flags(args) -> tuple[str | None, list[str]]:
         return args.model, ["--model", args.model]
     if not args.shape:
         return None, []
-    from benchmarks.models import model_path
+    from concurrent.futures import ProcessPoolExecutor
 
-    path = model_path(args, args.parser)           # sets args.load_format
-    extra = ["--load-format", "dummy"] if args.load_format == "dummy" else []
+    from benchmarks.models import random_model
+
+    # NOTE: built in a process of its own: the random init runs on the GPU where there is one,
+    # and the CUDA context it leaves would hold GPU memory through every pass
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        path, load_format = pool.submit(random_model, args.shape, args.num_layers,
+                                        args.load_format).result()
+    extra = ["--load-format", "dummy"] if load_format == "dummy" else []
     return path, ["--model", path, *extra]
 
 
