@@ -25,7 +25,7 @@ test: model
 	$(VENV)/bin/pytest -q
 
 lint: install
-	$(VENV)/bin/ruff check conveyor tests scripts
+	$(VENV)/bin/ruff check conveyor tests scripts benchmarks
 
 clean:
 	rm -rf $(VENV) build *.egg-info

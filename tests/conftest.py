@@ -1,20 +1,17 @@
-"""Suite-wide hooks. scripts/ is importable (the benchmarks, and stresskit, whose scenarios the
-reliability tests run in small form). Tests marked `gpu` are skipped without a CUDA GPU, except
-those also marked `interpreter`, which run on CPU tensors through Triton's interpreter when
-TRITON_INTERPRET=1 is set and Triton is installed (slow: seconds per test):
+"""Suite-wide hooks. The repository root is on pytest's pythonpath (setup.cfg), so tests import
+`benchmarks` (and benchmarks.stresskit, whose scenarios the reliability tests run in small
+form). Tests marked `gpu` are skipped without a CUDA GPU, except those also marked `interpreter`,
+which run on CPU tensors through Triton's interpreter when TRITON_INTERPRET=1 is set and Triton
+is installed (slow: seconds per test):
 
     TRITON_INTERPRET=1 pytest -m interpreter tests/kernels
 """
 import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from conveyor.kernels import interpreting
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -8,8 +8,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from stresskit.harness import child_pids, serving_line
-from stresskit.harness import pid_alive as alive  # noqa: F401  (for the tests)
+from benchmarks.stresskit.harness import child_pids, serving_line
+from benchmarks.stresskit.harness import pid_alive as alive  # noqa: F401  (for the tests)
 
 SMALL = ["--max-num-seqs", "64", "--kv-cache-memory-bytes", str(64 << 20),
          "--max-model-len", "512"]

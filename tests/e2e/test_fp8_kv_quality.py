@@ -126,7 +126,7 @@ def test_fp8_kv_cache_quality_random_llama_gpu(tmp_path):
     not 5: this model's top logprobs are flat (the top 20 span 0.6-1.3 nats, the top 5 about
     0.15), so fp8's rounding reorders them; measured on the H200, each side's token ranked 2 to
     7 in the other's list (8 divergences, two runs)."""
-    from bench_models import build_random_model
+    from benchmarks.models import build_random_model
 
     path = build_random_model("llama3.1-8b", tmp_path / "llama", num_hidden_layers=4)
     model = dict(model=str(path), skip_tokenizer_init=True)

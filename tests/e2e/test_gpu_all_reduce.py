@@ -1,6 +1,6 @@
 """The engine's one-shot all-reduce (kernels/all_reduce.py, set up by
 conveyor/worker/layers/parallel.py over PyTorch's symmetric memory) on two GPUs, through
-scripts/bench_allreduce.py: every size the engine sends through it is first checked against
+benchmarks/allreduce.py: every size the engine sends through it is first checked against
 NCCL's sum of the same random values (bitwise, at two ranks) and, with the RMSNorm fused in,
 against the norm of NCCL's sum; then both are replayed from CUDA graphs. Larger messages (over
 8 MB / W) stay with NCCL."""
@@ -12,7 +12,7 @@ pytestmark = [pytest.mark.gpu,
 
 
 def test_one_shot_matches_nccl_and_hands_large_messages_to_it():
-    from bench_allreduce import main
+    from benchmarks.allreduce import main
 
     # at two ranks the limit is 4 MB: [256, 8192] bf16 is taken, [257, 8192] is not
     for hidden, batches, taken in ((4104, "1,3,33", True), (8192, "256", True),

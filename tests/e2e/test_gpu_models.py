@@ -17,9 +17,9 @@ TOP = 5
 
 @pytest.mark.parametrize("shape", ["qwen3-0.6b", "llama3.1-8b"])
 def test_greedy_matches_transformers(shape, tmp_path):
-    from bench_models import build_random_model
     from transformers import AutoModelForCausalLM
 
+    from benchmarks.models import build_random_model
     from conveyor import LLM, SamplingParams
 
     # a wider init than HF's 0.02 so the next-token distributions are not flat
@@ -69,8 +69,7 @@ def release(llm) -> None:
 def test_seeded_sampling_is_the_same_with_async_scheduling(tmp_path):
     """Penalties, min_tokens, stop ids, logprobs and prompt logprobs: the sampler's small host
     inputs reach the GPU without a sync, and each step still sees every earlier token."""
-    from bench_models import build_random_model
-
+    from benchmarks.models import build_random_model
     from conveyor import LLM, SamplingParams
 
     path = build_random_model("qwen3-0.6b", tmp_path / "qwen3", num_hidden_layers=2,

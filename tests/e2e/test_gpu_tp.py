@@ -26,8 +26,7 @@ SIZES = (2, 4, 8)
 
 
 def generate(path: str, tp: int, *args: str):
-    from bench_models import served
-
+    from benchmarks.models import served
     from conveyor import SamplingParams
 
     greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=TOP)
@@ -44,7 +43,7 @@ def assert_close_greedy(reference, results, tp: int) -> None:
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    from bench_models import build_random_model
+    from benchmarks.models import build_random_model
 
     return str(build_random_model("llama3.1-8b", tmp_path_factory.mktemp("llama"),
                                   initializer_range=0.05))
@@ -64,7 +63,7 @@ def test_tp_matches_tp1(tp, extra, checkpoint, tp1):
 
 
 def test_dummy_weights_match_tp1_at_the_largest_tp(tmp_path):
-    from bench_models import build_random_model
+    from benchmarks.models import build_random_model
 
     tp = max(t for t in SIZES if t <= torch.cuda.device_count())
     path = str(build_random_model("llama3.1-8b", tmp_path, weights=False,

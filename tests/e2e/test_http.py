@@ -11,8 +11,8 @@ import httpx
 import openai
 import pytest
 from serve_util import start_server
-from stresskit.harness import parse_metrics
 
+from benchmarks.stresskit.harness import parse_metrics
 from conveyor import SamplingParams
 from conveyor.client import Client
 from conveyor.shared.model_files import default_model_path
@@ -361,7 +361,7 @@ def test_disconnect_while_waiting_for_a_whole_response_frees_blocks(server):
 
 
 def test_bench_serving_against_the_server(server, tmp_path):
-    import bench_serving as bench
+    import benchmarks.serving as bench
     out = tmp_path / "serving.json"
     [report] = bench.main(["--base-url", server.http, "--api-key", KEYS[0], "--num-prompts", "6",
                            "--request-rate", "20", "--max-concurrency", "3",

@@ -188,8 +188,9 @@ def test_llama_shape_greedy_matches_quantized_transformers(mode, tmp_path):
     one prompt alone (M = 1: the skinny GEMV, W8A16 for fp8 too, so only int8 compares there)."""
     import gc
 
-    from bench_models import build_random_model
     from transformers import AutoModelForCausalLM
+
+    from benchmarks.models import build_random_model
 
     path = build_random_model("llama3.1-8b", tmp_path / "llama", num_hidden_layers=4,
                               initializer_range=0.05)

@@ -4,9 +4,9 @@ ended exactly once (its client saw one finish or left; the server counted each o
 frontend keeps any state, and memory is back near where it started.
 Long version: scripts/stress.py --scenario abort-storm."""
 import pytest
-from stresskit.harness import launch
-from stresskit.scenarios import abort_storm
 
+from benchmarks.stresskit.harness import launch
+from benchmarks.stresskit.scenarios import abort_storm
 from conveyor.shared.model_files import default_model_path
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not default_model_path().is_file(),

@@ -10,10 +10,10 @@ import httpx
 import msgspec
 import pytest
 import zmq
-from stresskit.clients import greedy, zmq_exchange
-from stresskit.fuzz import bad_input, deep_msgpack_request
-from stresskit.harness import launch, stats
 
+from benchmarks.stresskit.clients import greedy, zmq_exchange
+from benchmarks.stresskit.fuzz import bad_input, deep_msgpack_request
+from benchmarks.stresskit.harness import launch, stats
 from conveyor import SamplingParams
 from conveyor.outputs import RequestOutput
 from conveyor.shared.messages import encode

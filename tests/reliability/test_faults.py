@@ -5,9 +5,9 @@ non-zero naming it, with no process left; a dead frontend costs only its own req
 frontend's finish, the server keeps serving through it and frees the dead one's blocks.
 Long version: scripts/stress.py --scenario faults."""
 import pytest
-from stresskit.harness import FAULT_DEADLINE_S, launch
-from stresskit.scenarios import fault
 
+from benchmarks.stresskit.harness import FAULT_DEADLINE_S, launch
+from benchmarks.stresskit.scenarios import fault
 from conveyor.shared.model_files import default_model_path
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not default_model_path().is_file(),

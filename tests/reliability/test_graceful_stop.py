@@ -3,9 +3,9 @@ complete normally within --shutdown-timeout, a new request gets 503 over HTTP an
 with code 503 over ZMQ, and the launcher exits 0 with no process left.
 Long version: scripts/stress.py --scenario graceful-stop."""
 import pytest
-from stresskit.harness import launch
-from stresskit.scenarios import graceful_stop
 
+from benchmarks.stresskit.harness import launch
+from benchmarks.stresskit.scenarios import graceful_stop
 from conveyor.shared.model_files import default_model_path
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not default_model_path().is_file(),

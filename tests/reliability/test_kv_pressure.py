@@ -3,9 +3,9 @@ again and again: greedy outputs over HTTP and ZMQ equal the offline API's, preem
 counted (Stats and conveyor_num_preemptions_total), no request is lost or starved, and every
 block is free afterwards. Long version: scripts/stress.py --scenario kv-pressure."""
 import pytest
-from stresskit.harness import launch
-from stresskit.scenarios import kv_pressure
 
+from benchmarks.stresskit.harness import launch
+from benchmarks.stresskit.scenarios import kv_pressure
 from conveyor.shared.model_files import default_model_path
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not default_model_path().is_file(),

@@ -2,9 +2,9 @@
 request finishes or is refused with 429, none is lost, latency stays bounded, and nothing is
 held afterwards. Long version: scripts/stress.py --scenario load."""
 import pytest
-from stresskit.harness import launch
-from stresskit.scenarios import load
 
+from benchmarks.stresskit.harness import launch
+from benchmarks.stresskit.scenarios import load
 from conveyor.shared.model_files import default_model_path
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not default_model_path().is_file(),

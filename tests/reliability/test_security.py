@@ -12,10 +12,10 @@ from pathlib import Path
 import httpx
 import pytest
 import zmq
-from stresskit.clients import zmq_exchange
-from stresskit.fuzz import oversized_zmq_frame, raw_http
-from stresskit.harness import Report, launch, stats
 
+from benchmarks.stresskit.clients import zmq_exchange
+from benchmarks.stresskit.fuzz import oversized_zmq_frame, raw_http
+from benchmarks.stresskit.harness import Report, launch, stats
 from conveyor.frontend.guard import ROUTES
 from conveyor.shared.messages import MESSAGE_TYPES, encode
 from conveyor.shared.messages.client import ErrorReply

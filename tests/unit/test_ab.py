@@ -1,11 +1,11 @@
-"""scripts/ab.py: interleaved runs of a command per arm, the figures parsed and summarised."""
+"""benchmarks/ab.py (scripts/ab.py): interleaved runs of a command per arm, the figures parsed
+and summarised."""
 import os
 import sys
 
 import pytest
 
-sys.path.insert(0, "scripts")
-import ab  # noqa: E402
+from benchmarks import ab
 
 PRINT_V = [sys.executable, "-c", "import os; print('x', os.environ.get('AB_V', '2.0'), 'ms/token')"]
 

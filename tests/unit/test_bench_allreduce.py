@@ -1,8 +1,8 @@
-"""scripts/bench_allreduce.py on CPU (gloo, 4 processes): every rank's sum is checked before it
+"""benchmarks/allreduce.py on CPU (gloo, 4 processes): every rank's sum is checked before it
 is timed, and the report's per-step figure is 2 x layers all-reduces."""
 import json
 
-from bench_allreduce import main
+from benchmarks.allreduce import main
 
 
 def test_gloo_four_ranks(tmp_path):

@@ -1,8 +1,7 @@
 """The benchmark scripts hand their engine settings to `conveyor serve` as flags (bench_latency
 and bench_throughput with --tp): the flags must parse back to the same settings."""
 
-from bench_models import engine_flags
-
+from benchmarks.models import engine_flags
 from conveyor.cli import build_parser
 
 

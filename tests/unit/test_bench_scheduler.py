@@ -1,7 +1,8 @@
-"""scripts/bench_scheduler.py: the scheduler alone decodes every request to its end, and the timed
+"""benchmarks/scheduler.py: the scheduler alone decodes every request to its end, and the timed
 steps are the full-batch decode steps (the first, prefill-carrying steps are not counted)."""
 import pytest
-from bench_scheduler import run
+
+from benchmarks.scheduler import run
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])

@@ -1,5 +1,5 @@
-"""scripts/gpu_idle.py's attribution of a step's GPU time to kernels."""
-from gpu_idle import critical_times
+"""benchmarks/gpu_idle.py's attribution of a step's GPU time to kernels."""
+from benchmarks.gpu_idle import critical_times
 
 
 def test_critical_times_charge_only_what_extends_the_busy_time():

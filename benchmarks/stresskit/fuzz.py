@@ -16,6 +16,29 @@ import httpx
 import msgspec
 import zmq
 
+from benchmarks.stresskit.clients import (
+    Worker,
+    completion_body,
+    dealer,
+    drive,
+    greedy,
+    http_whole,
+    offline_greedy,
+    warm_up,
+    zmq_exchange,
+    zmq_stream,
+)
+from benchmarks.stresskit.harness import (
+    MAX_MODEL_LEN,
+    PROMPTS,
+    MemorySampler,
+    Outcome,
+    Report,
+    Server,
+    pid_alive,
+    settle,
+    tally,
+)
 from conveyor import SamplingParams
 from conveyor.shared.messages import (
     MESSAGE_TYPES,
@@ -31,29 +54,6 @@ from conveyor.shared.messages import (
     Stats,
     decode,
     encode,
-)
-from stresskit.clients import (
-    Worker,
-    completion_body,
-    dealer,
-    drive,
-    greedy,
-    http_whole,
-    offline_greedy,
-    warm_up,
-    zmq_exchange,
-    zmq_stream,
-)
-from stresskit.harness import (
-    MAX_MODEL_LEN,
-    PROMPTS,
-    MemorySampler,
-    Outcome,
-    Report,
-    Server,
-    pid_alive,
-    settle,
-    tally,
 )
 
 # --- bad-input --------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from conveyor.shared.messages import (
     Stats,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]          # the repository
 MAX_MODEL_LEN = 512
 BASE_ARGS = ("--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-bytes", str(64 << 20))
 PROMPTS = [f"{p}" if i < 8 else f"({i}) {p}" for i, p in enumerate(

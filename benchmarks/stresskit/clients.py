@@ -11,6 +11,7 @@ from collections.abc import Callable
 import httpx
 import zmq
 
+from benchmarks.stresskit.harness import MAX_MODEL_LEN, PROMPTS, Outcome, Server
 from conveyor import SamplingParams
 from conveyor.client import Client, ServerError
 from conveyor.shared.messages import (
@@ -21,7 +22,6 @@ from conveyor.shared.messages import (
     decode,
     encode,
 )
-from stresskit.harness import MAX_MODEL_LEN, PROMPTS, Outcome, Server
 
 # --- clients ----------------------------------------------------------------------------------
 

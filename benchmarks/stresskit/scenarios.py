@@ -11,12 +11,7 @@ from collections import Counter
 import httpx
 import zmq
 
-from conveyor.shared.messages import (
-    ErrorReply,
-    GenerateRequest,
-    encode,
-)
-from stresskit.clients import (
+from benchmarks.stresskit.clients import (
     Live,
     Worker,
     completion_body,
@@ -30,7 +25,7 @@ from stresskit.clients import (
     zmq_generate,
     zmq_stream,
 )
-from stresskit.harness import (
+from benchmarks.stresskit.harness import (
     FAULT_DEADLINE_S,
     PROMPTS,
     MemorySampler,
@@ -42,6 +37,11 @@ from stresskit.harness import (
     settle,
     stats,
     tally,
+)
+from conveyor.shared.messages import (
+    ErrorReply,
+    GenerateRequest,
+    encode,
 )
 
 # --- abort-storm ------------------------------------------------------------------------------

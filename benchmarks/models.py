@@ -1,5 +1,6 @@
 """Random-weight models of published shapes (../shared GPU.md), saved as Hugging Face folders so
-the engine loads them like any checkpoint. Used by the GPU benchmarks and tests.
+the engine loads them like any checkpoint, with a synthetic tokenizer of the shape's vocabulary
+size (so `conveyor serve --model FOLDER` detokenizes). Used by the GPU benchmarks and tests.
 
 A shape whose bf16 checkpoint does not fit the free disk (llama3.1-70b: 141 GB) is written as
 config.json alone and loaded with load_format="dummy": the engine draws the weights itself.
@@ -7,6 +8,7 @@ config.json alone and loaded with load_format="dummy": the engine draws the weig
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import re
 import shutil
@@ -18,6 +20,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from benchmarks.synthetic_tokenizer import BOS_ID, EOS_ID, save_tokenizer
 
 # what Llama 3.1 8B and 70B share
 _LLAMA31 = dict(num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False,
@@ -59,13 +63,19 @@ def checkpoint_bytes(shape: str, **overrides) -> int:
 
 def build_random_model(shape: str, folder: str | Path | None = None, seed: int = 0,
                        weights: bool = True, **overrides) -> Path:
-    """Save a random bfloat16 model of `shape` (see SHAPES) into `folder` (a temp dir if None);
+    """Save a random bfloat16 model of `shape` (see SHAPES) into `folder` (a temp dir if None),
+    with a synthetic tokenizer of the shape's vocabulary size (benchmarks/synthetic_tokenizer.py);
     `overrides` change config fields, e.g. num_hidden_layers=4. weights=False writes config.json
-    only, for load_format="dummy" (the engine draws normal(0, initializer_range) weights)."""
+    and the tokenizer only, for load_format="dummy" (the engine draws normal(0,
+    initializer_range) weights)."""
     import transformers
 
     config = hf_config(shape, **overrides)
     folder = Path(folder or tempfile.mkdtemp(prefix=f"conveyor-{shape}-"))
+    if (config.bos_token_id, config.eos_token_id) != (BOS_ID, EOS_ID):
+        raise ValueError(f"the synthetic tokenizer has bos {BOS_ID} and eos {EOS_ID}, not "
+                         f"{config.bos_token_id} and {config.eos_token_id}")
+    save_tokenizer(folder, config.vocab_size, config.max_position_embeddings)
     if not weights:
         config.save_pretrained(folder)
         return folder
@@ -114,15 +124,23 @@ def model_path(args, ap) -> str:
         return args.model
     if not (args.shape and args.random_weights):
         ap.error("give --model, or --shape with --random-weights")
-    extra = {"num_hidden_layers": args.num_layers} if args.num_layers else {}
-    if args.load_format is None:
-        size = checkpoint_bytes(args.shape, **extra)
+    path, args.load_format = random_model(args.shape, args.num_layers, args.load_format)
+    return path
+
+
+def random_model(shape: str, num_layers: int | None = None,
+                 load_format: str | None = None) -> tuple[str, str]:
+    """(folder, load format) of a new random model of `shape`; load_format None chooses dummy
+    (config.json and tokenizer only) if the bf16 checkpoint would not fit the free disk."""
+    extra = {"num_hidden_layers": num_layers} if num_layers else {}
+    if load_format is None:
+        size = checkpoint_bytes(shape, **extra)
         free = shutil.disk_usage(tempfile.gettempdir()).free
-        args.load_format = "dummy" if size > 0.8 * free else "auto"
-        if args.load_format == "dummy":
-            print(f"{args.shape}: the bf16 checkpoint ({size / 1e9:.0f} GB) does not fit the "
+        load_format = "dummy" if size > 0.8 * free else "auto"
+        if load_format == "dummy":
+            print(f"{shape}: the bf16 checkpoint ({size / 1e9:.0f} GB) does not fit the "
                   f"free disk ({free / 1e9:.0f} GB): load_format=dummy", file=sys.stderr)
-    return str(build_random_model(args.shape, weights=args.load_format != "dummy", **extra))
+    return str(build_random_model(shape, weights=load_format != "dummy", **extra)), load_format
 
 
 def engine_flags(engine: dict) -> list[str]:
@@ -143,12 +161,23 @@ def append_json(path: str | None, result: dict) -> None:
             f.write(json.dumps(result) + "\n")
 
 
+def conveyor_env() -> dict[str, str]:
+    """Our environment with the folder of the conveyor this process imports first on PYTHONPATH,
+    so that a `python -m conveyor.cli` child runs the same code whatever its cwd."""
+    root = str(Path(importlib.util.find_spec("conveyor").origin).parents[1])
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, [root, os.environ.get("PYTHONPATH")]))}
+
+
 @contextlib.contextmanager
-def serve_process(*args: str, timeout: float = 900):
-    """`conveyor serve ARGS` in its own process group; yields its "serving on" line, then
-    SIGTERMs it (the launcher drains, then stops its children), killing the group if it hangs."""
+def serve_process(*args: str, timeout: float = 900, stderr=None):
+    """`conveyor serve ARGS` (the conveyor this process imports) in its own process group;
+    yields its "serving on" line, then SIGTERMs it (the launcher drains, then stops its
+    children), killing the group if it hangs. stderr: a file for the server's log (default:
+    ours)."""
     proc = subprocess.Popen([sys.executable, "-m", "conveyor.cli", "serve", *args],
-                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=stderr, text=True,
+                            start_new_session=True, env=conveyor_env())
     try:
         deadline, line = time.monotonic() + timeout, ""
         while "serving on" not in line:

@@ -1,2 +1,0 @@
-"""The parts of scripts/stress.py: harness (the server, reports, engine state), clients,
-scenarios (load and faults) and fuzz (bad input)."""
