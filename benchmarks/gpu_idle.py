@@ -56,7 +56,7 @@ def main() -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from conveyor import LLM, SamplingParams
-    from conveyor.shared.messages import AddRequest
+    from conveyor.shared.messages.engine import AddRequest
 
     llm = LLM(model=path, device=args.device, skip_tokenizer_init=True, max_num_seqs=args.batch,
               max_model_len=2048, max_num_batched_tokens=8192,

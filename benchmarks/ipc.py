@@ -15,7 +15,8 @@ import time
 
 import zmq
 
-from conveyor.shared.messages import SeqStep, StepPlan, StepResult, decode, encode
+from conveyor.shared.messages import decode, encode
+from conveyor.shared.messages.worker import SeqStep, StepPlan, StepResult
 from conveyor.shared.sockets import Socket, ipc, make_runtime_dir, remove_runtime_dir
 
 

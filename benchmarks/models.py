@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -173,17 +174,21 @@ def conveyor_env() -> dict[str, str]:
 def serve_process(*args: str, timeout: float = 900, stderr=None):
     """`conveyor serve ARGS` (the conveyor this process imports) in its own process group;
     yields its "serving on" line, then SIGTERMs it (the launcher drains, then stops its
-    children), killing the group if it hangs. stderr: a file for the server's log (default:
-    ours)."""
+    children), killing the group if it hangs. stderr: a file for the server's log, its output
+    included (the start-up summary, the stats lines); default: ours."""
     proc = subprocess.Popen([sys.executable, "-m", "conveyor.cli", "serve", *args],
                             stdout=subprocess.PIPE, stderr=stderr, text=True,
                             start_new_session=True, env=conveyor_env())
+    log = stderr or sys.stdout
     try:
         deadline, line = time.monotonic() + timeout, ""
         while "serving on" not in line:
             line = proc.stdout.readline()
+            log.write(line)
             if (not line and proc.poll() is not None) or time.monotonic() > deadline:
                 raise RuntimeError(f"conveyor serve {' '.join(args)} did not start")
+        # the rest of its output goes to the log as it comes, so the pipe never fills
+        threading.Thread(target=lambda: log.writelines(proc.stdout), daemon=True).start()
         yield line
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -12,9 +12,9 @@ one run, each throughput with its ratio to offline; then latency under Poisson a
    between content chunks), TPOT and end-to-end latency, measured in the client processes as
    vLLM's benchmark_serving does (benchmarks/serving.py's Result and percentiles).
 
-The offline pass runs the engine arguments that `conveyor serve` takes from the same flags, its
-defaults included (not LLM's own defaults, e.g. its larger GPU token budget): the paths differ
-in the path only.
+The offline pass runs `LLM` with the engine flags given to the server; what no flag sets takes
+each door's own default, as a user gets it (on a GPU: a 16,384-token step budget offline, 8,192
+for the server; the JSON records both configurations).
 
 Honesty rules. The workload is 256 requests, prompt and output lengths uniform in [100, 1024],
 seed 0 (reference_workload.py; --num-requests, --input-len and --output-len shrink it, for a
@@ -229,15 +229,14 @@ def offline_pass(engine: dict, skip_tokenizer_init: bool, calls, prompts, max_to
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    runner = getattr(llm.engine, "runner", None)
-    device = getattr(runner, "device", None)
-    on_gpu = getattr(device, "type", llm.config.device) == "cuda"
+    runner = llm.runner
+    on_gpu = runner.device.type == "cuda"
     config = {k: v for k, v in dataclasses.asdict(llm.config).items()
               if isinstance(v, (str, int, float, bool, type(None)))}
-    return {"device": torch.cuda.get_device_name(device) if on_gpu else "cpu",
+    return {"device": torch.cuda.get_device_name(runner.device) if on_gpu else "cpu",
             "salt": None, "requests": len(prompts), "output_tokens": tokens,
             "seconds": elapsed, "tok_per_s": tokens / elapsed, "startup_s": startup,
-            "kv_blocks": getattr(runner, "num_blocks", None), "config": config}
+            "kv_blocks": runner.num_blocks, "config": config}
 
 
 def run_offline(engine: dict, skip_tokenizer_init: bool, calls, prompts, max_tokens,

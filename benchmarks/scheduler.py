@@ -18,7 +18,9 @@ import time
 from benchmarks.reference_workload import workload
 from conveyor.scheduler.scheduler import Scheduler
 from conveyor.shared.config import EngineConfig
-from conveyor.shared.messages import AddRequest, StepPlan, StepResult, decode, encode
+from conveyor.shared.messages import decode, encode
+from conveyor.shared.messages.engine import AddRequest
+from conveyor.shared.messages.worker import StepPlan, StepResult
 from conveyor.shared.sampling_params import SamplingParams
 
 

@@ -4,7 +4,7 @@ Each scenario starts its own server (default model, CPU), drives it from client 
 HTTP (OpenAI API, SSE) and ZMQ (`conveyor.client` and raw frames), then checks what must hold:
 nothing lost (every request sent ends exactly once), no leaked KV block (`num_total_blocks -
 num_free_blocks` once idle, `integrity_ok`), no state left in any frontend
-(`frontend_open_requests`, `frontend_tracked_requests`), no crash, no hang. Resident memory per
+(`frontend_open_requests`), no crash, no hang. Resident memory per
 process is sampled from `GET /metrics` through the run.
 
     python scripts/stress.py --scenario all --duration 100 --json stress.jsonl

@@ -14,14 +14,9 @@ import zmq
 from benchmarks.stresskit.harness import MAX_MODEL_LEN, PROMPTS, Outcome, Server
 from conveyor import SamplingParams
 from conveyor.client import Client, ServerError
-from conveyor.shared.messages import (
-    CancelRequest,
-    ErrorReply,
-    GenerateOutput,
-    GenerateRequest,
-    decode,
-    encode,
-)
+from conveyor.outputs import RequestOutput
+from conveyor.shared.messages import decode, encode
+from conveyor.shared.messages.client import CancelRequest, ErrorReply, GenerateRequest
 
 # --- clients ----------------------------------------------------------------------------------
 
@@ -217,7 +212,7 @@ def dealer(ctx: zmq.Context, server: Server, frontend: int = 0) -> zmq.Socket:
 def zmq_exchange(ctx: zmq.Context, server: Server, frames: list[bytes], timeout: float,
                  whole: bool = True, frontend: int = 0) -> tuple[list, bool]:
     """Send frames on a fresh DEALER; (replies, answered). whole: read until a finished
-    GenerateOutput, an ErrorReply or Stats; else one reply (and cancel the request if that
+    RequestOutput, an ErrorReply or Stats; else one reply (and cancel the request if that
     reply was not its last)."""
     sock = dealer(ctx, server, frontend)
     replies: list = []
@@ -227,9 +222,9 @@ def zmq_exchange(ctx: zmq.Context, server: Server, frames: list[bytes], timeout:
         while sock.poll(max(0, int((deadline - time.monotonic()) * 1000))):
             reply = decode(sock.recv_multipart())
             replies.append(reply)
-            if isinstance(reply, GenerateOutput) and not reply.finished and not whole:
-                sock.send_multipart(encode(CancelRequest(reply.id)))
-            if not whole or not isinstance(reply, GenerateOutput) or reply.finished:
+            if isinstance(reply, RequestOutput) and not reply.finished and not whole:
+                sock.send_multipart(encode(CancelRequest(reply.request_id)))
+            if not whole or not isinstance(reply, RequestOutput) or reply.finished:
                 return replies, True
         return replies, False
     finally:

@@ -40,21 +40,11 @@ from benchmarks.stresskit.harness import (
     tally,
 )
 from conveyor import SamplingParams
-from conveyor.shared.messages import (
-    MESSAGE_TYPES,
-    Abort,
-    CancelRequest,
-    Drain,
-    EngineDead,
-    ErrorReply,
-    GenerateOutput,
-    GenerateRequest,
-    Ready,
-    Shutdown,
-    Stats,
-    decode,
-    encode,
-)
+from conveyor.outputs import RequestOutput
+from conveyor.shared.messages import MESSAGE_TYPES, decode, encode
+from conveyor.shared.messages.client import CancelRequest, ErrorReply, GenerateRequest
+from conveyor.shared.messages.control import Drain, EngineDead, Ready, Shutdown
+from conveyor.shared.messages.engine import Abort, Stats
 
 # --- bad-input --------------------------------------------------------------------------------
 
@@ -160,7 +150,7 @@ def _zmq_probe(name: str, frames: list[bytes], whole: bool = True) -> Probe:
         last = replies[-1]
         if isinstance(last, ErrorReply):
             return f"zmq ErrorReply {last.code}", last.code < 500
-        if isinstance(last, GenerateOutput):
+        if isinstance(last, RequestOutput):
             codes = [c.error_code for out in replies for c in out.outputs if c.error_code]
             return f"zmq output {codes[0] if codes else 'ok'}", all(c < 500 for c in codes)
         return f"zmq {type(last).__name__}", True
@@ -328,11 +318,11 @@ def _duplicate_id(w: Worker) -> tuple[str, bool]:
         while sock.poll(int(w.bound * 1000)):
             reply = decode(sock.recv_multipart())
             kinds.append(type(reply).__name__)
-            if isinstance(reply, GenerateOutput) and reply.finished:
+            if isinstance(reply, RequestOutput) and reply.finished:
                 break
         else:
             raise TimeoutError("no reply")
-        ok = kinds.count("ErrorReply") == 1 and kinds[-1] == "GenerateOutput"
+        ok = kinds.count("ErrorReply") == 1 and kinds[-1] == "RequestOutput"
         return ("zmq duplicate refused" if ok else f"zmq duplicate: {kinds}"), ok
     finally:
         sock.close(0)

@@ -17,9 +17,7 @@ from pathlib import Path
 import httpx
 
 from conveyor.client import Client, ServerError
-from conveyor.shared.messages import (
-    Stats,
-)
+from conveyor.shared.messages.engine import Stats
 
 ROOT = Path(__file__).resolve().parents[2]          # the repository
 MAX_MODEL_LEN = 512
@@ -186,7 +184,7 @@ class Report:
     lost: int = 0                            # sent, never ended (within the bound)
     leaked_blocks: int | None = None         # total - free once idle
     integrity_ok: bool | None = None
-    frontend_leftovers: dict[str, list[int]] = field(default_factory=dict)   # [open, tracked]
+    frontend_leftovers: dict[str, int] = field(default_factory=dict)   # open requests
     memory_mib: dict[str, dict[str, float]] = field(default_factory=dict)   # start/peak/final
     max_ttft_s: float | None = None
     latency_p50_s: float | None = None
@@ -326,22 +324,20 @@ def settle(server: Server, report: Report, timeout: float = 30.0,
         first = next(iter(seen.values()))
         idle = (first.num_running == first.num_waiting == 0
                  and first.num_free_blocks == first.num_total_blocks
-                 and all(s.frontend_open_requests == s.frontend_tracked_requests == 0
-                         for s in seen.values()))
+                 and all(s.frontend_open_requests == 0 for s in seen.values()))
         if idle or time.monotonic() > deadline:
             break
         time.sleep(0.2)
     report.leaked_blocks = first.num_total_blocks - first.num_free_blocks
     report.integrity_ok = all(s.integrity_ok for s in seen.values())
-    report.frontend_leftovers = {f"frontend-{i}": [s.frontend_open_requests,
-                                                   s.frontend_tracked_requests]
+    report.frontend_leftovers = {f"frontend-{i}": s.frontend_open_requests
                                  for i, s in seen.items()}
     report.notes["preemptions"] = first.num_preemptions
     report.check(report.leaked_blocks == 0 and first.num_running == first.num_waiting == 0,
                  f"not idle after {timeout:g} s: {report.leaked_blocks} block(s) held, "
                  f"{first.num_running} running, {first.num_waiting} waiting")
     report.check(report.integrity_ok, "the block manager's integrity check failed")
-    left = {k: v for k, v in report.frontend_leftovers.items() if any(v)}
-    report.check(not left, f"frontend state left over (open, tracked): {left}")
+    left = {k: v for k, v in report.frontend_leftovers.items() if v}
+    report.check(not left, f"frontend requests left open: {left}")
 
 

@@ -38,11 +38,8 @@ from benchmarks.stresskit.harness import (
     stats,
     tally,
 )
-from conveyor.shared.messages import (
-    ErrorReply,
-    GenerateRequest,
-    encode,
-)
+from conveyor.shared.messages import encode
+from conveyor.shared.messages.client import ErrorReply, GenerateRequest
 
 # --- abort-storm ------------------------------------------------------------------------------
 
