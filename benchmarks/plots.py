@@ -7,6 +7,10 @@ matplotlib (Agg) into a folder (default docs/):
   rate of each run.
 
     python scripts/plot_benchmarks.py results/h200-qwen3.json [more.json ...] [--out-dir docs]
+    python scripts/plot_benchmarks.py run.json --compact docs/results/h200-qwen3.json
+
+A compact document (compact()) keeps every figure and per-request latency but ITL gaps, of
+which it keeps each rate's distribution: the form docs/results/ holds.
 """
 from __future__ import annotations
 
@@ -28,6 +32,38 @@ def rate_positions(docs: list[dict]) -> dict[str, float]:
     names = {r["rate"] for doc in docs for r in doc["rates"]}
     finite = [float(n) for n in names if n != "inf"]
     return {n: (2 * max(finite, default=1.0) if n == "inf" else float(n)) for n in names}
+
+
+ITL_QUANTILES = 500          # points of each rate's ITL distribution a compact document keeps
+
+
+def compact(doc: dict) -> dict:
+    """The document without each request's ITL gaps (most of its megabytes), each rate's ITL
+    distribution kept as ITL_QUANTILES quantiles instead: small enough for docs/results/, and
+    draw() plots it the same."""
+    out = {**doc, "paths": {k: _without_itl_lists(v) for k, v in doc["paths"].items()},
+           "rates": []}
+    for r in doc["rates"]:
+        gaps = sorted(g for q in r["requests"] if q["error"] is None for g in q["itl"])
+        quantiles = [gaps[min(len(gaps) - 1, round(i * (len(gaps) - 1) / (ITL_QUANTILES - 1)))]
+                     for i in range(ITL_QUANTILES)] if gaps else []
+        out["rates"].append({**_without_itl_lists(r), "itl_quantiles": quantiles})
+    return out
+
+
+def _without_itl_lists(report: dict) -> dict:
+    """A pass's report with its requests' ITL gaps left out."""
+    requests = report.get("requests")
+    if not isinstance(requests, list):
+        return report
+    return {**report, "requests": [{k: v for k, v in q.items() if k != "itl"} for q in requests]}
+
+
+def itl_values(rate: dict) -> list[float]:
+    """A rate's ITL gaps in seconds: every one, or a compact document's quantiles."""
+    if "itl_quantiles" in rate:
+        return rate["itl_quantiles"]
+    return [g for q in rate["requests"] if q["error"] is None for g in q["itl"]]
 
 
 def ecdf(values: list[float]) -> tuple[list[float], list[float]]:
@@ -93,7 +129,7 @@ def draw(docs: list[dict], labels: list[str], out_dir: str | Path,
         for j, r in enumerate(sorted(doc["rates"], key=lambda r: xs[r["rate"]])):
             ok = [q for q in r["requests"] if q["error"] is None]
             series = ([q["ttft"] * 1000 for q in ok if q["ttft"] is not None],
-                      [g * 1000 for q in ok for g in q["itl"]])
+                      [g * 1000 for g in itl_values(r)])
             style = ["-", "--", ":", "-."][k % 4] if many else "-"
             for ax, values in zip(axes, series):
                 if values:
@@ -124,6 +160,8 @@ def main(argv: list[str] | None = None) -> list[Path]:
                     help="default: the repository's docs/")
     ap.add_argument("--prefix", default="request_path", help="file names: PREFIX_rates.png ...")
     ap.add_argument("--label", action="append", help="a legend name per file, in order")
+    ap.add_argument("--compact", metavar="OUT", help="with one file: also write its compact "
+                    "form (compact()) to OUT, e.g. docs/results/NAME.json")
     args = ap.parse_args(argv)
     docs = [json.loads(Path(f).read_text()) for f in args.files]
     for f, doc in zip(args.files, docs):
@@ -134,6 +172,10 @@ def main(argv: list[str] | None = None) -> list[Path]:
     labels = args.label or [label(doc, f) for doc, f in zip(docs, args.files)]
     if len(labels) != len(docs):
         ap.error("give one --label per file")
+    if args.compact:
+        if len(docs) != 1:
+            ap.error("--compact takes one file")
+        Path(args.compact).write_text(json.dumps(compact(docs[0]), separators=(",", ":")))
     paths = draw(docs, labels, args.out_dir, args.prefix)
     for p in paths:
         print(p)

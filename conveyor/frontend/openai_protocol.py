@@ -199,7 +199,8 @@ def chat_logprobs(entries: list[dict[int, Logprob]], top: int) -> dict:
 # --- response shapes --------------------------------------------------------------------------
 
 class ResponseShape:
-    """The bodies of one response; the stream adds up its token counts as chunks pass by."""
+    """The bodies of one response; the stream adds up its token counts as chunks pass by.
+    A subclass says what a choice holds (`body`: text or message, logprobs)."""
     object_name = chunk_object = ""
     token_ids = False                        # add each choice's token ids (vLLM's extra)
 
@@ -219,6 +220,17 @@ class ResponseShape:
     def usage_chunk(self) -> dict:
         return {**self.base([], chunk=True),
                 "usage": usage(self.prompt_tokens, self.completion_tokens)}
+
+    def choice(self, index: int, c: CompletionOutput, delta: bool = False) -> dict:
+        out = {"index": index, **self.body(index, c, delta),
+               "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        if self.token_ids:
+            out["token_ids"] = c.token_ids
+        return out
+
+    def chunk(self, prompt_index: int, c: CompletionOutput) -> dict:
+        return self.base([self.choice(prompt_index * self.n + c.index, c, delta=True)],
+                         chunk=True)
 
     def whole(self, finals: list[RequestOutput]) -> dict:
         """The response body of whole outputs, one per prompt in prompt order."""
@@ -251,16 +263,9 @@ class CompletionShape(ResponseShape):
             return prompt if isinstance(prompt, str) else ""
         return self.tokenizer.decode(prompt)
 
-    def choice(self, index: int, c: CompletionOutput) -> dict:
-        out = {"index": index, "text": self._prefix(index) + c.text,
-               "logprobs": None if c.logprobs is None else completion_logprobs(c.logprobs, 0),
-               "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-        if self.token_ids:
-            out["token_ids"] = c.token_ids
-        return out
-
-    def chunk(self, prompt_index: int, c: CompletionOutput) -> dict:
-        return self.base([self.choice(prompt_index * self.n + c.index, c)], chunk=True)
+    def body(self, index: int, c: CompletionOutput, delta: bool) -> dict:
+        return {"text": self._prefix(index) + c.text,
+                "logprobs": None if c.logprobs is None else completion_logprobs(c.logprobs, 0)}
 
 
 class ChatShape(ResponseShape):
@@ -270,26 +275,12 @@ class ChatShape(ResponseShape):
         super().__init__(id, model, n)
         self.top = top_logprobs
 
-    def _logprobs(self, c: CompletionOutput) -> dict | None:
-        return None if c.logprobs is None else chat_logprobs(c.logprobs, self.top)
-
     def opening(self) -> list[dict]:
         return [self.base([{"index": i, "delta": {"role": "assistant", "content": ""},
                             "logprobs": None, "finish_reason": None}], chunk=True)
                 for i in range(self.n)]
 
-    def choice(self, index: int, c: CompletionOutput) -> dict:
-        out = {"index": index, "message": {"role": "assistant", "content": c.text},
-               "logprobs": self._logprobs(c),
-               "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-        if self.token_ids:
-            out["token_ids"] = c.token_ids
-        return out
-
-    def chunk(self, prompt_index: int, c: CompletionOutput) -> dict:
-        choice = {"index": c.index, "delta": {"content": c.text},
-                  "logprobs": self._logprobs(c),
-                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-        if self.token_ids:
-            choice["token_ids"] = c.token_ids
-        return self.base([choice], chunk=True)
+    def body(self, index: int, c: CompletionOutput, delta: bool) -> dict:
+        message = {"content": c.text} if delta else {"role": "assistant", "content": c.text}
+        return {"delta" if delta else "message": message,
+                "logprobs": None if c.logprobs is None else chat_logprobs(c.logprobs, self.top)}

@@ -223,16 +223,10 @@ class Sampler:
             keys[seeded] = _mix64(_mix64(seeds ^ _SEEDED) + done)
         return keys.view(np.int64)
 
-    def prompt_logprobs(self, logits: torch.Tensor, target_ids: list[int],
-                        k: int) -> list[TokenLogprobs]:
-        """logits: [P, >= vocab_size], row j predicting target_ids[j]; top-k from the raw logits."""
-        if not target_ids:
-            return []
-        return self.prompt_logprob_tensors(logits, target_ids, k).tolist()
-
     def prompt_logprob_tensors(self, logits: torch.Tensor, target_ids: list[int],
                                k: int) -> LogprobTensors:
-        """`prompt_logprobs` (target_ids not empty) without reading the result."""
+        """logits: [P, >= vocab_size], row j predicting target_ids[j] (not empty); top-k from the
+        raw logits. Nothing here waits for the device (LogprobTensors.to_host)."""
         logprobs = logits[:, : self.vocab_size].float().log_softmax(-1)  # [P, V]
         targets = _tensor(target_ids, logits.device, torch.long)  # [P]
         return _gather_logprobs(logprobs, targets, [k] * len(target_ids))
