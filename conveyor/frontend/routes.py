@@ -72,14 +72,14 @@ class Routes:
         return name or self.model_names[0]
 
     def options(self, request: Request, req) -> RequestOptions:
-        """The request's RequestOptions; with salt_per_key, its cache salt is inside its API
-        key's own namespace."""
-        salt = req.cache_salt
+        """The request's RequestOptions (the body has each of its fields at the top level); with
+        salt_per_key, its cache salt is inside its API key's own namespace."""
+        given = {name: getattr(req, name) for name in RequestOptions.__struct_fields__}
         if self.salt_per_key:
             tenant = request.scope.get("state", {}).get("api_key_index", "none")
-            salt = f"key-{tenant}" + ("" if salt is None else f"/{salt}")
-        return RequestOptions(priority=req.priority, ttft_slo=req.ttft_slo,
-                              tpot_slo=req.tpot_slo, cache_salt=salt)
+            salt = given["cache_salt"]
+            given["cache_salt"] = f"key-{tenant}" + ("" if salt is None else f"/{salt}")
+        return RequestOptions(**given)
 
     async def parse(self, request: Request, kind: type):
         req = _decode(await request.body(), kind)
