@@ -1,17 +1,9 @@
 """Triton, or stand-ins that let the kernel files import (and their torch references run) where
-Triton is not installed. Launching a kernel there raises.
-
-Programmatic dependent launch (PDL, Hopper and later): a kernel launched with it may start while
-the kernel before it in the stream is still finishing, so its launch and the scheduling of its
-programs overlap that kernel's tail instead of following it. Each such kernel calls
-`grid_sync(USE_PDL)` before it touches global memory: that waits until the previous kernel has
-finished and its writes are visible, then lets the next kernel start launching. Because every
-PDL kernel waits, the order is transitive (a kernel finishes only after the one before it has),
-so a kernel may read anything any earlier kernel wrote. Kernels launched without it (torch's,
-cuBLAS's, NCCL's) wait for the whole of the previous kernel as usual. CONVEYOR_PDL=0 turns it off.
-
-A kernel may also let the next one launch later: `grid_wait` first, `launch_next` where it
-should (skinny_gemm.py: after its loop, and why).
+Triton is not installed; launching a kernel there raises. Also programmatic dependent launch
+(PDL, Hopper and later; CONVEYOR_PDL=0 turns it off): a kernel launched with pdl_args() calls
+grid_sync(USE_PDL) before it touches global memory, which waits for the previous kernel's
+writes and lets the next kernel launch (or grid_wait first and launch_next later).
+Design and figures: docs/ARCHITECTURE.md, "Programmatic dependent launch".
 """
 import functools
 import os

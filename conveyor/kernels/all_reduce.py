@@ -1,31 +1,10 @@
-"""One-shot all-reduce between the GPUs of one host, optionally followed by the residual add and
-RMSNorm that come after it in a decoder layer: the decode-sized all-reduces of tensor
-parallelism, in one kernel instead of NCCL's kernel plus the norm's.
-
-Each rank's memory holds a receive buffer and flags that every rank can address (PyTorch's
-symmetric memory maps them over NVLink; `bases` [W] holds their addresses as each rank sees
-them). Program r (row r of x) on each rank:
-  1. pushes its row to every peer's receive slot (parity, this rank, row r): plain stores over
-     NVLink;
-  2. raises its flag in every peer's flags (row r, this rank) to n + 1, with release semantics
-     at system scope (n: how many times this program index has run on this rank, kept in
-     `counters`), and waits, with acquire, until every peer's flag here reads n + 1;
-  3. sums the W rows in rank order in float32, so that every rank gets the same bits, and
-     writes the sum (or, fused: sum + residual, and RMSNorm of that: kernels/rms_norm.py's).
-The receive slots alternate by the parity of n, so a push never overwrites a row a peer may
-still be reading: a peer reads slot n % 2 in its call n, and this rank writes it again only in
-its call n + 2, after it has seen the peer's flag of call n + 1, which the peer raised after its
-call n had ended. Flags only grow, so nothing is reset, and CUDA graph replays just work.
-
-Ranks must make the same calls in the same order (tensor-parallel workers do). The grid is one
-program a row (at most MAX_ROWS). Program r waits only for program r of each peer; every GPU
-starts programs in index order, so the lowest waiting program's partners are running or next.
-
-Cost: a push and a flag each way. Measured on two H200s, replayed from a CUDA graph: 3.6 us for
-[1, 4096] bf16 (4.2 with the norm) and 11.0 for [256, 4096], against NCCL's 16.7 and 38.4
-(scripts/bench_allreduce.py, docs/BENCHMARKS.md). One-shot moves W - 1 copies of the message
-per rank, so it is for small messages; and launched eagerly from Python it is slower than NCCL,
-so the engine (worker/layers/parallel.py) uses it only in the decode steps' graphs.
+"""One-shot all-reduce of x [T, N] bf16/fp16 between the GPUs of one host, optionally followed by
+the residual add and RMSNorm of a decoder layer in the same kernel (tensor parallelism's decode
+all-reduces, in CUDA graphs). Each rank's symmetric-memory buffer (`bases` [W]: its address as
+each rank sees it) holds flags, then receive slots [2 parities, W ranks, rows]. Program r pushes
+row r into every peer's slot, raises its flag there to its call count n + 1 (release, system
+scope), waits for every peer's (acquire), and sums the W rows in rank order in float32, so every
+rank gets the same bits. Protocol and figures: docs/TENSOR_PARALLEL.md.
 """
 import torch
 
@@ -57,6 +36,8 @@ def _one_shot_kernel(x_ptr, out_ptr, res_ptr, res_out_ptr, w_ptr, eps, bases_ptr
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     n = tl.load(counter_ptr + row)
+    # NOTE: slots alternate by parity: this rank writes a peer's slot n % 2 again only in call
+    # n + 2, after that peer's flag of call n + 1, raised once its call n (the reader) ended
     parity = n % 2
     x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=mask, other=0.0)
     dtype = x.dtype
@@ -74,6 +55,8 @@ def _one_shot_kernel(x_ptr, out_ptr, res_ptr, res_out_ptr, w_ptr, eps, bases_ptr
             tl.atomic_xchg(flags + row * WORLD + rank, n + 1, sem="release", scope="sys")
     own = tl.load(bases_ptr + rank)
     own_flags = own.to(tl.pointer_type(tl.int32))
+    # NOTE: program r waits only for program r of each peer; GPUs start programs in index order,
+    # so the lowest waiting program's partners are running or next (no deadlock)
     for q in tl.static_range(WORLD):
         if q != rank:
             while tl.atomic_add(own_flags + row * WORLD + q, 0, sem="acquire",

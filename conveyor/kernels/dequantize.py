@@ -1,9 +1,6 @@
 """Dequantize a 1-byte weight: W [N, K] int8 or float8_e4m3fn, scale float32 [N, G] (each of a
-row's G scales covering K / G consecutive columns) -> W * scale [N, K] in bf16/fp16/fp32.
-
-One pass: 1 byte read and 2 written per value, in float32 and rounded once. Used where a
-quantized layer's product is compute bound (int8 prefill: the weight dequantized, then cuBLAS),
-so the whole cost is this pass.
+row's G scales covering K / G consecutive columns) -> W * scale [N, K] in bf16/fp16/fp32, in
+float32 and rounded once, in one pass (int8 prefill: the weight dequantized, then cuBLAS).
 """
 import torch
 

@@ -1,30 +1,8 @@
-"""fp8 W8A8 GEMM: y = (q_x * s_x) @ (W * s_w)^T + bias, with x quantized per token on the fly
-(quant_fp8.py) and W float8_e4m3fn [N, K] quantized per output row at load (s_w [N, 1]).
-
-x may come quantized already (Fp8Rows, from the RMSNorm kernel before the layer), or be the
-MLP's gate/up output with silu_mul, which the quantization kernel applies as it reads it.
-
-Two ways to run the product on the fp8 tensor cores, float32 accumulation both:
-- Decode batches (up to TILED_TO_M rows) on Hopper: the Triton kernel here. Each program owns
-  a BLOCK_M x BLOCK_N tile of y and walks K; the epilogue applies both scales (and the bias) to
-  the float32 sum and rounds once. `tiling` picks the tile so that a call has at least as many
-  programs as the GPU has SMs, narrowing the weight side (128, 64, then 32 rows) rather than
-  splitting K. cuBLAS's kernel for these shapes uses 128x128 tiles, so the o and down
-  projections of Llama-3.1-8B (N = 4,096) run as 64 programs on 132 SMs and stream their
-  weight at about 1.2 TB/s, whatever the batch.
-- More rows (prefill): torch._scaled_mm (cuBLASLt) with row-wise scales (scale_a [M, 1],
-  scale_b [1, N], float32, applied in its epilogue), which wants K and N multiples of 16 and W^T
-  column-major (W [N, K] row-major is exactly that). Its row-wise scaling has only a bfloat16
-  output: fp16 models get that cast, and a bias is added to it in float32.
-
-H200, Llama-3.1-8B's four projections a layer (qkv, o, gate/up, down), GPU µs against cuBLAS
-(`scripts/bench_kernels.py --tables fp8`, docs/BENCHMARKS.md): 72 against 114 at 16 rows,
-75 / 108 at 64, 87 / 103 at 128, 120 / 138 at 192, 123 / 132 at 256. With these tiles the
-decode step at batch 96 takes 5.43 ms against 5.91 with cuBLAS, and the fp8 + fp8 KV reference
-workload runs at 13,620 tok/s against 12,840.
-
-Needs compute capability 8.9+ (Ada, Hopper); the Triton tiles were measured on Hopper only, so
-other devices take cuBLAS at every size.
+"""fp8 W8A8 GEMM: y = (q_x * s_x) @ (W * s_w)^T + bias, W float8_e4m3fn [N, K] with a float32
+scale per output row [N, 1], x [M, K] bf16/fp16 quantized per token on the fly (quant_fp8.py),
+or given as Fp8Rows (rms_norm(fp8=True)), or the MLP's gate/up output with silu_mul. K and N are
+multiples of 16; compute capability 8.9+. Up to TILED_TO_M rows on Hopper the Triton tiles here
+run it, else torch._scaled_mm (cuBLASLt, bf16 output). Design and figures: docs/QUANTIZATION.md.
 """
 import functools
 
@@ -78,11 +56,9 @@ def _fp8_gemm_kernel(q_ptr, sq_ptr, w_ptr, sw_ptr, bias_ptr, y_ptr, M, N, K, str
 
 def tiling(m: int, n: int, sms: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for q [m, K] and W [n, K] on a GPU of
-    sms SMs: the widest tile that still gives every SM a program. 128x128 over two warpgroups
-    where even that fills the GPU (gate/up from 65 rows), else 64 batch rows by 128, 64 or 32
-    weight rows. From a sweep on an H200 (BLOCK_K and stages: the best of 128/256 and 3-6 for
-    each width). The two-warpgroup tile is the shape int8_gemm.py found Triton 3.6
-    miscompiling for its bf16 dots; here the GPU tests check it at Llama's sizes."""
+    sms SMs: the widest tile that still gives every SM a program (docs/QUANTIZATION.md). NOTE:
+    two warpgroups is the shape Triton 3.6 miscompiled for int8_gemm's bf16 dots; the GPU tests
+    check it here at Llama's sizes."""
     if m > 64 and programs(m, n, 128, 128) >= sms:
         return 128, 128, 128, 8, 3
     if programs(m, n, 64, 128) >= sms:

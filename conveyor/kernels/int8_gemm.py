@@ -1,28 +1,12 @@
 """W8A16 GEMM: y = x @ (W * scale)^T + bias, x [M, K] bf16/fp16, W [N, K] int8, scale float32
 [N, G] (G = 1: one per output row; else one per group of K / G columns, GGUF Q8_0's 32).
 
-Each program owns a tile of BLOCK_N weight rows by BLOCK_M batch rows and walks K. The operands
-are swapped: the tile computed is y^T = W_tile @ x_tile^T, so the weight is the tensor-core
-product's first operand. On Hopper that one may come from registers (wgmma's register-A form),
-which is where the int8 tile, loaded into shared memory, is turned into x's dtype on its way
-in; x, the second operand, is read from shared memory as it was loaded. (With W as the second
-operand, the converted tile would go back to shared memory before every product, and a batch
-under 64 rows would fall back to Ampere's mma.) The conversion is int8_to_float's, from
-the bytes (exact: |q| <= 127 fits bf16's 8 bits). Row scales multiply the accumulator once at
-the end; group scales multiply the W tile before its conversion (as the reference rounds it).
-
-A tile's weight rows are a whole 64-row tensor-core shape, so a 4096-row weight makes only 64
-tiles for a batch that fits one BLOCK_M: too few for 132 SMs. Then K is split among SPLIT_K
-programs, each writing its float32 partial tile to a workspace; the last one to finish a tile
-(an atomic count per tile) adds the partials in split order and writes y, so the sum is the
-same from run to run. The count goes back to zero for the next call.
-
-H200, Llama-3.1-8B's four projections a layer (`scripts/bench_kernels.py --tables quant`,
-docs/BENCHMARKS.md): 100 µs at M = 16 (bf16 cuBLAS 121), 282 µs at M = 256 (cuBLAS 186). At
-256 rows the product is bound by the tensor cores, not by the weight's bytes, and this kernel's
-dots (converted in registers, 4 warps) reach about 450 TFLOP/s where cuBLAS's bf16 kernels
-reach 650. Single-row decode takes the skinny GEMV (skinny_gemm.py), which streams W faster,
-and from CUBLAS_FROM_M rows (prefill) linear() dequantizes W and calls cuBLAS.
+A program owns BLOCK_N weight rows by BLOCK_M batch rows and computes y^T = W_tile @ x_tile^T,
+so that the int8 tile, converted in registers (int8_to_float, exact), is the register operand of
+Hopper's wgmma. Row scales multiply the accumulator at the end, group scales the converted tile.
+Where a call has too few tiles, K is split among SPLIT_K programs; the last to finish a tile
+adds the float32 partials in split order (the same sum every run) and resets the tile's count.
+Design and figures: docs/QUANTIZATION.md.
 """
 import torch
 
@@ -37,10 +21,8 @@ BLOCK_N = 64
 _WAVE = 256            # split K until a call has about this many programs (2 waves of 132 SMs)
 _MAX_SPLIT = 4
 # NOTE: from this many rows linear() dequantizes the weight to x's dtype (dequantize.py) and
-# calls cuBLAS instead: the product is compute bound there, and cuBLAS's bf16 kernels beat this
-# one by more than the dequantization costs (one pass over W: 3 bytes a value, about 0.1 ms for
-# Llama-8B's gate_up). scripts/bench_kernels.py --tables quant times both from 256 rows: at 256
-# this kernel wins (gate_up 135 against 194 µs), at 4096 cuBLAS does (1,509 against 2,090).
+# calls cuBLAS instead: compute bound there, cuBLAS's bf16 kernels beat this one by more than
+# the dequantization costs (docs/QUANTIZATION.md; bench_kernels.py --tables quant times both)
 CUBLAS_FROM_M = 1024
 # per device: one int32 count per tile, at 0 between calls (one stream at a time uses them)
 _counts: dict[torch.device, torch.Tensor] = {}
@@ -101,7 +83,7 @@ def tiling(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_K, num_warps, num_stages, SPLIT_K) for x [m, k] and W [n, k]; BLOCK_N is
     64. BLOCK_M covers the batch up to 128 rows (256 on a weight of 264 or more tiles, Llama's
     gate_up), and K is split in two or four while the call has fewer than _WAVE programs; from
-    a sweep on an H200 (see the module's docstring)."""
+    a sweep on an H200."""
     n_tiles = -(-n // BLOCK_N)
     block_m = min(max(next_pow2(m), 16), 256 if m > 128 and n_tiles >= 264 else 128)
     block_k, num_stages = (64, 3) if block_m == 256 else (128, 4 if block_m <= 64 else 3)

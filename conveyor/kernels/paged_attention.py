@@ -1,36 +1,13 @@
 """Paged attention for a mixed batch (decodes and prefill chunks with cached prefixes) in one
 launch, over block tables. The torch reference is TorchAttentionBackend.forward.
 
-Layout: q [T, heads, head_dim] flat over the batch (sequence i owns rows query_start_loc[i] to
-query_start_loc[i + 1], the last q_len positions of its seq_lens[i]-token context, causal); the
-pool [num_blocks, 2, block_size, kv_heads, head_dim].
-
-One program takes one tile of query tokens of one sequence and one KV head; its rows are
-(token, query head of the group) pairs, so a decode's GROUP query heads fill the rows of one
-tensor-core tile (tl.dot) instead of GROUP matrix-vector products. Grid axis 0 enumerates tiles
-as vLLM's unified kernel does: sequence i owns tiles query_start_loc[i] // TQ + i onwards, so a
-program finds its sequence by binary search and no host-side tile map is needed (CUDA graphs).
-A decode-only batch may instead give seq_order, one program a sequence in that order: longest
-context first, the last programs to start are the shortest, so the grid's last wave is short
-(H200, the reference workload's contexts at decode step 400: 152 against 160 us a layer). Its
-grid is head-major: the KV heads of one sequence are neighbouring programs, which run together
-and read the same pages (the pool interleaves heads within a page), and the grid's waves take
-whole sequences (H200, the reference workload end to end: +2.7 % on Qwen3-0.6B, five A/B pairs).
-
-Split-KV (flash decoding): with few sequences, grid axis 2 splits each tile's keys into
-num_splits ranges; each writes a normalised partial output and its log-sum-exp (base 2), and
-a second kernel merges them. Softmax is online, in float32.
-
-fp8 pool (float8 e4m3): K and V tiles load as one byte an element and convert to fp16 in
-registers, where the dots then run (q converted once); k_scale folds into the softmax scale and
-v_scale into the output (no extra pass). V converts through a few lines of PTX that Triton
-cannot move (compute capability 8.9+; older GPUs keep the cast). With the plain cast, Triton
-moves the conversion after the change into the tensor cores' operand layout, which for V (keys
-are its reduction axis, 128 bytes apart in the pool) gathers one byte per shared-memory load:
-128 loads a thread per 128 keys, in sm90 SASS. Kept in place, the tile loads 16 bytes at a
-time, converts, and reaches the operand layout in fp16 through ldmatrix's transposing load (the
-loop: 754 instructions against 1,109). H200, Llama shape, batch 256 at context 1024: 182 us
-against 300 (bf16 pool: 247).
+q [T, heads, head_dim] is flat over the batch: sequence i owns rows query_start_loc[i] to
+query_start_loc[i + 1], the last q_len positions of its seq_lens[i]-token context (causal). The
+pool is [num_blocks, 2, block_size, kv_heads, head_dim], in q's dtype or float8 e4m3. A program
+takes one KV head over a tile of one sequence's query tokens, a row per (token, query head of
+the group); sequence i owns tiles query_start_loc[i] // TQ + i onwards (no host-side tile map).
+Split-KV programs write partial outputs and base-2 log-sum-exps, which a second kernel merges.
+Design and figures: docs/ARCHITECTURE.md, "Paged attention" and "fp8 KV cache".
 """
 import functools
 
@@ -110,11 +87,9 @@ def _paged_attention_kernel(
     q = tl.load(q_ptr + rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)          # [M, D]
     if k_cache_ptr.dtype.element_ty == tl.float8e4nv:
-        # e4m3 -> fp16 is one paired conversion (F2FP) per two values; -> bf16 adds a scalar F2F
-        # per value (sm90 SASS of a decode tile: 128 F2F an iteration, none here), and by the
-        # count those conversions, not the loads, bounded the loop. So over an fp8 pool the
-        # dots run in fp16: q loses nothing (bf16's 8 mantissa bits fit in fp16's 11;
-        # |q| < 65504), k and v are e4m3 values (|x| <= 448), p is in [0, 1].
+        # NOTE: over an fp8 pool the dots run in fp16, whose conversion from e4m3 is the cheap one
+        # (docs/ARCHITECTURE.md, "fp8 KV cache"); exact: bf16's 8 mantissa bits fit in fp16's 11
+        # and |q| < 65504, k and v are e4m3 values (|x| <= 448), p is in [0, 1]
         q = q.to(tl.float16)
     q_pos = prefix + tok                               # [M] position of each query
     kv_len = prefix + tl.minimum(tq0 + TQ, q_len)      # keys any row of this tile may see
@@ -147,7 +122,7 @@ def _paged_attention_kernel(
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        if V_ASM:                                      # fp8 pool on a GPU (see the docstring)
+        if V_ASM:                                      # fp8 pool, cc 8.9+: see _e4m3_to_f16
             v = _e4m3_to_f16(v)
         else:
             v = v.to(q.dtype)
@@ -203,14 +178,8 @@ def _has_cvt_e4m3x2(device: torch.device) -> bool:
 
 
 def _tile_config(group: int, max_query_len: int, fp8: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_M rows, BLOCK_N keys, num_warps, num_stages) for the longest query in the batch.
-
-    Measured on an H200 (16/8 and 32/8 heads, d 128, block size 16): decodes at batch 256 with
-    1024-token contexts, bf16 pool 247 us = 4.35 TB/s (16, 64, 4, 2); fp8 pool 180 us with
-    (16, 128, 4, 2) against 233 us with bf16's tile and 267 with 256 keys (the loop is bound by
-    instructions, not bytes; batch 64: 58 against 76 us). 8 x 1024-token prefills 160 us =
-    214 TFLOP/s with (64, 64, 4, 3) against 311 us with 8 warps.
-    """
+    """(BLOCK_M rows, BLOCK_N keys, num_warps, num_stages) for the longest query in the batch,
+    from a sweep on an H200 (docs/BENCHMARKS.md, "Kernels alone")."""
     if max_query_len * group <= 16:              # decodes: one token's heads per tile
         block_n, warps, stages = (128, 4, 2) if fp8 else (64, 4, 2)
         return max(16, next_pow2(group)), block_n, warps, stages

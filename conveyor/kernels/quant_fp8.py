@@ -1,17 +1,9 @@
 """Per-token (row) dynamic fp8 quantization of activations: x [M, K] bf16/fp16 ->
 (q [M, K] float8_e4m3fn, scale [M, 1] float32) with x ~= q * scale, scale = amax(|row|) / 448.
-
-One program per row, which it holds in registers (K up to 32k is 64 values a thread): its amax,
-then divide, round to nearest even and store, in one pass over the bytes. The input of fp8 W8A8
-GEMMs (fp8_gemm.py). H200, Llama-3.1-8B decode at batch 256 with fp8 weights: the kernel this
-replaced (4 warps looping twice over 1,024-column blocks, no PDL) took 5.4 us a call, 128 calls
-and 7 % of a step; with this one the step went from 9.88 to 9.68 ms.
-
-The kernels that produce a GEMM's input quantize it themselves where they can, so that it is
-not written in 16 bits and read back: with silu_mul this one takes the gate/up projection's
-output and quantizes silu(gate) * up (the MLP's down projection), and rms_norm.py's kernel
-quantizes its normalised rows (the qkv and gate/up projections) through store_fp8_row. Both
-round to the activation dtype first, so the bytes equal those of the separate kernels.
+One program holds a row in registers: amax, then divide, round to nearest even, store. With
+silu_mul it quantizes silu(gate) * up of the MLP's gate/up output, and rms_norm.py's kernel
+quantizes its rows through store_fp8_row; both round to the activation dtype first, so the
+bytes equal the separate kernels'. Design and figures: docs/QUANTIZATION.md, "Kernels".
 """
 import torch
 

@@ -1,10 +1,8 @@
-"""RMSNorm with an optional fused residual add, rounding like the torch layer (and HF):
-the sum x + residual is rounded to the model dtype, normalised in float32, rounded, then scaled
-by the weight. One program per row.
-
-With fp8 the normalised rows leave quantized per row for an fp8 GEMM (_util.Fp8Rows):
-rounded to the model dtype first, so the bytes equal rms_norm then quant_fp8, without the
-16-bit rows written and read back or the second launch.
+"""RMSNorm with an optional fused residual add, rounding like the torch layer (and HF): the sum
+x + residual is rounded to the model dtype, normalised in float32, rounded, then scaled by the
+weight. One program per row. With fp8 the normalised rows leave quantized per row for an fp8
+GEMM (_util.Fp8Rows), rounded to the model dtype first: the bytes of rms_norm then quant_fp8,
+without the 16-bit rows written and read back or the second launch.
 """
 import torch
 

@@ -1,28 +1,13 @@
-"""Sampling fused into one read of the logits: one token per row, by argmax for greedy rows and
-by the exponential race (Gumbel-max) with Philox noise drawn in the kernel for the others. No
-probabilities, no sort. Top-k, top-p and min-p are not handled here (the sampler's torch path).
+"""Sampling fused into one read of the logits [N, V]: one token per row, the argmax for greedy
+rows (T == 0) and for the others (T > 0) the exponential race, with Philox noise drawn in the
+kernel: the first column of the highest x * log2(e) / T - log2(E), E ~ Exp(1) in units of ln 2,
+is a draw from softmax(x / T). Rows with T < 0 get -1 (the caller samples them); top-k, top-p
+and min-p are not handled here.
 
-Row r of temperature T scores its columns c < V with
-    T == 0:  x[r, c]
-    T > 0:   x[r, c] * log2(e) / T - log2(E[r, c])      E ~ Exp(1), in units of ln 2
-and picks the first column of the highest score (torch.argmax's rule for ties). argmax over c of
-x / T - ln E is a draw from softmax(x / T) (the exponential race); scaled by log2(e), the logs
-are the hardware's log2 with no multiplications. Rows with T < 0 are left to the caller: their
-token is -1.
-
-Noise: Philox4x32-10 (`tl.randint4x`) keyed by the row's 64-bit seed, so a row's draws depend
-only on its seed, never on the rest of the batch. A tile of 4 * SUB columns takes one Philox call
-per lane: column c uses output (c % TILE) // SUB of counter (c // TILE) * SUB + c % SUB.
-E comes from a 32-bit draw u as -ln(1 - w), w = (u + 1/2) / 2^32 in (0, 1), to float32
-precision over the whole range.
-NOTE: -ln(u') of a float32 uniform u' (tl.rand) resolves small E, the likely winners, only to
-2^-24 (float32's step below 1): ties, and a bias towards low columns over a large vocabulary.
-So w or 1 - w is taken from whichever integer (u or 2^32 - 1 - u) is below 2^31, and small E
-come from a series in w.
-
-Grid (N, C): program (r, j) scans `tiles_per_chunk` tiles of row r, keeping one best (score,
-column) per lane, and writes its best to partials [N, C]; a second launch reduces each row's C
-partials. The logits are read once; the partials are 8 bytes per program.
+Noise: Philox4x32-10 (`tl.randint4x`) keyed by the row's 64-bit seed; column c uses output
+(c % TILE) // SUB of counter (c // TILE) * SUB + c % SUB (race_noise_ref draws the same).
+Grid (N, C): a program writes its chunk's best (score, column) to partials [N, C], and a
+second launch reduces each row's. Design and figures: docs/ARCHITECTURE.md, "Decode kernels".
 """
 import torch
 
@@ -56,7 +41,9 @@ def _log2(x, FAST: tl.constexpr):
 
 @jit
 def _exp_noise(u, FAST: tl.constexpr):
-    """E / ln 2 for E = -ln(1 - w) ~ Exp(1), w = (u + 1/2) / 2^32, u: uint32 draws."""
+    """E / ln 2 for E = -ln(1 - w) ~ Exp(1), w = (u + 1/2) / 2^32, u: uint32 draws, to float32
+    precision over the whole range. NOTE: -ln of a float32 uniform (tl.rand) resolves small E,
+    the likely winners, only to 2^-24: ties, and a bias towards low columns."""
     low = (u >> 31) == 0
     # t = min(w, 1 - w) (times 2^-32 below), from whichever of u, 2^32 - 1 - u is below 2^31
     t = (tl.where(low, u, u ^ 0xFFFFFFFF).to(tl.float32) + 0.5) * 2.3283064365386963e-10

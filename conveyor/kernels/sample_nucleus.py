@@ -1,32 +1,11 @@
-"""Top-p and min-p sampling without a sort: a draw from softmax(x / T) restricted to the row's
-nucleus, by rejection, a few reads of the row instead of sorting it.
-
-The set kept: token i stays if the tokens strictly more likely than it hold less than top_p of
-the mass (top-p), and if p_i >= min_p * max_j p_j (min-p). Both are upper sets in the order of
-the logits: everything more likely than a kept token is kept. (The sort-based rule of the torch
-path cuts ties at the boundary in the sort's order; this keeps the whole tie.)
-
-Rejection: draw a candidate from the distribution restricted to a set that holds the nucleus
-(first the whole row); if the candidate is in the nucleus, it is the draw: a draw from a superset
-conditioned on the nucleus is a draw from the nucleus. If not, nothing as likely as it or less
-is in the nucleus either, so the next candidate is drawn from the tokens strictly more likely
-than it (and, with min-p, above the min-p bound). The most likely token is always kept, so this
-ends; each round also checks the last candidate while it draws the next (speculatively: the draw
-is discarded if the check accepts), so a row costs one read for its max and normaliser plus the
-first draw, and one read a round: two reads when the first candidate is in the nucleus, which it
-is with probability about top_p.
-
-Draws are exponential races (kernels/sample.py): round n's noise is Philox keyed by the row's
-seed at counters n * tiles * SUB + (the column's counter there), so a row's draw depends only
-on its logits, its parameters and its seed. Scores are in log2 units (x * log2(e) / T).
-
-Grid (R,): one program a row (rows index the logits, so a filtered subset needs no copy), 8
-warps so that a lone row still keeps an SM busy. At 256 rows of 151,936 bf16 logits a read of
-every row is 78 MB; the torch path sorts 39 M float32 values with their indices instead.
-Prediction (not yet measured, `scripts/bench_kernels.py`): a read costs about what the fused
-temperature kernel does (Philox and two log2 a value, 1 TB/s there: ~75 us at 256 rows), so
-~0.2-0.4 ms for 256 rows against a few ms for the sort path; at one row ~0.1 ms, about the
-torch path's.
+"""Top-p and min-p sampling without a sort: for each of the given rows of the logits, a draw from
+softmax(x / T) restricted to the row's nucleus: token i is kept if the tokens strictly more
+likely than it hold less than top_p of the mass and p_i >= min_p * max_j p_j (a tie at the
+top-p boundary is kept whole). By rejection, one program a row: a read of the row for its max and
+normaliser and a first candidate, then rounds that each check the last candidate while racing
+the next among the tokens more likely than it. Round n's noise is sample.py's Philox keyed by the
+row's seed at counters n * tiles * SUB + (the column's counter there); scores are in log2 units.
+Design and figures: docs/ARCHITECTURE.md, "Top-p and min-p without a sort".
 """
 import torch
 

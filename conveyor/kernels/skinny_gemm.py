@@ -1,31 +1,9 @@
-"""y = x W^T (+ bias) for one row of x (single-stream decode): x [1, K], W [N, K] as nn.Linear
-stores it, bf16 or fp16, float32 accumulation. Optionally x is a fused gate/up projection
-[1, 2K] and silu(gate) * up is computed while loading it (the MLP's down projection).
-
-Memory-bound: the kernel is a stream of W. Program n reduces BLOCK_N rows of W against x,
-BLOCK_K columns at a time, into a [BLOCK_N, BLOCK_K] float32 accumulator summed once at the end
-(no tensor cores: with one row of x they would be 1/16 busy). The loop is software-pipelined
-(`tl.range(num_stages=STAGES)`): cp.async copies the next stages' tiles of W (and x) into shared
-memory while the current one is multiplied, so each program keeps STAGES - 1 tiles in flight.
-Loaded into registers instead, a program waits on every tile, and the 1-byte weights, which
-cost twice the conversions and FMAs per byte, stream Llama-8B's layers and LM head at
-2.0-3.8 TB/s on an H200 that way against 2.5-4.3 pipelined (docs/BENCHMARKS.md).
-
-The kernel lets the next one launch (PDL, _triton.py) only after its loop. Letting it launch at
-the start makes the bf16 Llama-8B decode about 0.2 ms a token slower on an H200 (4.29-4.34
-against 4.10-4.11 ms; fp8 no different). That is measured, not understood; a likely cause is
-that the next kernel's waiting programs hold SM resources (a GEMV's shared memory) that this
-one's programs would use.
-
-Why not cuBLAS: at one row its kernels for these shapes reach 0.3-2.2 TB/s on an H200 (the
-Qwen3-0.6B o and down projections worst), this kernel 1.2-4.4 TB/s (scripts/bench_kernels.py,
-docs/BENCHMARKS.md). At more rows cuBLAS's tensor-core kernels read W once for all of them, so
-they keep those.
-
-Weight-quantized (int8 W8A16, or fp8 weights read the same way): W holds 1-byte values and a
-float32 scale [N, G] (G = 1: one per row; else one per group of K / G columns, GGUF Q8_0's 32).
-The bytes read halve, which is the whole of the single-stream decode speed-up. Row scales
-multiply the row sums once at the end; group scales multiply W as it is loaded.
+"""y = x W^T (+ bias) for one row of x (single-stream decode): x [1, K] bf16/fp16, W [N, K] as
+nn.Linear stores it, in x's dtype or int8/fp8 with a float32 scale [N, G] (G = 1: one per row;
+else one per K / G columns, GGUF Q8_0's 32); float32 accumulation, y in x's dtype. With
+silu_mul, x is the fused gate/up output [1, 2K] and silu(gate) * up is computed as it loads.
+A stream of W: BLOCK_N rows a program, no tensor cores, a software-pipelined loop (cp.async).
+Design and figures: docs/ARCHITECTURE.md, "Skinny GEMM"; docs/QUANTIZATION.md, "Kernels".
 """
 import torch
 
@@ -52,12 +30,9 @@ def _load_x(x_ptr, ks, K, mask, SILU_MUL: tl.constexpr, dtype: tl.constexpr):
 
 @jit
 def int8_to_float(w):
-    """int8 -> float32, exactly, without I2F: on Hopper a conversion from an 8-bit integer issues
-    at 16 a clock per SM against 64 for integer logic, and at one per weight it bounded the int8
-    loop. The byte b, zero-extended and XORed with 0x4B000080, is the float 2^23 + (b + 128): its
-    mantissa holds b ^ 0x80, which is b + 128 as an unsigned byte. H200, Llama-3.1-8B's layers:
-    10-17 % faster than I2F, single-stream decode 3.26 ms a token against 3.63 with I2F;
-    int8_gemm's tiles use it too."""
+    """int8 -> float32, exactly, with integer ops instead of I2F (quarter rate on Hopper): the
+    byte b, zero-extended and XORed with 0x4B000080, is the float 2^23 + (b + 128), its mantissa
+    holding b ^ 0x80 = b + 128 as an unsigned byte (docs/QUANTIZATION.md, "Kernels")."""
     bits = w.to(tl.uint8, bitcast=True).to(tl.uint32) ^ 0x4B000080
     return bits.to(tl.float32, bitcast=True) - 8388736.0
 
@@ -91,7 +66,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, N, K, stride_w
             w *= tl.load(s_ptrs, mask=row_ok & k_ok[None, :], other=0.0)
         x = _load_x(x_ptr, ks, K, k_ok, SILU_MUL, x_ptr.dtype.element_ty)
         acc += w * x.to(tl.float32)[None, :]
-    launch_next(USE_PDL)          # not at the start: see the module's docstring
+    launch_next(USE_PDL)          # NOTE: after the loop, not first: docs/ARCHITECTURE.md, PDL
     y = tl.sum(acc, 1)
     if SCALE == 1:
         y *= tl.load(scale_ptr + rows * stride_sn, mask=rows < N, other=0.0)
@@ -104,11 +79,8 @@ def tiling(n: int, k: int, weight_bytes: int = 2, silu_mul: bool = False,
            sms: int = 132) -> tuple[int, int]:
     """(BLOCK_N, BLOCK_K) for an [N, K] weight of weight_bytes a value: 8 rows a program, or 4
     where 8 would leave fewer than two programs per SM (N < 16 x SMs), and _STAGE_BYTES of W a
-    stage (twice that with silu_mul, whose x is two loads and the activation per column).
-    From a sweep on the H200 (4-16 rows, 4-16 KB a stage, 2 or 4 warps, 3 or 4 stages) over the
-    Qwen3-0.6B and Llama-3.1-8B shapes in bf16, int8 and fp8: a decode step's GEMVs take within
-    4 % of what each shape's best tile would, and every shape runs faster than unpipelined but
-    two (Llama's o in bf16, 9.6 -> 10.3 us, and Qwen3's o, 2.8 -> 3.0)."""
+    stage (twice that with silu_mul, whose x is two loads and the activation per column); from
+    a sweep on an H200 (docs/ARCHITECTURE.md, "Skinny GEMM")."""
     block_n = 8 if n >= 16 * sms else 4
     stage = _STAGE_BYTES * (2 if silu_mul else 1)
     block_k = min(stage // (block_n * weight_bytes), max(16, next_pow2(k)))

@@ -1,8 +1,6 @@
 """Write this step's K and V into the paged pool at their slots; slot -1 (padding) is skipped.
-
-The pool of one layer is [num_blocks, 2, block_size, kv_heads, head_dim] (0 = K, 1 = V); slot
-s lands in block s // block_size at offset s % block_size. One program per token, no host sync.
-
+The pool of one layer is [num_blocks, 2, block_size, kv_heads, head_dim] (0 = K, 1 = V); slot s
+lands in block s // block_size at offset s % block_size. One program per token, no host sync.
 An fp8 pool (float8 e4m3) stores k * (1 / k_scale) and v * (1 / v_scale), computed in float32
 and clamped to +-448 before the cast (saturating, as the torch reference does).
 """
