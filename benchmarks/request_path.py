@@ -25,7 +25,7 @@ HTTP pass and each rate draw their token ids from a stream of their own (salt "z
 before timing) use other prompts again. The first timed run is the one reported: no best-of.
 Sampling: temperature 0.6, ignore_eos, max_tokens of the workload.
 
-    python scripts/bench_request_path.py --shape qwen3-0.6b --random-weights --device cuda
+    python scripts/bench_request_path.py --shape qwen3-0.6b --random-weights
     python scripts/bench_request_path.py --model /path/to/hf-folder -- --max-num-seqs 128
     python scripts/bench_request_path.py --num-requests 16 --input-len 100:256 \\
         --output-len 16:64 --rates 2,8                  # CPU, the default model
