@@ -70,9 +70,10 @@ def default_frontends() -> int:
 def serve(engine: EngineConfig, http: HttpConfig, *, host: str = "127.0.0.1", zmq_port: int = 0,
           num_frontends: int | None = None, curve_keys: str | None = None,
           startup_timeout: float = 600.0, skip_tokenizer_init: bool = False) -> int:
-    """Run `conveyor serve` until it stops; returns the exit code. The engine's device and
-    token budget default here (EngineConfig.with_defaults), once for every process."""
-    engine = engine.with_defaults(offline=False)
+    """Run `conveyor serve` until it stops; returns the exit code. What the engine leaves to
+    choose (device "auto", the token budget) is chosen by EngineConfig.with_defaults in the
+    workers, which import torch anyway, and in the scheduler from worker 0's device: this
+    long-lived process never imports torch."""
     num_frontends = num_frontends or default_frontends()
     model = read_model_config(resolve_model(engine.model))
     check_tensor_parallel(model, engine.tensor_parallel_size)
@@ -111,7 +112,8 @@ def summary(cfg: ServeConfig, info: dict[str, dict]) -> str:
              f"{cfg.num_frontends} frontend(s)",
              f"KV cache {blocks:,} blocks of {e.block_size} = {blocks * e.block_size:,} tokens "
              f"({worker.get('kv_dtype')}); max model length {scheduler.get('max_model_len')}",
-             f"a step: up to {e.max_num_batched_tokens} tokens and {e.max_num_seqs} sequences; "
+             f"a step: up to {scheduler.get('max_num_batched_tokens')} tokens and "
+             f"{e.max_num_seqs} sequences; "
              f"waiting requests beyond {scheduler.get('queue_cap') or 'none'} are refused"]
     if "quantization" in worker:
         lines.append(str(worker["quantization"]))

@@ -16,7 +16,7 @@ from conveyor.frontend.core import READY, FrontendCore
 from conveyor.frontend.tokenizer import load_tokenizer
 from conveyor.outputs import RequestOutput
 from conveyor.shared.config import EngineConfig
-from conveyor.shared.messages import decode, encode
+from conveyor.shared.messages import through_wire
 from conveyor.shared.messages.client import GenerateRequest
 from conveyor.shared.messages.engine import Abort, AddRequest
 from conveyor.shared.request_options import RequestOptions
@@ -99,7 +99,7 @@ class LLM:
 
     def _send(self, msg) -> None:
         """The in-process channel to the engine: the same encoded messages as the sockets."""
-        msg = decode(encode(msg))
+        msg = through_wire(msg)
         if isinstance(msg, AddRequest):
             self._from_engine += self.engine.add(msg)
         elif isinstance(msg, Abort):

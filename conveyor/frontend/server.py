@@ -1,7 +1,7 @@
 """A frontend process: the public endpoints of the engine, on one asyncio loop.
 
 It serves the ZMQ client protocol (docs/PROTOCOL.md) on a ROUTER at tcp://host:zmq_port+index and
-the OpenAI HTTP API (conveyor/frontend/http.py) on the port every frontend shares. Both hand
+the OpenAI HTTP API (conveyor/frontend/routes.py) on the port every frontend shares. Both hand
 requests to one FrontendCore, which talks to the scheduler. The launcher drives its state over
 the control socket: Ready (all processes are up: serve), Drain (SIGTERM: refuse new requests,
 finish open ones, then report Drained), EngineDead (fail every open request), Shutdown (exit).
@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 
+import uvloop
 import zmq
 import zmq.asyncio
 
@@ -52,8 +53,6 @@ def frontend_main(ctx: zmq.Context, control: Socket, cfg: ServeConfig, index: in
                         f"f{index}-", lambda msg: None,
                         None if share is None else -(-share // cfg.num_frontends),
                         cfg.http.request_timeout, metrics, cfg.http.max_n)
-    import uvloop
-
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(Frontend(cfg, index, core, metrics).run(ctx, control))
 

@@ -60,16 +60,18 @@ def scheduler_main(ctx: zmq.Context, control: Socket, cfg: ServeConfig) -> None:
     frontends = Socket(ctx, zmq.ROUTER, ipc(cfg.runtime_dir, "scheduler"), bind=True,
                        allowed=(AddRequest, Abort, StatsRequest, FrontendDead))
     workers = Workers(ctx, cfg)
-    _, ready = workers.results.recv()        # rank 0 says how many KV blocks every rank has
+    # rank 0 says how many KV blocks every rank has, and on which device the workers run
+    _, ready = workers.results.recv()
     num_blocks = int(ready.info["num_blocks"])
-    if num_blocks < cfg.engine.max_num_seqs:
+    config = cfg.engine.with_defaults(offline=False, cuda=ready.info["device"] == "cuda")
+    if num_blocks < config.max_num_seqs:
         raise StartupError(f"the KV cache has {num_blocks} blocks, fewer than max_num_seqs="
-                           f"{cfg.engine.max_num_seqs} (one block per request); raise "
+                           f"{config.max_num_seqs} (one block per request); raise "
                            f"--kv-cache-memory-bytes or lower --max-num-seqs")
-    length = max_model_len(cfg.engine, model)
-    scheduler = Scheduler(cfg.engine, num_blocks, model.eos_token_ids, length,
-                          derive_queue_cap=True)
+    length = max_model_len(config, model)
+    scheduler = Scheduler(config, num_blocks, model.eos_token_ids, length, derive_queue_cap=True)
     control.send(Ready("scheduler", {"max_model_len": length,
+                                     "max_num_batched_tokens": config.max_num_batched_tokens,
                                      "queue_cap": scheduler.admission.queue_cap() or 0}))
     engine = EngineCore(scheduler, workers, report=lambda line: print(f"conveyor: {line}",
                                                                       flush=True))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from conveyor.shared.messages import decode, encode
+from conveyor.shared.messages import through_wire
 from conveyor.shared.messages.worker import StepPlan, StepResult
 
 
@@ -21,7 +21,7 @@ class LocalExecutor:
         self.ready: deque[StepResult] = deque()   # results taken from the runner, not handed out
 
     def submit(self, plan: StepPlan) -> None:
-        plan = _through_wire(plan) if self.wire else plan
+        plan = through_wire(plan) if self.wire else plan
         self._keep(self.runner.submit(plan) if self.overlap else self.runner.execute(plan))
 
     def result(self, wait: bool) -> StepResult | None:
@@ -31,8 +31,4 @@ class LocalExecutor:
 
     def _keep(self, result: StepResult | None) -> None:
         if result is not None:
-            self.ready.append(_through_wire(result) if self.wire else result)
-
-
-def _through_wire(msg):
-    return decode(encode(msg), (type(msg),))
+            self.ready.append(through_wire(result) if self.wire else result)

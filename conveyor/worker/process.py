@@ -29,8 +29,9 @@ def worker_main(ctx: zmq.Context, control: Socket, cfg: ServeConfig, rank: int) 
     from conveyor.worker.model_runner import ModelRunner
     from conveyor.worker.profiling import StepProfiler, host_phase
 
-    tp = cfg.engine.tensor_parallel_size
-    if cfg.engine.device == "cuda":
+    engine = cfg.engine.with_defaults(offline=False)   # "auto": decided where torch is
+    tp = engine.tensor_parallel_size
+    if engine.device == "cuda":
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
     else:
@@ -46,21 +47,22 @@ def worker_main(ctx: zmq.Context, control: Socket, cfg: ServeConfig, rank: int) 
                                 init_method=f"file://{cfg.runtime_dir}/distributed",
                                 rank=rank, world_size=tp,
                                 device_id=device if device.type == "cuda" else None)
-        if device.type == "cuda" and not cfg.engine.disable_custom_all_reduce:
+        if device.type == "cuda" and not engine.disable_custom_all_reduce:
             from conveyor.worker.layers.parallel import enable_custom_all_reduce
 
             enable_custom_all_reduce(device)
-    files = resolve_model(cfg.engine.model)
+    files = resolve_model(engine.model)
     model = read_model_config(files)
     profiler = StepProfiler.from_env(rank, device.type == "cuda")
-    runner = ModelRunner(cfg.engine, model, files, max_model_len(cfg.engine, model), device)
-    executor = LocalExecutor(runner, cfg.engine.async_scheduling)
+    runner = ModelRunner(engine, model, files, max_model_len(engine, model), device)
+    executor = LocalExecutor(runner, engine.async_scheduling)
     plans = Socket(ctx, zmq.PULL, ipc(cfg.runtime_dir, f"worker-{rank}"), bind=False,
                    allowed=(StepPlan, Shutdown))
     results = None
     if rank == 0:
         results = Socket(ctx, zmq.PUSH, ipc(cfg.runtime_dir, "results"), bind=False)
-        results.send(Ready("worker", {"num_blocks": runner.num_blocks}))
+        results.send(Ready("worker", {"num_blocks": runner.num_blocks,
+                                      "device": device.type}))
     control.send(Ready(f"worker-{rank}", runner.describe()))
     while True:
         with host_phase(profiler, "conveyor: wait for a plan"):

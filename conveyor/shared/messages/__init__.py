@@ -64,3 +64,9 @@ def decode(frames: list[bytes], allowed: tuple[type, ...] = MESSAGE_TYPES,
         raise MessageError(f"malformed {decoder.type.__name__}: {e}") from None
     except RecursionError:  # msgspec skips unknown fields by recursion: a deep one exhausts it
         raise MessageError(f"malformed {decoder.type.__name__}: nested too deeply") from None
+
+
+def through_wire(msg):
+    """msg encoded and decoded again: what an in-process channel hands over, so the engine in
+    one process gets exactly what it would get from a socket."""
+    return decode(encode(msg), (type(msg),))
