@@ -59,6 +59,9 @@ class EngineConfig:
     # "auto" (the model dtype) | "fp8" (alias "fp8_e4m3"): e4m3 with per-layer scales
     kv_cache_dtype: str = "auto"
     enforce_eager: bool = False
+    # the largest step (in tokens) replayed from a CUDA graph; larger ones run eagerly. None: by
+    # the model (worker/cuda_graph.py); 0: decode-only steps alone
+    max_cudagraph_capture_size: int | None = None
     # tensor parallel on CUDA: decode-sized all-reduces (and the RMSNorm after them) in one
     # one-shot kernel over symmetric memory (kernels/all_reduce.py); True: NCCL for all of them
     disable_custom_all_reduce: bool = False
@@ -76,6 +79,8 @@ class EngineConfig:
         check(self.max_num_seqs >= 1, "max_num_seqs", "must be at least 1")
         check(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
               "max_num_batched_tokens", "must be at least 1")
+        check(self.max_cudagraph_capture_size is None or self.max_cudagraph_capture_size >= 0,
+              "max_cudagraph_capture_size", "must be non-negative")
         check(self.max_queued_requests is None or self.max_queued_requests >= 0,
               "max_queued_requests", "must be non-negative")
         check(math.isfinite(self.max_wait_s) and self.max_wait_s > 0, "max_wait_s",

@@ -1,82 +1,123 @@
-"""CUDA graphs of the model's forward for decode-only steps, at a set of padded batch sizes.
+"""CUDA graphs of the model's forward, so a step costs one replay on the host, not ~400 launches.
 
-Every graph reads the same static input buffers (token ids, positions, slots, context lengths,
-block tables), so a step copies its inputs in and replays the graph of the smallest size that
-holds its batch. Padding rows get slot -1 (no K/V written) and context length 0 (attention
-reads nothing and returns zeros); their outputs are ignored. Prefill and mixed steps run eager.
+Two families, captured at padded shapes, read the same static input buffers (token ids,
+positions, slots, context lengths, block tables); a step copies its inputs in and replays the
+smallest graph that holds it:
+- decode graphs, by batch size: one token a sequence, attention's decode grid (sequences by
+  context length, split KV when few);
+- mixed graphs, by token count, with room for max_num_seqs sequences: any mix of decodes and
+  prefill chunks (attention's flat tile grid sizes itself from the token and sequence counts,
+  so it needs no host-side numbers of the step).
+Padding tokens get slot -1 (no K/V written); padding sequences have no tokens and context length
+0, so attention does nothing for them; the outputs of padding rows are ignored. Steps larger than
+the largest mixed graph, and the profiling step, run eagerly.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from conveyor.worker.context import StepContext
 
-_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448,
-          512)
+_DECODE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384,
+                 448, 512)
+# Mixed steps: padding costs GPU time in proportion to the tokens, so the sizes get finer in
+# relative terms as steps grow (at most 1/2 extra below 256 tokens, 1/8 above 1024).
+_MIXED_SIZES = (16, 32, 64, 128, *range(256, 2048, 128), *range(2048, 16385, 256))
 
 
-def graph_batch_sizes(max_batch: int) -> list[int]:
-    sizes = [s for s in _SIZES if s < max_batch]
-    return sizes + [max_batch]
+def graph_sizes(sizes: tuple[int, ...], largest: int) -> list[int]:
+    return [s for s in sizes if s < largest] + [largest]
 
 
-class DecodeGraphs:
-    def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], max_batch: int,
-                 max_blocks_per_seq: int, device: torch.device):
+@dataclass(frozen=True)
+class GraphShape:
+    tokens: int       # rows of the padded batch
+    seqs: int         # sequences of the padded batch
+    decode: bool      # a decode graph (else mixed)
+
+
+class StepGraphs:
+    def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], max_decode_batch: int,
+                 max_seqs: int, max_mixed_tokens: int, max_blocks_per_seq: int,
+                 device: torch.device):
         self.model = model
         self.kv_caches = kv_caches
-        self.sizes = graph_batch_sizes(max_batch)
-        self.max_batch = self.sizes[-1]
-        n = self.max_batch
-        self.inputs = torch.zeros(3, n, dtype=torch.long, device=device)  # ids, pos, slot
+        self.decode_sizes = graph_sizes(_DECODE_SIZES, max_decode_batch)
+        self.mixed_sizes = graph_sizes(_MIXED_SIZES, max_mixed_tokens) if max_mixed_tokens else []
+        self.max_seqs = max(max_seqs, self.decode_sizes[-1])
+        rows = max(self.decode_sizes[-1], max_mixed_tokens)
+        self.inputs = torch.zeros(3, rows, dtype=torch.long, device=device)  # ids, pos, slot
         self.inputs[2].fill_(-1)
-        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.order = torch.arange(n, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.seq_lens = torch.zeros(self.max_seqs, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.zeros(self.max_seqs + 1, dtype=torch.int32, device=device)
+        self.decode_starts = torch.arange(self.max_seqs + 1, dtype=torch.int32, device=device)
+        self.order = torch.arange(self.max_seqs, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(self.max_seqs, max_blocks_per_seq, dtype=torch.int32,
+                                        device=device)
+        self.graphs: dict[GraphShape, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[GraphShape, torch.Tensor] = {}
         self._capture()
 
-    def _context(self, bs: int) -> StepContext:
-        return StepContext(slot_mapping=self.inputs[2, :bs],
-                           query_start_loc=self.query_start_loc[:bs + 1],
-                           seq_lens=self.seq_lens[:bs], block_tables=self.block_tables[:bs],
-                           kv_caches=self.kv_caches, query_lens_cpu=[1] * bs,
-                           seq_lens_cpu=[1] * bs, num_decodes=bs,
-                           decode_order=self.order[:bs])
+    def pick(self, num_seqs: int, num_tokens: int) -> GraphShape | None:
+        """The graph that runs a step of num_tokens tokens over num_seqs sequences (a decode
+        graph when every sequence has one token); None: run it eagerly."""
+        if num_tokens == num_seqs and num_seqs <= self.decode_sizes[-1]:
+            bs = next(s for s in self.decode_sizes if s >= num_seqs)
+            return GraphShape(bs, bs, True)
+        if self.mixed_sizes and num_tokens <= self.mixed_sizes[-1]:
+            t = next(s for s in self.mixed_sizes if s >= num_tokens)
+            return GraphShape(t, self.max_seqs, False)
+        return None
+
+    def _context(self, g: GraphShape) -> StepContext:
+        # NOTE: the attention backend reads only the count of the host lists and their maximum
+        # (the tile shape): a decode graph has bs one-token sequences; a mixed graph sizes its
+        # tiles for queries of any length up to its token count.
+        starts = self.decode_starts if g.decode else self.query_start_loc
+        query_lens = [1] * g.seqs if g.decode else [g.tokens] + [0] * (g.seqs - 1)
+        return StepContext(slot_mapping=self.inputs[2, :g.tokens],
+                           query_start_loc=starts[:g.seqs + 1], seq_lens=self.seq_lens[:g.seqs],
+                           block_tables=self.block_tables[:g.seqs], kv_caches=self.kv_caches,
+                           query_lens_cpu=query_lens, seq_lens_cpu=query_lens,
+                           num_decodes=g.seqs if g.decode else 0,
+                           decode_order=self.order[:g.seqs] if g.decode else None)
 
     @torch.inference_mode()
     def _capture(self) -> None:
+        shapes = ([GraphShape(t, self.max_seqs, False) for t in self.mixed_sizes]
+                  + [GraphShape(bs, bs, True) for bs in self.decode_sizes])
         pool = None
-        for bs in reversed(self.sizes):            # largest first: the rest reuse its memory
-            ctx = self._context(bs)
-            self.model(self.inputs[0, :bs], self.inputs[1, :bs], ctx)   # warm-up (compiles)
+        # largest first, each family: the rest reuse its memory (one pool for all)
+        for g in sorted(shapes, key=lambda g: (g.decode, -g.tokens)):
+            ctx = self._context(g)
+            ids, positions = self.inputs[0, :g.tokens], self.inputs[1, :g.tokens]
+            self.model(ids, positions, ctx)                      # warm-up (compiles)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[bs] = self.model(self.inputs[0, :bs], self.inputs[1, :bs], ctx)
+                self.outputs[g] = self.model(ids, positions, ctx)
             pool = graph.pool()
-            self.graphs[bs] = graph
+            self.graphs[g] = graph
         torch.cuda.synchronize()
 
-    def size_for(self, n: int) -> int:
-        """The smallest captured batch size that holds n sequences."""
-        return next(s for s in self.sizes if s >= n)
+    def run(self, g: GraphShape, num_seqs: int, step: dict[str, torch.Tensor],
+            block_tables: torch.Tensor) -> torch.Tensor:
+        """Replay graph g for a step of num_seqs sequences; returns the final hidden states of
+        its g.tokens rows (rows past the step's tokens are padding).
 
-    def run(self, n: int, tokens: torch.Tensor, seq_lens: torch.Tensor, order: torch.Tensor,
-            block_tables: torch.Tensor, table_rows: torch.Tensor) -> torch.Tensor:
-        """One decode token for each of n sequences; returns the final hidden states [n, hidden].
-
-        tokens [3, bs] (ids, positions, slots), seq_lens [bs] and order [bs] (the rows by
-        context length, longest first) are already padded to the graph size bs; the block
-        tables are rows table_rows [n] of block_tables. All on the device.
+        step: StepInputs.build's tensors, padded to g (tokens [3, g.tokens], seq_lens and order
+        [g.seqs], query_start_loc [g.seqs + 1]) and slots [num_seqs], the step's rows of
+        block_tables. All on the device.
         """
-        bs = self.size_for(n)
-        self.inputs[:, :bs].copy_(tokens)
-        self.seq_lens[:bs].copy_(seq_lens)
-        self.order[:bs].copy_(order)
-        torch.index_select(block_tables, 0, table_rows, out=self.block_tables[:n])
-        self.graphs[bs].replay()
-        return self.outputs[bs][:n]
+        self.inputs[:, :g.tokens].copy_(step["tokens"])
+        self.seq_lens[:g.seqs].copy_(step["seq_lens"])
+        if g.decode:
+            self.order[:g.seqs].copy_(step["order"])
+        else:
+            self.query_start_loc[:g.seqs + 1].copy_(step["query_start_loc"])
+        torch.index_select(block_tables, 0, step["slots"], out=self.block_tables[:num_seqs])
+        self.graphs[g].replay()
+        return self.outputs[g]

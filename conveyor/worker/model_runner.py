@@ -82,7 +82,7 @@ class ModelRunner:
                                self.device)
         self.block_size = config.block_size
         self.max_model_len = max_model_len
-        self.graphs = None      # CUDA graphs of decode-only steps, made once the pool exists
+        self.graphs = None      # CUDA graphs of the forward pass, made once the pool exists
         max_blocks = -(-max_model_len // self.block_size)
         self.inputs = StepInputs(config.max_num_seqs, max_blocks, self.block_size, self.device)
         self._pending: _Launched | None = None   # submitted, result not taken yet
@@ -91,10 +91,11 @@ class ModelRunner:
                                            self.device)
         self.slots: dict[int, Slot] = {}
         if self.device.type == "cuda" and not config.enforce_eager:
-            from conveyor.worker.cuda_graph import DecodeGraphs
+            from conveyor.worker.cuda_graph import StepGraphs
 
-            self.graphs = DecodeGraphs(self.model, self.kv_caches, min(config.max_num_seqs, 512),
-                                       max_blocks, self.device)
+            self.graphs = StepGraphs(self.model, self.kv_caches, min(config.max_num_seqs, 512),
+                                     config.max_num_seqs, self._max_graph_tokens(), max_blocks,
+                                     self.device)
 
     def describe(self) -> dict[str, int | float | str]:
         """What the start-up summary says of this runner."""
@@ -104,6 +105,13 @@ class ModelRunner:
         if self.quant_report is not None:
             info["quantization"] = self.quant_report.summary()
         return info
+
+    def _max_graph_tokens(self) -> int:
+        """The largest mixed step run from a CUDA graph (0: none)."""
+        limit = self.config.max_cudagraph_capture_size
+        if limit is None:
+            limit = 8192
+        return min(limit, self.config.max_num_batched_tokens)
 
     # --- sizing -------------------------------------------------------------------------------
 
@@ -289,19 +297,17 @@ class ModelRunner:
         num_seqs, num_tokens = len(steps), len(input_ids)
         # the decodes (one token each) come first
         num_decodes = next((i for i, n in enumerate(query_lens) if n != 1), num_seqs)
-        graphs = self.graphs
-        use_graph = (graphs is not None and num_decodes == num_seqs and not logits_rows
-                     and num_decodes <= graphs.max_batch)
-        padded = graphs.size_for(num_seqs) if use_graph else num_tokens   # graph rows
+        graph = (self.graphs.pick(num_seqs, num_tokens)
+                 if self.graphs is not None and not logits_rows else None)
         rows = sample_rows + lp_rows
         dev = self.inputs.build([s[0] for s in steps], input_ids, starts, query_lens, seq_lens,
-                                rows, padded, gather_rows, gather_from,
+                                rows, graph.tokens if graph else num_tokens,
+                                graph.seqs if graph else num_seqs, gather_rows, gather_from,
                                 prev.sampled if prev is not None else None)
-        tokens3 = dev["tokens"]                                    # [3, padded]: ids, pos, slot
-        if use_graph:
-            hidden = graphs.run(num_seqs, tokens3, dev["seq_lens"], dev["order"],
-                                self.inputs.block_tables, dev["slots"])
+        if graph is not None:
+            hidden = self.graphs.run(graph, num_seqs, dev, self.inputs.block_tables)
         else:
+            tokens3 = dev["tokens"]                                # [3, T]: ids, pos, slot
             ctx = StepContext(
                 slot_mapping=tokens3[2], query_start_loc=dev["query_start_loc"].int(),
                 seq_lens=dev["seq_lens"].int(),

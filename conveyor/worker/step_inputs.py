@@ -31,36 +31,38 @@ class StepInputs:
         self._writes.append((slot * self.table_host.shape[1] + first, block_ids))
 
     def build(self, slots: list[int], input_ids: list[int], starts: list[int],
-              query_lens: list[int], seq_lens: list[int], logits_rows: list[int], padded: int,
-              gather_rows: list[int], gather_from: list[int],
+              query_lens: list[int], seq_lens: list[int], logits_rows: list[int],
+              padded_tokens: int, padded_seqs: int, gather_rows: list[int], gather_from: list[int],
               draw: torch.Tensor | None) -> dict[str, torch.Tensor]:
         """A step's inputs on the device, made from its numbers per sequence (in batch order:
         block-table row, first position, number of new tokens, context length) and its new token
         ids back to back (T of them).
 
-        Returns (int64): tokens [3, padded] (ids, positions, KV slots; rows past T pad a CUDA
-        graph's batch: 0, 0, -1), seq_lens [B + padding] (padding 0), order [B + padding] for a
-        decode-only step (the rows of seq_lens, longest first; else empty), query_start_loc
-        [B + 1], slots [B], rows [R] (hidden rows to compute logits for), gather_rows and
-        gather_from [G] (token-id rows that take rows of `draw`, the previous step's sampled
-        tokens, and those rows). The block-table entries added since the last step are written.
+        Returns (int64): tokens [3, padded_tokens] (ids, positions, KV slots; rows past T pad a
+        CUDA graph's batch: 0, 0, -1), seq_lens [padded_seqs] (padding 0), order [padded_seqs]
+        for a decode-only step (the rows of seq_lens, longest first; else empty),
+        query_start_loc [padded_seqs + 1] (padding sequences start and end at T), slots [B],
+        rows [R] (hidden rows to compute logits for), gather_rows and gather_from [G] (token-id
+        rows that take rows of `draw`, the previous step's sampled tokens, and those rows). The
+        block-table entries added since the last step are written.
         """
         bs, num_seqs, num_tokens = self.block_size, len(slots), len(input_ids)
         slot_ids, n = np.asarray(slots, dtype=np.int64), np.asarray(query_lens, dtype=np.int64)
-        query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
-        np.cumsum(n, out=query_start_loc[1:])
+        query_start_loc = np.full(padded_seqs + 1, num_tokens, dtype=np.int64)
+        query_start_loc[0] = 0
+        np.cumsum(n, out=query_start_loc[1:num_seqs + 1])
         # [T] each token's block-table row and position
         if num_tokens == num_seqs:                  # one token each: decodes
             seq_of, positions = slot_ids, np.asarray(starts, dtype=np.int64)
         else:
             seq_of = np.repeat(slot_ids, n)
-            positions = np.arange(num_tokens) - np.repeat(query_start_loc[:-1] - starts, n)
-        tokens = np.zeros((3, padded), dtype=np.int64)      # ids, positions, KV slots
+            positions = np.arange(num_tokens) - np.repeat(query_start_loc[:num_seqs] - starts, n)
+        tokens = np.zeros((3, padded_tokens), dtype=np.int64)      # ids, positions, KV slots
         tokens[0, :num_tokens] = input_ids
         tokens[1, :num_tokens] = positions
         tokens[2, :num_tokens] = self.table_host[seq_of, positions // bs] * bs + positions % bs
         tokens[2, num_tokens:] = -1
-        lens = np.zeros(num_seqs + padded - num_tokens, dtype=np.int64)   # [B + padding]
+        lens = np.zeros(padded_seqs, dtype=np.int64)
         lens[:num_seqs] = seq_lens
         writes, self._writes = self._writes, []
         out = self._send({
@@ -70,7 +72,7 @@ class StepInputs:
             "gather_rows": gather_rows, "gather_from": gather_from,
             "write_at": [i + k for i, ids in writes for k in range(len(ids))],
             "write_ids": [b for _, ids in writes for b in ids]})
-        out["tokens"] = out["tokens"].view(3, padded)
+        out["tokens"] = out["tokens"].view(3, padded_tokens)
         if gather_rows:
             out["tokens"][0].index_copy_(0, out["gather_rows"],
                                          draw.index_select(0, out["gather_from"]))

@@ -1,4 +1,5 @@
-"""StepInputs against values worked out by hand: a mixed step, a padded decode-only step."""
+"""StepInputs against values worked out by hand: mixed steps (one padded for a CUDA graph), a
+padded decode-only step."""
 import torch
 
 from conveyor.worker.step_inputs import StepInputs
@@ -24,7 +25,8 @@ def test_mixed_step():
     # prefills positions 2..4. Logits rows: the last row of each, then slot 0's prompt
     # logprobs of positions 3 and 4 (predicted by rows 1 and 2).
     out = si.build(slots=[2, 0], input_ids=[0, 101, 102, 103], starts=[5, 2],
-                   query_lens=[1, 3], seq_lens=[6, 5], logits_rows=[0, 3, 1, 2], padded=4,
+                   query_lens=[1, 3], seq_lens=[6, 5], logits_rows=[0, 3, 1, 2],
+                   padded_tokens=4, padded_seqs=2,
                    gather_rows=[0], gather_from=[1], draw=torch.tensor([11, 42]))
     assert lists(out) == {
         "tokens": [[42, 101, 102, 103],
@@ -48,20 +50,20 @@ def test_padded_decode_step_writes_only_new_entries():
     si.add_blocks(1, 0, [4])
     si.add_blocks(3, 0, [8])
     si.build(slots=[1, 3], input_ids=[1, 2], starts=[0, 0], query_lens=[1, 1],
-             seq_lens=[1, 1], logits_rows=[0, 1], padded=2, gather_rows=[], gather_from=[],
-             draw=None)
+             seq_lens=[1, 1], logits_rows=[0, 1], padded_tokens=2, padded_seqs=2,
+             gather_rows=[], gather_from=[], draw=None)
     si.add_blocks(3, 1, [6])
     # two decodes padded to a graph batch of 4: padding rows get slot -1 and length 0
     out = si.build(slots=[1, 3], input_ids=[21, 22], starts=[2, 6], query_lens=[1, 1],
-                   seq_lens=[3, 7], logits_rows=[0, 1], padded=4, gather_rows=[],
-                   gather_from=[], draw=None)
+                   seq_lens=[3, 7], logits_rows=[0, 1], padded_tokens=4, padded_seqs=4,
+                   gather_rows=[], gather_from=[], draw=None)
     assert lists(out) == {
         "tokens": [[21, 22, 0, 0],
                    [2, 6, 0, 0],
                    [4 * BLOCK + 2, 6 * BLOCK + 2, -1, -1]],
         "seq_lens": [3, 7, 0, 0],
         "order": [1, 0, 2, 3],             # longest context first
-        "query_start_loc": [0, 1, 2],
+        "query_start_loc": [0, 1, 2, 2, 2],
         "slots": [1, 3],
         "rows": [0, 1],
         "gather_rows": [],
@@ -72,12 +74,29 @@ def test_padded_decode_step_writes_only_new_entries():
     assert si.block_tables.tolist() == [[0, 0, 0], [4, 0, 0], [0, 0, 0], [8, 6, 0]]
 
 
+def test_mixed_step_padded_for_a_graph():
+    si = inputs()
+    si.add_blocks(0, 0, [2])
+    si.add_blocks(1, 0, [6])
+    # a decode and a 2-token chunk padded to 6 tokens and 4 sequences: padding sequences start
+    # and end at the step's token count, padding tokens get slot -1
+    out = si.build(slots=[0, 1], input_ids=[7, 8, 9], starts=[3, 0], query_lens=[1, 2],
+                   seq_lens=[4, 2], logits_rows=[0, 2], padded_tokens=6, padded_seqs=4,
+                   gather_rows=[], gather_from=[], draw=None)
+    assert out["tokens"].tolist() == [[7, 8, 9, 0, 0, 0], [3, 0, 1, 0, 0, 0],
+                                      [2 * BLOCK + 3, 6 * BLOCK, 6 * BLOCK + 1, -1, -1, -1]]
+    assert out["seq_lens"].tolist() == [4, 2, 0, 0]
+    assert out["query_start_loc"].tolist() == [0, 1, 3, 3, 3]
+    assert out["order"].tolist() == []
+
+
 def test_staging_buffers_take_turns_and_grow():
     si = inputs()
     si.add_blocks(0, 0, [1, 2, 3])
     for n in (1, 9, 2, 12):     # each step larger or smaller than the buffer's last use
         out = si.build(slots=[0], input_ids=list(range(n)), starts=[0], query_lens=[n],
-                       seq_lens=[n], logits_rows=[n - 1], padded=n, gather_rows=[],
+                       seq_lens=[n], logits_rows=[n - 1], padded_tokens=n,
+                       padded_seqs=1, gather_rows=[],
                        gather_from=[], draw=None)
         assert out["tokens"].tolist() == [list(range(n)), list(range(n)),
                                           [BLOCK * (1 + p // BLOCK) + p % BLOCK
