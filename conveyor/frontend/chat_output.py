@@ -43,7 +43,9 @@ class ChatReader:
 
     def message(self, text: str) -> dict:
         """The OpenAI `message` of the whole output."""
-        thought, content = (None, text) if self.reasoning is None else type(self.reasoning).parse(text)
+        thought, content = None, text
+        if self.reasoning is not None:
+            thought, content = type(self.reasoning).parse(text)
         calls = []
         if self.tools is not None:
             parsed = self.tools.parse_all(content)

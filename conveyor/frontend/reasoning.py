@@ -41,7 +41,8 @@ class ReasoningParser:
             i = self.buf.find(END)
             if i < 0:
                 keep = 0 if final else partial_tail(self.buf, END)
-                reasoning, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
+                cut = len(self.buf) - keep
+                reasoning, self.buf = self.buf[:cut], self.buf[cut:]
                 return reasoning, ""
             reasoning, self.buf, self.state = self.buf[:i], self.buf[i + len(END):], "answer_start"
         if self.state == "answer_start":

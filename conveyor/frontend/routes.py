@@ -21,8 +21,8 @@ from starlette.exceptions import HTTPException
 
 from conveyor import __version__
 from conveyor.frontend import openai_protocol as oai
-from conveyor.frontend.core import READY, FrontendCore
 from conveyor.frontend.chat_output import ChatReader
+from conveyor.frontend.core import READY, FrontendCore
 from conveyor.frontend.http import ApiError, Run, error_response
 from conveyor.frontend.reasoning import REASONING_PARSERS
 from conveyor.frontend.tokenizer import apply_chat_template, check_token_ids

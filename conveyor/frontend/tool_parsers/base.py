@@ -150,6 +150,31 @@ class ToolParser:
         self._obj = CallObject(self.arg_keys)
         self._raw, self._sent = marker, -1
 
+    def _call_step(self, then: str) -> bool:
+        """Read the current call; once it is done, go on in mode `then`. False to wait."""
+        state = self._read_call()
+        if state == "more":
+            return False
+        if state == "done" and self.mode == "call":
+            self.mode = then
+        return True
+
+    def _next_call(self, separator: str, end: str = "", then: str = "plain") -> bool:
+        """After a call: `separator` starts another, `end` closes the list (mode `then`), and
+        anything else is content. False to wait."""
+        body = self.buf.lstrip(_WS)
+        if not body:
+            return False
+        if body.startswith(separator):
+            self.buf = body[len(separator):]
+            self._begin_call(separator)
+            self.mode = "call"
+        elif end and body.startswith(end):
+            self.buf, self.mode = body[len(end):], then
+        else:
+            self.mode = "plain"
+        return True
+
     def _read_call(self) -> str:
         """Feed the buffer to the call being read: "done", "more" (wait) or "fallback"."""
         obj = self._obj

@@ -9,7 +9,7 @@ A missing closing tag is tolerated (the object's end ends the call).
 """
 from __future__ import annotations
 
-from conveyor.frontend.tool_parsers.base import ToolParser, partial_tail
+from conveyor.frontend.tool_parsers.base import ToolParser
 
 START, END = "<tool_call>", "</tool_call>"
 
@@ -22,11 +22,7 @@ class HermesParser(ToolParser):
             self._begin_call(START)
             self.mode = "call"
         elif self.mode == "call":
-            state = self._read_call()
-            if state == "more":
-                return False
-            if state == "done" and self.mode == "call":
-                self.mode = "close"
+            return self._call_step(then="close")
         else:                                   # "close": the closing tag after the object
             body = self.buf.lstrip()
             if body.startswith(END):

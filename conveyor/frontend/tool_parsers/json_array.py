@@ -33,21 +33,5 @@ class JsonArrayParser(ToolParser):
 
     def _array_step(self, final: bool) -> bool:
         if self.mode == "call":
-            state = self._read_call()
-            if state == "more":
-                return False
-            if state == "done" and self.mode == "call":
-                self.mode = "next"
-            return True
-        body = self.buf.lstrip()               # "next": `,` and another call, or `]`
-        if not body:
-            return False
-        if body.startswith(","):
-            self.buf = body[1:]
-            self._begin_call(",")
-            self.mode = "call"
-        elif body.startswith("]"):
-            self.buf, self.mode = body[1:], self.after_array
-        else:
-            self.mode = "plain"
-        return True
+            return self._call_step(then="next")
+        return self._next_call(",", "]", then=self.after_array)     # "next"

@@ -28,19 +28,7 @@ class Llama3JsonParser(ToolParser):
             self._begin_call(self.buf[:len(self.buf) - len(body)])
             self.buf, self.mode = body, "call"
         elif self.mode == "call":
-            state = self._read_call()
-            if state == "more":
-                return False
-            if state == "done" and self.mode == "call":
-                self.mode = "next"
+            return self._call_step(then="next")
         else:                                   # "next": `;` and another call, or the end
-            body = self.buf.lstrip()
-            if not body:
-                return False
-            if body.startswith(";"):
-                self.buf = body[1:]
-                self._begin_call(";")
-                self.mode = "call"
-            else:
-                self.mode = "plain"
+            return self._next_call(";")
         return True
