@@ -120,7 +120,9 @@ def http_config(args) -> HttpConfig:
         request_timeout=args.request_timeout, max_body_bytes=args.max_request_body_bytes,
         max_n=args.max_n, read_timeout=args.http_read_timeout,
         shutdown_timeout=args.shutdown_timeout,
-        cache_salt_per_api_key=args.cache_salt_per_api_key)
+        cache_salt_per_api_key=args.cache_salt_per_api_key,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
 
 
 def cmd_serve(args) -> int:
@@ -189,6 +191,15 @@ def build_parser() -> argparse.ArgumentParser:
                      help="on SIGTERM, how long in-flight requests get to finish")
     srv.add_argument("--cache-salt-per-api-key", action="store_true",
                      help="requests of different API keys never share prefix-cache blocks")
+    srv.add_argument("--enable-auto-tool-choice", action="store_true",
+                     help='let the model decide to call tools (tool_choice "auto"), read with '
+                          '--tool-call-parser')
+    srv.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                     help="how the model writes tool calls: hermes (Qwen2.5/Qwen3), "
+                          "llama3_json (Llama 3.1/3.2), mistral")
+    srv.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                     help="split the model's <think>...</think> into reasoning_content: qwen3, "
+                          "deepseek_r1")
     srv.add_argument("--zmq-port", type=int, default=5555,
                      help="frontend i listens on ZMQ_PORT + i (0: any free port)")
     srv.add_argument("--frontends", type=int, default=None,

@@ -63,11 +63,13 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
+        """tools: OpenAI-style function definitions, for the chat template to show the model."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         kwargs = {"add_generation_prompt": add_generation_prompt, **(chat_template_kwargs or {})}
         requests = [GenerateRequest(id="", messages=conv, sampling=params or SamplingParams(),
-                                    chat_template_kwargs=kwargs)
+                                    chat_template_kwargs=kwargs, tools=tools)
                     for conv, params in zip(conversations, _per_prompt(
                         sampling_params, len(conversations), "sampling params"))]
         return self._run(requests, use_tqdm)

@@ -138,7 +138,7 @@ class FrontendCore:
             token_ids = list(req.prompt_token_ids)
             check_token_ids(token_ids, self.vocab_size)
         elif req.messages is not None:
-            token_ids = apply_chat_template(self.tokenizer, req.messages,
+            token_ids = apply_chat_template(self.tokenizer, req.messages, tools=req.tools,
                                             **(req.chat_template_kwargs or {}))
         else:
             text, token_ids = req.prompt, self.tokenizer.encode(req.prompt)

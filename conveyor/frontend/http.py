@@ -161,7 +161,9 @@ class EventStream(Response):
                 failed = _failure([c for out in items for c in out.outputs])
                 for prompt, c in _coalesce(items):
                     shape.completion_tokens += len(c.token_ids)
-                    events.append(shape.chunk(prompt, c))
+                    chunk = shape.chunk(prompt, c)
+                    if chunk is not None:            # a parser may hold a piece back
+                        events.append(chunk)
                 if failed is not None:
                     events.append({"error": error_body(*failed)["error"]})
                     break

@@ -8,9 +8,12 @@ turn RequestOutputs into response bodies and stream chunks (plain dicts, sent as
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import msgspec
 
+from conveyor.frontend.chat_output import ChatReader
+from conveyor.frontend.tools import history_tool_calls
 from conveyor.outputs import CompletionOutput, Logprob, RequestOutput
 from conveyor.shared.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -63,6 +66,8 @@ class ChatMessage(msgspec.Struct, kw_only=True):
     role: str
     content: str | list[dict] | None = None
     name: str | None = None
+    tool_calls: list[dict] | None = None     # an assistant's calls (arguments: JSON text)
+    tool_call_id: str | None = None          # a tool message: the call it answers
 
 
 class ChatRequest(_Common, kw_only=True):
@@ -73,7 +78,9 @@ class ChatRequest(_Common, kw_only=True):
     top_logprobs: int | None = None
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True
     response_format: dict | None = None
+    chat_template_kwargs: dict[str, str | int | float | bool | None] | None = None
 
 
 def decode_request(body: bytes, kind: type):
@@ -99,10 +106,6 @@ def sampling_params(req: CompletionRequest | ChatRequest) -> SamplingParams:
         if req.top_logprobs is not None and not req.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        if req.tools:
-            raise ValueError("tools are not supported")
-        if req.tool_choice not in (None, "none"):
-            raise ValueError("tool_choice is not supported")
         if req.response_format and req.response_format.get("type", "text") != "text":
             raise ValueError("only response_format type 'text' is supported")
     else:
@@ -147,11 +150,13 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
     return prompts
 
 
-def chat_messages(req: ChatRequest) -> list[dict[str, str]]:
+def chat_messages(req: ChatRequest) -> list[dict]:
+    """The messages as the chat template takes them: text content, and an assistant's tool
+    calls with their arguments as objects."""
     if not req.messages:
         raise ValueError("messages must not be empty")
     out = []
-    for m in req.messages:
+    for i, m in enumerate(req.messages):
         if isinstance(m.content, list):
             parts = [p.get("text") for p in m.content]
             if any(p.get("type") != "text" or not isinstance(t, str)
@@ -160,7 +165,13 @@ def chat_messages(req: ChatRequest) -> list[dict[str, str]]:
             content = "".join(parts)
         else:
             content = m.content or ""
-        out.append({"role": m.role, "content": content})
+        message = {"role": m.role, "content": content}
+        if m.tool_calls:
+            message["tool_calls"] = history_tool_calls(m.tool_calls, f"messages[{i}]")
+        for key in ("name", "tool_call_id"):
+            if getattr(m, key) is not None:
+                message[key] = getattr(m, key)
+        out.append(message)
     return out
 
 
@@ -271,9 +282,12 @@ class CompletionShape(ResponseShape):
 class ChatShape(ResponseShape):
     object_name, chunk_object = "chat.completion", "chat.completion.chunk"
 
-    def __init__(self, id: str, model: str, n: int, top_logprobs: int):
+    def __init__(self, id: str, model: str, n: int, top_logprobs: int,
+                 new_reader: Callable[[], ChatReader] | None = None):
         super().__init__(id, model, n)
         self.top = top_logprobs
+        self.new_reader = new_reader         # None: the text is the content, as it is
+        self.readers: dict[int, ChatReader] = {}
 
     def opening(self) -> list[dict]:
         return [self.base([{"index": i, "delta": {"role": "assistant", "content": ""},
@@ -281,6 +295,27 @@ class ChatShape(ResponseShape):
                 for i in range(self.n)]
 
     def body(self, index: int, c: CompletionOutput, delta: bool) -> dict:
-        message = {"content": c.text} if delta else {"role": "assistant", "content": c.text}
+        if self.new_reader is None:
+            message = {"content": c.text} if delta else {"role": "assistant", "content": c.text}
+        else:
+            reader = self.readers.setdefault(index, self.new_reader())
+            message = (reader.delta(c.text, final=c.finish_reason is not None) if delta
+                       else reader.message(c.text))
         return {"delta" if delta else "message": message,
                 "logprobs": None if c.logprobs is None else chat_logprobs(c.logprobs, self.top)}
+
+    def choice(self, index: int, c: CompletionOutput, delta: bool = False) -> dict:
+        out = super().choice(index, c, delta)
+        reader = self.readers.get(index)
+        if reader is not None and reader.called and c.finish_reason == "stop":
+            out["finish_reason"] = "tool_calls"
+        return out
+
+    def chunk(self, prompt_index: int, c: CompletionOutput) -> dict | None:
+        """None when a parser holds back all of this piece and it carries nothing else."""
+        out = super().chunk(prompt_index, c)
+        choice = out["choices"][0]
+        if (not choice["delta"] and choice["finish_reason"] is None and c.logprobs is None
+                and not self.token_ids):
+            return None
+        return out

@@ -21,9 +21,12 @@ from starlette.exceptions import HTTPException
 
 from conveyor import __version__
 from conveyor.frontend import openai_protocol as oai
+from conveyor.frontend.chat_output import ChatReader
 from conveyor.frontend.core import READY, FrontendCore
 from conveyor.frontend.http import ApiError, Run, error_response
+from conveyor.frontend.reasoning import REASONING_PARSERS
 from conveyor.frontend.tokenizer import apply_chat_template, check_token_ids
+from conveyor.frontend.tools import constrain, constraint_schema, tool_mode
 from conveyor.shared.messages.client import GenerateRequest
 from conveyor.shared.request_options import RequestOptions
 
@@ -60,9 +63,12 @@ class _DetokenizeRequest(msgspec.Struct, kw_only=True):
 
 class Routes:
     def __init__(self, core: FrontendCore, model_names: tuple[str, ...], max_n: int,
-                 metrics=None, salt_per_key: bool = False):
+                 metrics=None, salt_per_key: bool = False, tool_parser: str | None = None,
+                 reasoning_parser: str | None = None):
         self.core, self.model_names, self.max_n = core, model_names, max_n
         self.metrics, self.salt_per_key = metrics, salt_per_key
+        self.tool_parser = tool_parser       # set only with --enable-auto-tool-choice
+        self.reasoning = None if reasoning_parser is None else REASONING_PARSERS[reasoning_parser]
         self.created = int(time.time())
 
     def check_model(self, name: str | None) -> str:
@@ -106,11 +112,18 @@ class Routes:
     async def chat_completions(self, request: Request):
         req, model = await self.parse(request, oai.ChatRequest)
         with _bad_request():
-            gen = GenerateRequest(id="0", messages=oai.chat_messages(req),
-                                  sampling=oai.sampling_params(req), stream=req.stream,
+            tools = tool_mode(req.tools, req.tool_choice, req.parallel_tool_calls,
+                              self.tool_parser)
+            # NOTE: "required" and named tool choices are held to this JSON schema
+            params = constrain(oai.sampling_params(req), constraint_schema(tools))
+            gen = GenerateRequest(id="0", messages=oai.chat_messages(req), tools=req.tools,
+                                  chat_template_kwargs=req.chat_template_kwargs,
+                                  sampling=params, stream=req.stream,
                                   options=self.options(request, req))
+        reads = tools.choice != "none" or self.reasoning is not None
         shape = oai.ChatShape(f"chatcmpl-{uuid.uuid4().hex}", model, req.n,
-                              req.top_logprobs or 0)
+                              req.top_logprobs or 0,
+                              (lambda: ChatReader(self.reasoning, tools)) if reads else None)
         shape.token_ids = req.return_token_ids
         return await self._respond(request, [gen], shape, req)
 
@@ -171,10 +184,12 @@ class Routes:
 
 
 def build_app(core: FrontendCore, model_names: tuple[str, ...], max_n: int,
-              metrics=None, salt_per_key: bool = False) -> FastAPI:
+              metrics=None, salt_per_key: bool = False, tool_parser: str | None = None,
+              reasoning_parser: str | None = None) -> FastAPI:
     app = FastAPI(title="conveyor", version=__version__, docs_url=None, redoc_url=None,
                   openapi_url=None)
-    routes = Routes(core, model_names, max_n, metrics, salt_per_key)
+    routes = Routes(core, model_names, max_n, metrics, salt_per_key, tool_parser,
+                    reasoning_parser)
     for method, path, handler in (
             ("POST", "/v1/completions", routes.completions),
             ("POST", "/v1/chat/completions", routes.chat_completions),

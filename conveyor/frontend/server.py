@@ -153,7 +153,9 @@ class Frontend:
 
         h = self.cfg.http
         names = h.served_model_names or (self.cfg.engine.model or DEFAULT_MODEL_NAME,)
-        app = Guard(build_app(self.core, names, h.max_n, self.metrics, h.cache_salt_per_api_key),
+        app = Guard(build_app(self.core, names, h.max_n, self.metrics, h.cache_salt_per_api_key,
+                              h.tool_call_parser if h.enable_auto_tool_choice else None,
+                              h.reasoning_parser),
                     h.api_keys,
                     None if h.rate_limit is None else h.rate_limit / self.cfg.num_frontends,
                     h.rate_limit_burst, h.max_body_bytes, self.metrics)

@@ -41,12 +41,14 @@ def check_token_ids(token_ids: list[int], vocab_size: int) -> None:
 
 
 def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
-                        **kwargs) -> list[int]:
+                        tools: list[dict] | None = None, **kwargs) -> list[int]:
+    """The prompt's token ids; `tools` and `kwargs` (chat_template_kwargs such as
+    enable_thinking) are variables of the template, as in transformers."""
     if not tokenizer.chat_template:
         raise ValueError("this model's tokenizer has no chat template; use generate() with a "
                          "plain prompt instead")
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False,
+        text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
                                              add_generation_prompt=add_generation_prompt, **kwargs)
     except Exception as e:      # the template's own errors (jinja2's are not ValueErrors)
         raise ValueError(f"the chat template failed on these messages: {e}") from None

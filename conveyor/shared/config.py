@@ -252,8 +252,21 @@ class HttpConfig:
     read_timeout: float = 30.0               # seconds to receive a request's headers and body
     shutdown_timeout: float = 30.0           # SIGTERM: seconds in-flight requests get to finish
     cache_salt_per_api_key: bool = False     # each API key (tenant) gets its own prefix cache
+    enable_auto_tool_choice: bool = False    # tool_choice "auto" reads calls with tool_call_parser
+    tool_call_parser: str | None = None      # a name in conveyor/frontend/tool_parsers
+    reasoning_parser: str | None = None      # qwen3 | deepseek_r1: <think> to reasoning_content
 
     def __post_init__(self) -> None:
+        from conveyor.frontend.reasoning import REASONING_PARSERS
+        from conveyor.frontend.tool_parsers import TOOL_PARSERS
+
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs a tool_call_parser")
+        for name, value, known in (("tool_call_parser", self.tool_call_parser, TOOL_PARSERS),
+                                   ("reasoning_parser", self.reasoning_parser,
+                                    REASONING_PARSERS)):
+            if value is not None and value not in known:
+                raise ValueError(f"{name} must be one of {', '.join(known)}, got {value!r}")
         if self.port is not None and not 0 <= self.port <= 65535:
             raise ValueError(f"port must be a TCP port, got {self.port}")
         for name in ("rate_limit", "request_timeout", "read_timeout"):

@@ -5,6 +5,8 @@ A client sends GenerateRequest, CancelRequest or StatsRequest; it gets back Requ
 """
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from conveyor.shared.request_options import RequestOptions
@@ -17,7 +19,9 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
     id: str                                  # chosen by the client, unique among its open requests
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
-    messages: list[dict[str, str]] | None = None   # chat: [{"role": ..., "content": ...}]
+    # chat: [{"role": ..., "content": ...}], an assistant's "tool_calls", a tool's "tool_call_id"
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None     # functions the chat template shows the model
     sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
     options: RequestOptions = msgspec.field(default_factory=RequestOptions)
     stream: bool = False                     # True: a RequestOutput per step with what is new

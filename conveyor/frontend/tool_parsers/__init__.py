@@ -1,0 +1,19 @@
+"""Tool-call parsers, by the name `--tool-call-parser` takes (one model family per file)."""
+from __future__ import annotations
+
+from conveyor.frontend.tool_parsers.base import Delta, Parsed, ToolCall, ToolParser
+from conveyor.frontend.tool_parsers.hermes import HermesParser
+from conveyor.frontend.tool_parsers.json_array import JsonArrayParser
+from conveyor.frontend.tool_parsers.llama3_json import Llama3JsonParser
+from conveyor.frontend.tool_parsers.mistral import MistralParser
+from conveyor.frontend.tool_parsers.named import NamedCallParser
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    "hermes": HermesParser,
+    "llama3_json": Llama3JsonParser,
+    "mistral": MistralParser,
+}
+
+__all__ = ["TOOL_PARSERS", "Delta", "HermesParser", "JsonArrayParser", "Llama3JsonParser",
+           "MistralParser", "NamedCallParser", "Parsed", "ToolCall",
+           "ToolParser"]

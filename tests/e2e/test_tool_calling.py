@@ -1,0 +1,202 @@
+"""Tool calling and reasoning through `conveyor serve` and the `openai` client, with the default
+model. Its own chat template ignores tools, so the server gets the default model's tokenizer with
+a test template (tests/data/tool_chat_template.jinja) that shows tools and renders calls in the
+Hermes layout. Given a history of the same question answered by a call, the model (greedy)
+writes that call again: a real output, read by the real parsers on the real server path."""
+import json
+import shutil
+from pathlib import Path
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from serve_util import start_server
+
+from conveyor.frontend.tokenizer import apply_chat_template, load_tokenizer
+from conveyor.frontend.tools import history_tool_calls
+from conveyor.shared.model_files import default_model_path, resolve_model
+from conveyor.shared.sampling_params import SamplingParams
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not default_model_path().is_file(),
+                                                   reason="default model not fetched")]
+
+TEMPLATE = Path(__file__).parent.parent / "data" / "tool_chat_template.jinja"
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+TOOLS = [WEATHER]
+WANT_ARGS = {"city": "Paris"}
+
+
+def _call(i: int, as_text: bool) -> dict:
+    args = json.dumps(WANT_ARGS) if as_text else WANT_ARGS
+    return {"id": f"call_{i}", "type": "function",
+            "function": {"name": "get_weather", "arguments": args}}
+
+
+def _history(rounds: int = 3) -> list[dict]:
+    """The question asked and answered by a call `rounds` times, then asked again. Arguments
+    come as JSON text (as OpenAI clients send them) and, once, as an object."""
+    messages = []
+    for i in range(rounds):
+        messages += [{"role": "user", "content": "What is the weather in Paris?"},
+                     {"role": "assistant", "content": "", "tool_calls": [_call(i, i != 1)]},
+                     {"role": "tool", "tool_call_id": f"call_{i}", "content": "18 C, sunny"},
+                     {"role": "assistant", "content": "It is 18 C and sunny."}]
+    return messages + [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+THINKING = [{"role": "user", "content": "Say hello."},
+            {"role": "assistant", "content": "<think>\nA greeting is asked for.\n</think>\n\n"
+                                             "Hello!"}] * 3 + [{"role": "user",
+                                                                "content": "Say hello."}]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    """The default model's tokenizer with the test chat template."""
+    tok = load_tokenizer(resolve_model(None))
+    folder = tmp_path_factory.mktemp("tool-tokenizer")
+    tok.save_pretrained(folder)
+    for old in folder.glob("chat_template.*"):
+        old.unlink()
+    shutil.copy(TEMPLATE, folder / "chat_template.jinja")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tok(tokenizer_dir):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def server(tokenizer_dir):
+    s = start_server("--tokenizer", str(tokenizer_dir), "--max-model-len", "1024",
+                     "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                     "--reasoning-parser", "qwen3", "--served-model-name", "x")
+    yield s
+    s.kill_all()
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    return openai.OpenAI(base_url=server.http + "/v1", api_key="none", max_retries=0,
+                         timeout=120)
+
+
+def _template_messages(messages):
+    return [{**m, "tool_calls": history_tool_calls(m["tool_calls"], "m")} if "tool_calls" in m
+            else m for m in messages]
+
+
+def _prompt_len(tok, messages, **kwargs) -> int:
+    return len(apply_chat_template(tok, _template_messages(messages), **kwargs))
+
+
+def _streamed(oai, **kw):
+    """(reasoning, content, [(id, name, arguments, pieces)], finish_reason) of a stream."""
+    reasoning, content, calls, finish = "", "", [], None
+    for chunk in oai.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            d = c.delta
+            reasoning += (d.model_extra or {}).get("reasoning_content") or ""
+            content += d.content or ""
+            for t in d.tool_calls or []:
+                if t.id is not None:
+                    assert t.index == len(calls) and t.type == "function"
+                    calls.append([t.id, t.function.name, "", 0])
+                calls[t.index][2] += t.function.arguments or ""
+                calls[t.index][3] += bool(t.function.arguments)
+            finish = c.finish_reason or finish
+    return reasoning, content, calls, finish
+
+
+def test_tools_and_tool_history_reach_the_template(oai, tok):
+    messages = _history()
+    r = oai.chat.completions.create(model="x", messages=messages, tools=TOOLS, tool_choice="none",
+                                    max_tokens=1, temperature=0)
+    with_tools = _prompt_len(tok, messages, tools=TOOLS)
+    assert r.usage.prompt_tokens == with_tools > _prompt_len(tok, messages) + 20
+    rendered = tok.decode(apply_chat_template(tok, _template_messages(messages), tools=TOOLS))
+    assert '"description": "Current weather in a city"' in rendered
+    assert rendered.count('<tool_call>\n{"name": "get_weather", "arguments": {"city": '
+                          '"Paris"}}') == 3 and rendered.count("<|im_start|>tool\n18 C") == 3
+
+
+def test_auto_tool_choice_reads_the_models_call_streamed_or_not(oai):
+    kw = {"model": "x", "messages": _history(), "tools": TOOLS, "max_tokens": 60,
+          "temperature": 0}
+    r = oai.chat.completions.create(**kw)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == WANT_ARGS and call.id.startswith("call_")
+    reasoning, content, calls, finish = _streamed(oai, **kw)
+    assert (reasoning, content, finish) == ("", "", "tool_calls")
+    [(_, name, arguments, pieces)] = calls
+    assert (name, arguments) == ("get_weather", call.function.arguments)
+    assert pieces > 1                              # the arguments grew over several chunks
+
+
+def test_tool_choice_none_leaves_the_call_as_text(oai):
+    r = oai.chat.completions.create(model="x", messages=_history(), tools=TOOLS,
+                                    tool_choice="none", max_tokens=60, temperature=0)
+    assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason == "stop"
+    assert r.choices[0].message.content.startswith('<tool_call>\n{"name": "get_weather"')
+
+
+def test_reasoning_is_split_off_streamed_or_not(oai):
+    r = oai.chat.completions.create(model="x", messages=THINKING, max_tokens=30, temperature=0)
+    message = r.choices[0].message
+    assert message.model_extra["reasoning_content"] == "\nA greeting is asked for.\n"
+    assert message.content == "Hello!"
+    reasoning, content, calls, finish = _streamed(oai, model="x", messages=THINKING,
+                                                  max_tokens=30, temperature=0)
+    assert (reasoning, content, calls) == (message.model_extra["reasoning_content"], "Hello!", [])
+
+
+def test_chat_template_kwargs_reach_the_template(oai, tok):
+    r = oai.chat.completions.create(model="x", messages=THINKING, max_tokens=30, temperature=0,
+                                    extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    closed = _prompt_len(tok, THINKING, enable_thinking=False)
+    assert r.usage.prompt_tokens == closed > _prompt_len(tok, THINKING)
+    # the thought is closed in the prompt: the output has none
+    assert r.choices[0].message.model_extra["reasoning_content"] is None
+    assert r.choices[0].message.content
+
+
+@pytest.mark.parametrize("body,needle", [
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools[0]"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "not in tools"),
+    ({"tool_choice": "required"}, "needs tools"),
+    ({"messages": [{"role": "user", "content": "Hi"},
+                   {"role": "assistant", "tool_calls": [
+                       {"type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]},
+     "messages[1].tool_calls[0].function.arguments"),
+])
+def test_bad_tool_requests_are_400(server, body, needle):
+    body = {"model": "x", "messages": [{"role": "user", "content": "Hi"}], **body}
+    r = httpx.post(server.http + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.skipif("structured_outputs" not in SamplingParams.__struct_fields__,
+                    reason="tool_choice required and named need structured output")
+@pytest.mark.parametrize("choice", ["required",
+                                    {"type": "function", "function": {"name": "get_weather"}}])
+def test_required_and_named_calls_always_parse(oai, choice):
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    for seed in range(5):
+        r = oai.chat.completions.create(model="x", messages=messages, tools=TOOLS,
+                                        tool_choice=choice, max_tokens=200, temperature=1,
+                                        seed=seed)
+        calls = r.choices[0].message.tool_calls
+        assert calls and all(c.function.name == "get_weather" for c in calls)
+        for c in calls:
+            jsonschema.validate(json.loads(c.function.arguments),
+                                WEATHER["function"]["parameters"])

@@ -1,0 +1,167 @@
+"""The tool-call parsers on outputs in each model family's own format: whole, streamed split at
+every position (and a character at a time), and malformed (plain content, no crash)."""
+import json
+
+import pytest
+
+from conveyor.frontend.tool_parsers import (
+    TOOL_PARSERS,
+    HermesParser,
+    JsonArrayParser,
+    Llama3JsonParser,
+    MistralParser,
+    NamedCallParser,
+)
+
+WEATHER = {"location": "San Francisco, CA, USA", "unit": "celsius"}
+NESTED = {"query": "a \"quoted\" } ] brace", "filters": [{"k": "year", "v": [2023, 2024]}],
+          "deep": {"x": {"y": None, "z": True, "w": -1.5e3}}, "emoji": "héllo ✓"}
+
+# (parser, output as the model writes it, content, [(name, arguments object)])
+VALID = [
+    # Qwen2.5 / Qwen3: calls in <tool_call> tags, each on its own lines
+    (HermesParser, '<tool_call>\n{"name": "get_current_temperature", "arguments": '
+                   '{"location": "San Francisco, CA, USA", "unit": "celsius"}}\n</tool_call>',
+     "", [("get_current_temperature", WEATHER)]),
+    (HermesParser, "Let me check both.\n\n<tool_call>\n"
+                   + json.dumps({"name": "search", "arguments": NESTED}, ensure_ascii=False)
+                   + '\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n'
+                   '</tool_call>', "Let me check both.", [("search", NESTED), ("get_time", {})]),
+    (HermesParser, '<tool_call>\n{"arguments": {"a": 1}, "name": "later_name"}\n</tool_call>',
+     "", [("later_name", {"a": 1})]),
+    (HermesParser, '<tool_call>{"name": "no_args"}</tool_call>', "", [("no_args", {})]),
+    (HermesParser, "The answer is 4. No tools needed, <tool_ is not a tag.\n",
+     "The answer is 4. No tools needed, <tool_ is not a tag.\n", []),
+    # Llama 3.1 / 3.2: a JSON object (parameters), after <|python_tag|> when special tokens stay
+    (Llama3JsonParser, '{"name": "get_current_conditions", "parameters": {"location": '
+                       '"San Francisco, CA, USA", "unit": "celsius"}}',
+     "", [("get_current_conditions", WEATHER)]),
+    (Llama3JsonParser, '<|python_tag|>{"name": "search", "parameters": '
+                       + json.dumps(NESTED) + '}; {"name": "get_time", "parameters": {}}',
+     "", [("search", NESTED), ("get_time", {})]),
+    (Llama3JsonParser, '{"name": "f", "parameters": {"a": 1}} and then some words',
+     "and then some words", [("f", {"a": 1})]),
+    (Llama3JsonParser, "Paris is the capital of France.", "Paris is the capital of France.", []),
+    (Llama3JsonParser, '  {"result": 4}', '  {"result": 4}', []),
+    # Mistral: [TOOL_CALLS] then an array (arguments)
+    (MistralParser, '[TOOL_CALLS] [{"name": "get_current_weather", "arguments": '
+                    '{"location": "San Francisco, CA, USA", "unit": "celsius"}}]',
+     "", [("get_current_weather", WEATHER)]),
+    (MistralParser, 'Sure.[TOOL_CALLS][{"name": "search", "arguments": ' + json.dumps(NESTED)
+                    + '}, {"name": "get_time", "arguments": {}}]',
+     "Sure.", [("search", NESTED), ("get_time", {})]),
+    (MistralParser, '[{"name": "get_time", "arguments": {"tz": "UTC"}}]',   # marker skipped
+     "", [("get_time", {"tz": "UTC"})]),
+    # a complete call stands; what breaks the array after it is content
+    (MistralParser, '[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}} {"name": "g"}]',
+     '{"name": "g"}]', [("f", {"a": 1})]),
+    (MistralParser, "[1, 2, 3] are numbers.", "[1, 2, 3] are numbers.", []),
+]
+
+MALFORMED = [
+    (HermesParser, "<tool_call>\nnot json at all\n</tool_call>"),
+    (HermesParser, 'Hi <tool_call>{"nam": "f"}</tool_call>'),
+    (HermesParser, '<tool_call>{"name": 42, "arguments": {}}</tool_call>'),
+    (HermesParser, '<tool_call>{"arguments": {"a": 1}}</tool_call>'),
+    (HermesParser, '<tool_call>{"name": "f", "name": "g"}</tool_call>'),
+    (HermesParser, '<tool_call>{"arguments": {"a": 1]}, "name": "f"}</tool_call>'),
+    (HermesParser, "<tool_call>"),
+    (HermesParser, '<tool_call>{"name": "f", "arguments": {"a": 1}, "x": tru}</tool_call>'),
+    (Llama3JsonParser, '{"nme": "f"}'),
+    (Llama3JsonParser, "<|python_tag|>brave_search.call(query=\"weather\")"),
+    (Llama3JsonParser, '{"name": "f"'),
+    (MistralParser, "[TOOL_CALLS] nonsense"),
+    (MistralParser, '[TOOL_CALLS][{"name": {"f": 1}, "arguments": {"a": 1}}]'),
+    (MistralParser, '[TOOL_CALLS][{"name": "f", "arguments": 7}]'),
+    (JsonArrayParser, '[{"name": "f", "parameters": {"a": }}]'),
+]
+
+
+def _stream(parser, pieces):
+    """(content, [(id, name, arguments text)]) as a client assembles a stream's deltas."""
+    content, calls = "", []
+    deltas = [parser.feed(p) for p in pieces] + [parser.finish()]
+    for d in deltas:
+        content += d.content
+        for c in d.tool_calls:
+            if "id" in c:
+                assert c["index"] == len(calls) and c["type"] == "function"
+                assert c["function"]["arguments"] == ""
+                calls.append([c["id"], c["function"]["name"], ""])
+            else:
+                assert set(c) == {"index", "function"} and set(c["function"]) == {"arguments"}
+                assert c["index"] == len(calls) - 1 and c["function"]["arguments"]
+                calls[-1][2] += c["function"]["arguments"]
+    return content, [(name, args) for _, name, args in calls]
+
+
+def _splits(text):
+    yield [text]
+    yield list(text)
+    for i in range(1, len(text)):
+        yield [text[:i], text[i:]]
+
+
+@pytest.mark.parametrize("cls,text,content,calls", VALID)
+def test_whole_output(cls, text, content, calls):
+    parsed = cls.parse(text)
+    assert parsed.content == content
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == calls
+    assert len({c.id for c in parsed.tool_calls}) == len(calls)
+
+
+@pytest.mark.parametrize("cls,text,content,calls", VALID)
+def test_a_stream_split_anywhere_gives_the_whole_outputs_result(cls, text, content, calls):
+    whole = cls.parse(text)
+    want = (whole.content, [(c.name, c.arguments) for c in whole.tool_calls])
+    for pieces in _splits(text):
+        assert _stream(cls(), pieces) == want, pieces
+
+
+def test_arguments_grow_as_the_model_writes_them():
+    text = VALID[1][1]
+    parser, sent = HermesParser(), []
+    args_at = text.index('"arguments"') + len('"arguments": ')
+    for i, ch in enumerate(text):
+        d = parser.feed(ch)
+        sent += [(i, c) for c in d.tool_calls if "id" not in c]
+    first = [i for i, c in sent if c["index"] == 0]
+    # every character of the first call's arguments goes out as soon as it is written
+    assert first[0] == args_at and len(first) == len(json.dumps(NESTED, ensure_ascii=False))
+
+
+@pytest.mark.parametrize("cls,text", MALFORMED)
+def test_malformed_is_content_and_never_crashes(cls, text):
+    parsed = cls.parse(text)
+    assert parsed.tool_calls == [] and parsed.content == text
+    for pieces in _splits(text):
+        content, calls = _stream(cls(), pieces)
+        # a stream may have sent a call whose name was complete before the JSON broke;
+        # otherwise it is the text, as content
+        if not calls:
+            assert content == text, pieces
+
+
+def test_a_call_cut_off_after_its_name_streams_but_is_content_whole():
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'
+    assert HermesParser.parse(text).tool_calls == []
+    assert _stream(HermesParser(), [text]) == ("", [("get_weather", '{"city": "Par')])
+
+
+def test_named_function_output_is_its_arguments():
+    parsed = NamedCallParser.parse('  {"city": "Paris"}\n', "get_weather")
+    assert [(c.name, c.arguments) for c in parsed.tool_calls] == [("get_weather",
+                                                                   '{"city": "Paris"}')]
+    for pieces in _splits('  {"city": "Paris"}\n'):
+        assert _stream(NamedCallParser("get_weather"), pieces) == (
+            "", [("get_weather", '{"city": "Paris"}')])
+
+
+def test_required_output_is_an_array_of_calls():
+    text = '[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "parameters": {}}]'
+    for pieces in _splits(text):
+        assert _stream(JsonArrayParser(), pieces) == ("", [("a", '{"x": 1}'), ("b", "{}")])
+
+
+def test_every_server_parser_name_is_registered():
+    assert set(TOOL_PARSERS) >= {"hermes", "llama3_json", "mistral"}
