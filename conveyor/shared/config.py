@@ -59,8 +59,8 @@ class EngineConfig:
     # "auto" (the model dtype) | "fp8" (alias "fp8_e4m3"): e4m3 with per-layer scales
     kv_cache_dtype: str = "auto"
     enforce_eager: bool = False
-    # the largest step (in tokens) replayed from a CUDA graph; larger ones run eagerly. None: by
-    # the model (worker/cuda_graph.py); 0: decode-only steps alone
+    # the largest step (in tokens) replayed from a CUDA graph; larger ones run eagerly. None:
+    # 2048 (ModelRunner._max_graph_tokens); 0: decode-only steps alone
     max_cudagraph_capture_size: int | None = None
     # tensor parallel on CUDA: decode-sized all-reduces (and the RMSNorm after them) in one
     # one-shot kernel over symmetric memory (kernels/all_reduce.py); True: NCCL for all of them

@@ -107,11 +107,14 @@ class ModelRunner:
         return info
 
     def _max_graph_tokens(self) -> int:
-        """The largest mixed step run from a CUDA graph (0: none)."""
+        """The largest mixed step run from a CUDA graph (0: none).
+
+        NOTE: by default 2048: a graph pays while the step's ~400 eager launches (15-40 ms of
+        host time) outlast its GPU work, and on an H200 that ends near 2-4k tokens for
+        Qwen3-0.6B and 1-2k for Llama-3.1-8B (docs/BENCHMARKS.md, "CUDA graphs of mixed steps").
+        """
         limit = self.config.max_cudagraph_capture_size
-        if limit is None:
-            limit = 8192
-        return min(limit, self.config.max_num_batched_tokens)
+        return min(2048 if limit is None else limit, self.config.max_num_batched_tokens)
 
     # --- sizing -------------------------------------------------------------------------------
 
