@@ -87,9 +87,11 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
-                    help="default: conveyor.llm.OFFLINE_GPU_TOKEN_BUDGET")
+                    help="default: the offline GPU budget (conveyor.shared.config.TOKEN_BUDGETS)")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--max-cudagraph-capture-size", type=int, default=None,
+                    help="the largest step replayed from a CUDA graph (default: the engine's)")
     ap.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                     help="one step at a time (no overlap of scheduling and the GPU)")
     ap.add_argument("--tp", type=int, default=None, help="run in `conveyor serve --tp N`")
@@ -106,13 +108,14 @@ def main() -> None:
         ap.error("--compare-hf needs a saved checkpoint, not --load-format dummy")
 
     from conveyor import LLM, SamplingParams
-    from conveyor.llm import OFFLINE_GPU_TOKEN_BUDGET
+    from conveyor.shared.config import TOKEN_BUDGETS
 
     prompts, max_tokens = workload(args.num_requests)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
     engine = dict(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                  max_num_batched_tokens=args.max_num_batched_tokens or OFFLINE_GPU_TOKEN_BUDGET,
+                  max_num_batched_tokens=args.max_num_batched_tokens or TOKEN_BUDGETS["cuda", True],
                   enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
+                  max_cudagraph_capture_size=args.max_cudagraph_capture_size,
                   disable_custom_all_reduce=args.disable_custom_all_reduce,
                   load_format=args.load_format, **quant_args(args))
     t0 = time.perf_counter()
@@ -127,7 +130,7 @@ def main() -> None:
         outs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - t0
         out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        kv_blocks = llm.engine.runner.num_blocks
+        kv_blocks = llm.runner.num_blocks
     else:
         with served(path, args.tp, *engine_flags(engine)) as client:
             startup = time.perf_counter() - t0
@@ -143,6 +146,7 @@ def main() -> None:
               "prompt_tokens": sum(map(len, prompts)), "output_tokens": out_tokens,
               "seconds": round(elapsed, 3), "tok_per_s": round(out_tokens / elapsed, 1),
               "startup_s": round(startup, 1), "eager": args.enforce_eager,
+              "max_cudagraph_capture_size": args.max_cudagraph_capture_size,
               "async_scheduling": args.async_scheduling, "tp": args.tp or 1,
               "load_format": args.load_format, "kv_cache_dtype": args.kv_cache_dtype,
               "kv_blocks": kv_blocks, "quantization": args.quantization}
