@@ -132,7 +132,8 @@ class Frontend:
         deadline = loop.time() + timeout_s
         while self.core.open and loop.time() < deadline:
             await asyncio.sleep(_DRAIN_POLL_S)
-        self.core.fail_all("the server is shutting down", 503)
+        self.core.fail_all(f"the server is shutting down: the request did not finish within "
+                           f"the shutdown timeout ({timeout_s:g} s)", 503)
         await self._drained()
 
     async def _drained(self) -> None:

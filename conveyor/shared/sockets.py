@@ -9,6 +9,7 @@ log. Internal sockets are ipc:// paths in a private per-instance runtime directo
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import socket
 import tempfile
@@ -134,9 +135,44 @@ def reserve_shared_port(host: str, port: int) -> socket.socket:
     return tcp_listener(host, port, reuse_addr=False)
 
 
+RUNTIME_PREFIX = "conveyor-"
+OWNER_FILE = "launcher.pid"                 # in a runtime directory: "<pid> <start time>"
+
+
 def make_runtime_dir() -> Path:
-    """A fresh private (0700) directory for this instance's ipc:// socket files."""
-    return Path(tempfile.mkdtemp(prefix="conveyor-"))
+    """A fresh private (0700) directory for this instance's ipc:// socket files, naming its
+    launcher (this process) so that a later start can tell when it is stale."""
+    path = Path(tempfile.mkdtemp(prefix=RUNTIME_PREFIX))
+    (path / OWNER_FILE).write_text(_process_stamp(os.getpid()) or "")
+    return path
+
+
+def remove_stale_runtime_dirs() -> list[Path]:
+    """Remove the runtime directories of this user's launchers that are gone (SIGKILL leaves
+    them behind: sockets, metrics files); returns them. A directory is stale when the process
+    it names has exited, or its pid now belongs to a process started at another time."""
+    removed = []
+    for path in Path(tempfile.gettempdir()).glob(f"{RUNTIME_PREFIX}*"):
+        try:
+            if not path.is_dir() or path.is_symlink() or path.stat().st_uid != os.getuid():
+                continue
+            stamp = (path / OWNER_FILE).read_text()
+        except OSError:
+            continue                         # not ours, or made by a version without the file
+        pid = stamp.split()[0] if stamp.strip() else ""
+        if pid.isdigit() and _process_stamp(int(pid)) != stamp:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _process_stamp(pid: int) -> str | None:
+    """"<pid> <start time in clock ticks since boot>", or None if no such process (Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f"{pid} {f.read().rsplit(')', 1)[1].split()[19]}"
+    except (OSError, IndexError):
+        return None
 
 
 def remove_runtime_dir(path: Path) -> None:
