@@ -17,11 +17,11 @@ import zmq
 import zmq.asyncio
 
 from conveyor.engine import max_model_len
-from conveyor.frontend.core import DEAD, DRAINING, READY, FrontendCore, RequestError
+from conveyor.frontend.core import DEAD, DRAINING, READY, FrontendCore
 from conveyor.frontend.tokenizer import load_tokenizer
-from conveyor.outputs import RequestOutput
+from conveyor.frontend.zmq_endpoint import ZmqEndpoint
 from conveyor.shared.config import ServeConfig
-from conveyor.shared.messages.client import CancelRequest, ErrorReply, GenerateRequest
+from conveyor.shared.messages.client import CancelRequest, GenerateRequest
 from conveyor.shared.messages.control import Drain, Drained, EngineDead, Ready, Shutdown
 from conveyor.shared.messages.engine import Stats, StatsRequest, TokenOutputs
 from conveyor.shared.model_files import DEFAULT_MODEL_NAME, read_model_config, resolve_model
@@ -62,7 +62,6 @@ class Frontend:
         self.cfg, self.index, self.core, self.metrics = cfg, index, core, metrics
         self.role = f"frontend-{index}"
         self._http = None                    # the uvicorn server, if HTTP is on
-        self.by_client: dict[tuple[bytes, str], str] = {}   # (peer, client's id) -> request id
 
     async def run(self, ctx: zmq.Context, control: Socket) -> None:
         actx = zmq.asyncio.Context.shadow(ctx.underlying)
@@ -91,7 +90,7 @@ class Frontend:
         self.control = control
         # NOTE: these run as long as the process serves; one that ends takes the process down
         tasks = [asyncio.ensure_future(self._pump(self.scheduler, self._on_scheduler)),
-                 asyncio.ensure_future(self._pump(self.clients, self._on_client))]
+                 asyncio.ensure_future(ZmqEndpoint(self.clients, self.core).serve())]
         info = {"address": self.clients.address}
         if cfg.http.port is not None:
             tasks.append(await self._start_http())
@@ -180,41 +179,6 @@ class Frontend:
             self.core.on_outputs(msg.outputs)
         else:
             raise RuntimeError(f"unreadable message from the scheduler: {msg}")
-
-    # --- ZMQ clients --------------------------------------------------------------------------
-
-    def _on_client(self, peer: bytes, msg) -> None:
-        if isinstance(msg, GenerateRequest):
-            key = (peer, msg.id)
-            if key in self.by_client:
-                self.clients.send(ErrorReply(msg.id, f"request id {msg.id!r} is already in use"),
-                                  to=peer)
-                return
-            try:
-                self.by_client[key] = self.core.submit(
-                    msg, lambda out: self._to_client(peer, key, out))
-            except RequestError as e:
-                self.clients.send(ErrorReply(msg.id, str(e), e.code), to=peer)
-        elif isinstance(msg, CancelRequest):
-            rid = self.by_client.pop((peer, msg.id), None)
-            if rid is not None:
-                self.core.cancel(rid)
-        elif isinstance(msg, StatsRequest):
-            self.core.request_stats(lambda stats: self._send_stats(peer, stats))
-        else:                                    # ErrorReply: the frame was malformed
-            self.clients.send(msg, to=peer)
-
-    def _send_stats(self, peer: bytes, stats: Stats | None) -> None:
-        if stats is None:
-            self.clients.send(ErrorReply(None, "the engine is not running", 503), to=peer)
-            return
-        stats.frontend_open_requests = len(self.core.open)
-        self.clients.send(stats, to=peer)
-
-    def _to_client(self, peer: bytes, key: tuple[bytes, str], out: RequestOutput) -> None:
-        self.clients.send(out, to=peer)
-        if out.finished:
-            self.by_client.pop(key, None)
 
 
 async def _first(awaitable, tasks: list[asyncio.Task]):

@@ -71,6 +71,13 @@ class Socket:
         """recv() for a socket made from a zmq.asyncio context."""
         return self._decode(await self.sock.recv_multipart(copy=True))
 
+    async def recv_async_with_fd(self) -> tuple[bytes | None, object, int]:
+        """recv_async(), and the file descriptor of the connection the message came by
+        (ZMQ_SRCFD): on a ROUTER, which client connection sent it."""
+        frames = await self.sock.recv_multipart(copy=False)
+        fd = frames[-1].get(zmq.SRCFD)
+        return (*self._decode([f.bytes for f in frames]), fd)
+
     def _decode(self, frames: list[bytes]) -> tuple[bytes | None, object]:
         peer = frames.pop(0) if self.kind == zmq.ROUTER else None
         try:
