@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from pathlib import Path
 
 import uvloop
 import zmq
@@ -154,9 +155,8 @@ class Frontend:
         h = self.cfg.http
         names = h.served_model_names or (self.cfg.engine.model or DEFAULT_MODEL_NAME,)
         app = Guard(build_app(self.core, names, h.max_n, self.metrics, h.cache_salt_per_api_key),
-                    h.api_keys,
-                    None if h.rate_limit is None else h.rate_limit / self.cfg.num_frontends,
-                    h.rate_limit_burst, h.max_body_bytes, self.metrics)
+                    h.api_keys, h.rate_limit, h.rate_limit_burst, h.max_body_bytes, self.metrics,
+                    buckets_file=str(Path(self.cfg.runtime_dir) / "rate-limit"))
         sock = tcp_listener(self.cfg.host, h.port)
         config = uvicorn.Config(app, http=read_deadline_protocol(h.read_timeout),
                                 lifespan="off", log_level="warning", access_log=False,

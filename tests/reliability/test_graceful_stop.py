@@ -84,8 +84,8 @@ def test_a_second_signal_stops_at_once_failing_what_is_open():
         code = server.wait(15)
         took = time.monotonic() - start
         last = None
-        for last in stream:                       # the request's end: an error saying why
-            pass
+        for out in stream:                        # the request's end: an error saying why
+            last = out
         failure = last.outputs[0].error if last is not None and last.outputs else None
         client.close()
         assert code == 0 and took < 5, (code, took)
