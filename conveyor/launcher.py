@@ -29,6 +29,7 @@ from conveyor.frontend.server import frontend_main
 from conveyor.scheduler.policy import make_policy
 from conveyor.scheduler.process import scheduler_main
 from conveyor.shared.config import EngineConfig, HttpConfig, ModelConfig, ServeConfig
+from conveyor.shared.engine_port import secure_engine_port
 from conveyor.shared.messages.control import Drain, Drained, EngineDead, FrontendDead, Ready
 from conveyor.shared.model_files import DEFAULT_MODEL_NAME, read_model_config, resolve_model
 from conveyor.shared.process import child_main, spawning_children
@@ -74,7 +75,8 @@ def default_frontends() -> int:
 
 def serve(engine: EngineConfig, http: HttpConfig, *, host: str = "127.0.0.1", zmq_port: int = 0,
           num_frontends: int | None = None, curve_keys: str | None = None,
-          startup_timeout: float = 600.0, skip_tokenizer_init: bool = False) -> int:
+          startup_timeout: float = 600.0, skip_tokenizer_init: bool = False,
+          zmq_host: str = "127.0.0.1") -> int:
     """Run `conveyor serve` until it stops; returns the exit code. What the engine leaves to
     choose (device "auto", the token budget) is chosen by EngineConfig.with_defaults in the
     workers, which import torch anyway, and in the scheduler from worker 0's device: this
@@ -87,6 +89,12 @@ def serve(engine: EngineConfig, http: HttpConfig, *, host: str = "127.0.0.1", zm
         make_policy(engine.scheduling_policy)    # the scheduler process loads it again
     except ValueError as e:
         raise LaunchError(str(e)) from None
+    try:
+        curve_keys, note = secure_engine_port(zmq_host, curve_keys)
+    except ValueError as e:
+        raise LaunchError(str(e)) from None
+    if note is not None:
+        print(f"conveyor: {note}", flush=True)
     reserved = None
     if http.port is not None:
         try:
@@ -101,7 +109,7 @@ def serve(engine: EngineConfig, http: HttpConfig, *, host: str = "127.0.0.1", zm
             from conveyor.frontend.metrics import setup_multiprocess_dir
             setup_multiprocess_dir(Path(runtime_dir) / "metrics")
         cfg = ServeConfig(engine, str(runtime_dir), os.getpid(), host, zmq_port, num_frontends,
-                          curve_keys, http, skip_tokenizer_init)
+                          curve_keys, http, skip_tokenizer_init, zmq_host)
         return Launcher(cfg).run(startup_timeout)
     finally:
         remove_runtime_dir(runtime_dir)

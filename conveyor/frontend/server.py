@@ -1,6 +1,7 @@
 """A frontend process: the public endpoints of the engine, on one asyncio loop.
 
-It serves the ZMQ client protocol (docs/PROTOCOL.md) on a ROUTER at tcp://host:zmq_port+index and
+It serves the ZMQ client protocol (docs/PROTOCOL.md) on a ROUTER at tcp://zmq_host:zmq_port+index
+(zmq_endpoint.py) and
 the OpenAI HTTP API (conveyor/frontend/routes.py) on the port every frontend shares. Both hand
 requests to one FrontendCore, which talks to the scheduler. The launcher drives its state over
 the control socket: Ready (all processes are up: serve), Drain (SIGTERM: refuse new requests,
@@ -76,7 +77,7 @@ class Frontend:
             auth = ThreadAuthenticator(ctx, log=logging.getLogger("conveyor.zap"))
             auth.start()
             auth.configure_curve(domain="*", location=str(clients))
-        address = f"tcp://{cfg.host}:{cfg.zmq_port + self.index if cfg.zmq_port else '*'}"
+        address = f"tcp://{cfg.zmq_host}:{cfg.zmq_port + self.index if cfg.zmq_port else '*'}"
         try:
             self.clients = Socket(actx, zmq.ROUTER, address, bind=True,
                                   allowed=(GenerateRequest, CancelRequest, StatsRequest),
