@@ -1,11 +1,11 @@
 """A frontend process: the public endpoints of the engine, on one asyncio loop.
 
 It serves the ZMQ client protocol (docs/PROTOCOL.md) on a ROUTER at tcp://zmq_host:zmq_port+index
-(zmq_endpoint.py) and
-the OpenAI HTTP API (conveyor/frontend/routes.py) on the port every frontend shares. Both hand
-requests to one FrontendCore, which talks to the scheduler. The launcher drives its state over
-the control socket: Ready (all processes are up: serve), Drain (SIGTERM: refuse new requests,
-finish open ones, then report Drained), EngineDead (fail every open request), Shutdown (exit).
+(conveyor/frontend/zmq_endpoint.py) and the OpenAI HTTP API (conveyor/frontend/routes.py) on the
+port every frontend shares. Both hand requests to one FrontendCore, which talks to the
+scheduler. The launcher drives its state over the control socket: Ready (all processes are up:
+serve), Drain (SIGTERM: refuse new requests, finish open ones, then report Drained), EngineDead
+(fail every open request), Shutdown (exit).
 """
 from __future__ import annotations
 
