@@ -157,8 +157,10 @@ def make_runtime_dir() -> Path:
 def remove_stale_runtime_dirs() -> list[Path]:
     """Remove the runtime directories of this user's launchers that are gone (SIGKILL leaves
     them behind: sockets, metrics files); returns them. A directory is stale when the process
-    it names has exited, or its pid now belongs to a process started at another time."""
+    it names has exited, or its pid now belongs to a process started at another time. One made
+    in another PID namespace (a container sharing /tmp) is not judged."""
     removed = []
+    here = _pid_namespace("self")
     for path in Path(tempfile.gettempdir()).glob(f"{RUNTIME_PREFIX}*"):
         try:
             if not path.is_dir() or path.is_symlink() or path.stat().st_uid != os.getuid():
@@ -166,19 +168,31 @@ def remove_stale_runtime_dirs() -> list[Path]:
             stamp = (path / OWNER_FILE).read_text()
         except OSError:
             continue                         # not ours, or made by a version without the file
-        pid = stamp.split()[0] if stamp.strip() else ""
-        if pid.isdigit() and _process_stamp(int(pid)) != stamp:
+        fields = stamp.split()
+        if len(fields) != 3 or not fields[0].isdigit() or here is None or fields[2] != here:
+            continue
+        if _process_stamp(int(fields[0])) != stamp:
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
 
 
 def _process_stamp(pid: int) -> str | None:
-    """"<pid> <start time in clock ticks since boot>", or None if no such process (Linux)."""
+    """"<pid> <start time in clock ticks since boot> <pid namespace>", or None if there is no
+    such process (or no /proc: not Linux)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f"{pid} {f.read().rsplit(')', 1)[1].split()[19]}"
+            start = f.read().rsplit(")", 1)[1].split()[19]
     except (OSError, IndexError):
+        return None
+    namespace = _pid_namespace(str(pid))
+    return None if namespace is None else f"{pid} {start} {namespace}"
+
+
+def _pid_namespace(pid: str) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/pid")
+    except OSError:
         return None
 
 

@@ -2,8 +2,9 @@
 whole process group (Ctrl-C, systemd, `kill -- -PGID`), under load (streamed and whole requests,
 HTTP and ZMQ): the requests in flight complete normally within --shutdown-timeout, a new request
 gets 503 over HTTP and an ErrorReply with code 503 over ZMQ, and the launcher exits 0 with no
-process and no runtime directory left. The same signal during start-up stops it cleanly too; a
-second signal stops at once. Long version: scripts/stress.py --scenario graceful-stop."""
+process and no runtime directory left; SIGTERM to the launcher as PID 1 of a PID namespace (a
+container) the same. The same signal during start-up stops it cleanly too; a second signal
+stops at once. Long version: scripts/stress.py --scenario graceful-stop."""
 import os
 import signal
 import subprocess
@@ -91,3 +92,51 @@ def test_a_second_signal_stops_at_once_failing_what_is_open():
         assert code == 0 and took < 5, (code, took)
         assert failure is not None and "stopped" in failure, failure
         assert not server.alive()
+
+
+def test_sigterm_to_pid_1_drains_the_same_way(tmp_path):
+    """The launcher as PID 1 of its own PID namespace (a container without an init): SIGTERM
+    lets the request in flight finish, and it exits 0 leaving nothing behind."""
+    import shutil
+
+    from benchmarks.stresskit.clients import greedy
+    from benchmarks.stresskit.harness import BASE_ARGS, serving_line
+    from conveyor.client import Client
+
+    if shutil.which("unshare") is None or subprocess.run(
+            ["unshare", "--fork", "--pid", "--mount-proc", "true"],
+            capture_output=True).returncode != 0:
+        pytest.skip("cannot make a PID namespace here (unshare)")
+    before = _runtime_dirs()
+    log = (tmp_path / "stderr").open("w")
+    proc = subprocess.Popen(["unshare", "--fork", "--pid", "--mount-proc", sys.executable, "-m",
+                             "conveyor.cli", "serve", "--port", "0", "--zmq-port", "0",
+                             *BASE_ARGS, "--max-num-seqs", "8", "--shutdown-timeout", "120"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True,
+                            start_new_session=True)
+    try:
+        line = serving_line(proc, 240)
+        assert line is not None, (tmp_path / "stderr").read_text()[-2000:]
+        (launcher,) = child_pids(proc.pid).values()    # PID 1 inside, this pid outside
+        with open(f"/proc/{launcher}/status") as f:
+            assert [ln.split()[-1] for ln in f if ln.startswith("NSpid")] == ["1"]
+        children = child_pids(launcher)
+        mine = _runtime_dirs() - before
+        address = line.split("(HTTP), ")[1].split(" (ZMQ)")[0]
+        with Client(address, timeout=60) as client:
+            stream = client.stream("Once upon a time", greedy(24))
+            next(stream)
+            os.kill(launcher, signal.SIGTERM)
+            last = None
+            for out in stream:
+                last = out
+        assert last.outputs[0].finish_reason == "length", last
+        # unshare exits with its child's code
+        assert proc.wait(60) == 0, (tmp_path / "stderr").read_text()[-2000:]
+        time.sleep(0.5)
+        assert not [n for n, pid in children.items() if pid_alive(pid, n)]
+        assert mine and not any(d.exists() for d in mine)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)

@@ -125,11 +125,15 @@ def test_stale_runtime_directories_of_dead_launchers_are_removed(tmp_path, monke
     dead = make_runtime_dir()
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    (dead / "launcher.pid").write_text(f"{gone.pid} 12345")
+    ns = os.readlink("/proc/self/ns/pid")
+    (dead / "launcher.pid").write_text(f"{gone.pid} 12345 {ns}")
     reused = make_runtime_dir()                       # our pid, another start time: reused pid
-    (reused / "launcher.pid").write_text(f"{os.getpid()} 1")
+    (reused / "launcher.pid").write_text(f"{os.getpid()} 1 {ns}")
     (dead / "scheduler").write_text("")              # a socket file left by SIGKILL
     foreign = tmp_path / "conveyor-other"            # no owner file: not ours to judge
     foreign.mkdir()
+    container = make_runtime_dir()                   # another PID namespace: not ours either
+    (container / "launcher.pid").write_text("1 1 pid:[1]")
     assert sorted(remove_stale_runtime_dirs()) == sorted([dead, reused])
-    assert live.is_dir() and foreign.is_dir() and not dead.exists() and not reused.exists()
+    assert live.is_dir() and foreign.is_dir() and container.is_dir()
+    assert not dead.exists() and not reused.exists()
