@@ -132,7 +132,7 @@ def cmd_serve(args) -> int:
         return serve(EngineConfig.from_kwargs(**engine_kwargs(args)), http_config(args),
                      host=args.host, zmq_port=args.zmq_port, num_frontends=args.frontends,
                      curve_keys=args.zmq_curve_keys, startup_timeout=args.startup_timeout,
-                     skip_tokenizer_init=args.skip_tokenizer_init)
+                     skip_tokenizer_init=args.skip_tokenizer_init, zmq_host=args.zmq_host)
     except LaunchError as e:
         print(f"conveyor: error: {e}", file=sys.stderr)
         return 2
@@ -165,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=cmd_chat)
 
     srv = sub.add_parser("serve", help="run the engine as a server (OpenAI HTTP API and ZMQ)")
-    srv.add_argument("--host", default="127.0.0.1", help="address the client ports bind")
+    srv.add_argument("--host", default="127.0.0.1", help="address the HTTP port binds")
     srv.add_argument("--port", type=int, default=8000,
                      help="OpenAI-compatible HTTP port (0: any free port; -1: no HTTP server)")
     srv.add_argument("--served-model-name", action="append", metavar="NAME",
@@ -204,9 +204,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="frontend i listens on ZMQ_PORT + i (0: any free port)")
     srv.add_argument("--frontends", type=int, default=None,
                      help="number of frontend processes (default: one per 4 cores, 1 to 8)")
+    srv.add_argument("--zmq-host", default="127.0.0.1",
+                     help="address the ZMQ engine port binds; beyond loopback it requires "
+                          "CurveZMQ with client keys in DIR/clients/ (see --zmq-curve-keys)")
     srv.add_argument("--zmq-curve-keys", default=None, metavar="DIR",
                      help="require CurveZMQ: server keypair in DIR (created if missing); with "
-                          "DIR/clients/, only the client public keys (*.key) there")
+                          "DIR/clients/, only the client public keys (*.key) there (default "
+                          "with a --zmq-host beyond loopback: $CONVEYOR_CACHE/zmq-keys)")
     srv.add_argument("--startup-timeout", type=float, default=600.0, metavar="SECONDS")
     srv.add_argument("--skip-tokenizer-init", action="store_true",
                      help="load no tokenizer: prompts and outputs are token ids only")

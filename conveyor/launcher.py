@@ -4,10 +4,13 @@ Checks what it can before spawning (model files, tensor-parallel split, the HTTP
 keeps reserved so every frontend can share it), spawns every child with the 'spawn' start
 method, waits for each one's Ready, tells the frontends to serve, prints where it listens, and
 then supervises (a dead frontend is reaped and its requests aborted while another serves).
-SIGINT/SIGTERM drain: the frontends refuse new requests and finish open ones
-(up to --shutdown-timeout), then everything stops (exit 0); a second signal stops at once. A
-child that dies fails every open request (EngineDead to the frontends) and ends the launch
-(exit 1). Start-up failures print one line.
+SIGINT/SIGTERM, whether sent to the launcher alone, to its process group (Ctrl-C, systemd) or to
+it as a container's PID 1, drain: the frontends refuse new requests and finish open ones (up to
+--shutdown-timeout), the rest fail with a reason, then everything stops (exit 0); a second
+signal fails what is open and stops at once. A signal during start-up stops what started
+(exit 0). The children ignore signals meant for the group (shared/process.py). A child that
+dies fails every open request (EngineDead to the frontends) and ends the launch (exit 1).
+Start-up failures print one line.
 """
 from __future__ import annotations
 
@@ -26,19 +29,22 @@ from conveyor.frontend.server import frontend_main
 from conveyor.scheduler.policy import make_policy
 from conveyor.scheduler.process import scheduler_main
 from conveyor.shared.config import EngineConfig, HttpConfig, ModelConfig, ServeConfig
+from conveyor.shared.engine_port import secure_engine_port
 from conveyor.shared.messages.control import Drain, Drained, EngineDead, FrontendDead, Ready
 from conveyor.shared.model_files import DEFAULT_MODEL_NAME, read_model_config, resolve_model
-from conveyor.shared.process import child_main
+from conveyor.shared.process import child_main, spawning_children
 from conveyor.shared.sockets import (
     Socket,
     ipc,
     make_runtime_dir,
     remove_runtime_dir,
+    remove_stale_runtime_dirs,
     reserve_shared_port,
 )
 from conveyor.worker.process import worker_main
 
 STOP_GRACE_S = 5.0         # SIGTERM, then SIGKILL after this long
+FORCED_GRACE_S = 1.0       # the same after a second stop signal
 DRAIN_S = 3.0              # how long frontends get to send their errors after a death
 DRAIN_SLACK_S = 2.0        # beyond --shutdown-timeout, for the frontends' last replies
 
@@ -69,7 +75,8 @@ def default_frontends() -> int:
 
 def serve(engine: EngineConfig, http: HttpConfig, *, host: str = "127.0.0.1", zmq_port: int = 0,
           num_frontends: int | None = None, curve_keys: str | None = None,
-          startup_timeout: float = 600.0, skip_tokenizer_init: bool = False) -> int:
+          startup_timeout: float = 600.0, skip_tokenizer_init: bool = False,
+          zmq_host: str = "127.0.0.1") -> int:
     """Run `conveyor serve` until it stops; returns the exit code. What the engine leaves to
     choose (device "auto", the token budget) is chosen by EngineConfig.with_defaults in the
     workers, which import torch anyway, and in the scheduler from worker 0's device: this
@@ -82,6 +89,12 @@ def serve(engine: EngineConfig, http: HttpConfig, *, host: str = "127.0.0.1", zm
         make_policy(engine.scheduling_policy)    # the scheduler process loads it again
     except ValueError as e:
         raise LaunchError(str(e)) from None
+    try:
+        curve_keys, note = secure_engine_port(zmq_host, curve_keys)
+    except ValueError as e:
+        raise LaunchError(str(e)) from None
+    if note is not None:
+        print(f"conveyor: {note}", flush=True)
     reserved = None
     if http.port is not None:
         try:
@@ -89,13 +102,14 @@ def serve(engine: EngineConfig, http: HttpConfig, *, host: str = "127.0.0.1", zm
         except OSError as e:
             raise LaunchError(f"cannot listen on http://{host}:{http.port}: {e}") from None
         http = dataclasses.replace(http, port=reserved.getsockname()[1])
+    remove_stale_runtime_dirs()
     runtime_dir = make_runtime_dir()
     try:
         if reserved is not None:
             from conveyor.frontend.metrics import setup_multiprocess_dir
             setup_multiprocess_dir(Path(runtime_dir) / "metrics")
         cfg = ServeConfig(engine, str(runtime_dir), os.getpid(), host, zmq_port, num_frontends,
-                          curve_keys, http, skip_tokenizer_init)
+                          curve_keys, http, skip_tokenizer_init, zmq_host)
         return Launcher(cfg).run(startup_timeout)
     finally:
         remove_runtime_dir(runtime_dir)
@@ -130,9 +144,12 @@ class Launcher:
         self.dead: set[str] = set()          # children whose exit was seen
         self.scheduler: Socket | None = None  # to tell it about a dead frontend
         self._unread: list = []              # control messages read early, for _poll to return
+        self.ready: set[str] = set()          # children that reported Ready
+        self.signals = 0                     # stop signals received
 
     def run(self, startup_timeout: float) -> int:
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        grace, serving = STOP_GRACE_S, False
         try:
             self._spawn()
             started = time.monotonic()
@@ -147,23 +164,33 @@ class Launcher:
                      else []) + [f"{', '.join(addresses)} (ZMQ)"]
             print(f"conveyor: serving on {', '.join(where)}; ready in "
                   f"{time.monotonic() - started:.1f} s, pid {os.getpid()}", flush=True)
+            serving = True
             try:
                 dead = self._supervise()
             except _Stop:
-                dead = self._drain()
+                try:
+                    dead = self._drain()
+                except _Stop:                    # a second signal: stop now
+                    grace = FORCED_GRACE_S
+                    self._stop_now()
+                    return 0
                 if dead is None:
                     return 0
             print(f"conveyor: error: {dead}; stopped the server", file=sys.stderr, flush=True)
             return 1
         except LaunchError as e:
+            if self.signals:                     # a child that the stop signal ended first
+                return 0
             print(f"conveyor: error: {e}", file=sys.stderr, flush=True)
             return 1
         except _Stop:
+            if not serving:
+                print("conveyor: stopped during start-up", file=sys.stderr, flush=True)
             return 0
         finally:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             signal.signal(signal.SIGINT, signal.SIG_IGN)
-            self._stop_all()
+            self._stop_all(grace)
             if self.scheduler is not None:
                 self.scheduler.close()
             self.control.close()
@@ -172,7 +199,16 @@ class Launcher:
                 signal.signal(s, handler)
 
     def _on_signal(self, signum, frame) -> None:
+        self.signals += 1
         raise _Stop()
+
+    def _stop_now(self) -> None:
+        """After a second stop signal: fail what is still open, waiting at most a second."""
+        print("conveyor: stopping now", file=sys.stderr, flush=True)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        self._await_frontends(self._tell_frontends(EngineDead("the server was stopped")),
+                              Drained, FORCED_GRACE_S)
 
     def _spawn(self) -> None:
         spawn = mp.get_context("spawn")
@@ -183,7 +219,8 @@ class Launcher:
         for name, main, args in roles:
             proc = spawn.Process(target=child_main, args=(name, main, self.cfg, *args),
                                  name=f"conveyor::{name}", daemon=False)
-            proc.start()
+            with spawning_children():
+                proc.start()
             self.procs[name] = proc
 
     def _poll(self, timeout_s: float | None) -> tuple[object | None, str | None]:
@@ -223,6 +260,7 @@ class Launcher:
                 raise LaunchError(msg.reason)
             if isinstance(msg, Ready):
                 waiting.discard(msg.role)
+                self.ready.add(msg.role)
                 info[msg.role] = msg.info
         return info
 
@@ -295,10 +333,11 @@ class Launcher:
         self._await_frontends(self._tell_frontends(EngineDead(f"the engine failed: {reason}")),
                               Drained)
 
-    def _await_frontends(self, waiting: set[str], reply: type) -> None:
+    def _await_frontends(self, waiting: set[str], reply: type, timeout_s: float = DRAIN_S
+                         ) -> None:
         """Wait (a little) until each frontend in `waiting` answered with a `reply` message or
         exited; a death is left for _supervise to find."""
-        deadline = time.monotonic() + DRAIN_S
+        deadline = time.monotonic() + timeout_s
         other = []
         while waiting and time.monotonic() < deadline:
             msg, exited = self._poll(deadline - time.monotonic())
@@ -321,13 +360,19 @@ class Launcher:
                 told.add(name)
         return told
 
-    def _stop_all(self) -> None:
-        order = sorted(self.procs.values(), key=lambda p: not p.name.startswith("conveyor::front"))
-        for proc in order:
+    def _stop_all(self, grace_s: float = STOP_GRACE_S) -> None:
+        """SIGTERM to the children that started (frontends first), SIGKILL to those still
+        loading (they hold nothing to finish, and may not take a SIGTERM yet: see
+        shared/process.py) and to any left after grace_s."""
+        order = sorted(self.procs.items(), key=lambda p: not p[0].startswith("frontend-"))
+        for name, proc in order:
             if proc.is_alive():
-                proc.terminate()
-        deadline = time.monotonic() + STOP_GRACE_S
-        for proc in order:
+                if name in self.ready:
+                    proc.terminate()
+                else:
+                    proc.kill()
+        deadline = time.monotonic() + grace_s
+        for _, proc in order:
             proc.join(max(0.0, deadline - time.monotonic()))
             if proc.is_alive():
                 proc.kill()

@@ -53,6 +53,18 @@ class Server:
         """The children (of those seen at start) still running."""
         return sorted(name for name, pid in self.children.items() if pid_alive(pid, name))
 
+    def runtime_dir(self) -> Path | None:
+        """The launcher's private runtime directory (ipc sockets, metrics), while it runs."""
+        from conveyor.shared.sockets import OWNER_FILE, RUNTIME_PREFIX
+
+        for path in Path(tempfile.gettempdir()).glob(f"{RUNTIME_PREFIX}*/{OWNER_FILE}"):
+            try:
+                if path.read_text().split()[0] == str(self.proc.pid):
+                    return path.parent
+            except (OSError, IndexError):
+                continue
+        return None
+
     def wait(self, timeout: float) -> int | None:
         try:
             return self.proc.wait(timeout)

@@ -245,12 +245,17 @@ def _check_no_orphans(server: Server, report: Report) -> None:
 
 def graceful_stop(server: Server, *, duration: float = 5.0, concurrency: int = 8,
                   max_tokens: int = 48, shutdown_timeout: float = 60.0,
-                  bound: float = 120.0) -> Report:
-    """SIGTERM under load: the requests in flight complete normally within the shutdown
-    timeout, new ones get 503 (HTTP) or an ErrorReply with code 503 (ZMQ), the launcher exits
-    0 and leaves no process behind. The server must have been started with
-    --shutdown-timeout shutdown_timeout."""
-    report = Report("graceful-stop", f"{concurrency} requests, max_tokens {max_tokens}")
+                  bound: float = 120.0, signum: int = signal.SIGTERM,
+                  to_group: bool = False) -> Report:
+    """A stop signal under load (to the launcher, or with to_group to its whole process group,
+    as Ctrl-C, systemd and `kill -- -PGID` send it): the requests in flight complete normally
+    within the shutdown timeout, new ones get 503 (HTTP) or an ErrorReply with code 503 (ZMQ),
+    the launcher exits 0 and leaves no process and no runtime directory behind. The server must
+    have been started with --shutdown-timeout shutdown_timeout."""
+    report = Report("graceful-stop", f"{concurrency} requests, max_tokens {max_tokens}, "
+                                     f"{signal.Signals(signum).name} to the "
+                                     f"{'process group' if to_group else 'launcher'}")
+    runtime_dir = server.runtime_dir()
     warm_up(server)
     stop = threading.Event()
 
@@ -274,7 +279,10 @@ def graceful_stop(server: Server, *, duration: float = 5.0, concurrency: int = 8
         loader.start()
         time.sleep(duration)
         stop.set()                               # no new request from the load from here on
-        server.proc.send_signal(signal.SIGTERM)
+        if to_group:
+            os.killpg(server.proc.pid, signum)
+        else:
+            server.proc.send_signal(signum)
         signalled = time.monotonic()
         report.notes["refusals"] = _probe_draining(server, report)
         loader.join(shutdown_timeout + 30)
@@ -293,6 +301,8 @@ def graceful_stop(server: Server, *, duration: float = 5.0, concurrency: int = 8
     report.check(not slow, f"{len(slow)} request(s) took longer than the shutdown timeout")
     report.check(code == 0, f"the launcher exit code is {code}, not 0")
     _check_no_orphans(server, report)
+    report.check(runtime_dir is not None and not runtime_dir.exists(),
+                 f"the runtime directory {runtime_dir} was left behind")
     return report
 
 

@@ -8,14 +8,22 @@ the end. `on_outputs` folds the engine's TokenOutputs in: tokens, logprobs, deto
 strings (a sequence a stop string ends is aborted in the engine). Every accepted request ends
 exactly once: finished, cancelled by its caller (no reply), or failed with an error output
 (timeout, drain, engine failure). The core also holds the server's state and records metrics.
+
+What one request can cost is bounded before it is paid: a prompt longer (in characters) than
+the context could hold even at the vocabulary's longest token is refused before tokenizing, and
+`submit_async` tokenizes a long prompt in a thread (the tokenizer releases the GIL), so the event
+loop keeps serving everyone else. Any exception of the template, the tokenizer or the
+detokenizer fails that request alone.
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import msgspec
@@ -35,6 +43,9 @@ from conveyor.shared.messages.worker import TokenLogprobs
 from conveyor.shared.sampling_params import INT64_MIN, SamplingParams
 
 STARTING, READY, DRAINING, DEAD = "starting", "ready", "draining", "dead"
+INLINE_CHARS = 16 << 10      # prompts up to this many characters are tokenized on the loop
+MIN_CHARS_PER_TOKEN = 16     # the length bound assumes at least this (see _max_prompt_chars)
+log = logging.getLogger(__name__)
 
 
 class RequestError(ValueError):
@@ -80,6 +91,9 @@ class FrontendCore:
     def __post_init__(self) -> None:
         self._ids = itertools.count()
         self._backend = None if self.tokenizer is None else backend_of(self.tokenizer)
+        self.max_prompt_chars = _max_prompt_chars(self.tokenizer, self.max_model_len)
+        self._stats_asked = False            # a StatsRequest is on its way to the engine
+        self._pool: ThreadPoolExecutor | None = None    # tokenizes long prompts
 
     # --- requests -----------------------------------------------------------------------------
 
@@ -90,14 +104,42 @@ class FrontendCore:
         fit_context: refuse a prompt plus max_tokens beyond the context length instead of
         ending it there, and read max_tokens=None as "the rest of the context" (OpenAI's rule).
         """
+        self._admit()
+        return self._start(req, deliver, *self._prepared(req, fit_context))
+
+    async def submit_async(self, req: GenerateRequest, deliver: Callable[[RequestOutput], None],
+                           fit_context: bool = False) -> str:
+        """submit(), with a long prompt tokenized in a thread while the event loop serves on."""
+        if tokenizes_inline(req):
+            return self.submit(req, deliver, fit_context)
+        self._admit()
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(2, thread_name_prefix="tokenize")
+        prepared = await asyncio.get_running_loop().run_in_executor(
+            self._pool, self._prepared, req, fit_context)
+        self._admit()                        # the server may have stopped meanwhile
+        return self._start(req, deliver, *prepared)
+
+    def _admit(self) -> None:
         if self.state != READY:
             raise RequestError(f"the server is {self.state}", 503)
         if self.max_open is not None and len(self.open) >= self.max_open:
             raise RequestError(f"the server is at its cap of {self.max_open} open requests", 429)
+
+    def _prepared(self, req: GenerateRequest, fit_context: bool):
+        """prepare(), its refusals as RequestErrors: a ValueError is the client's mistake (400),
+        anything else a failure of this request alone (500, logged)."""
         try:
-            text, token_ids, params = self.prepare(req, fit_context)
+            return self.prepare(req, fit_context)
         except ValueError as e:
             raise RequestError(str(e)) from None
+        except Exception as e:
+            log.exception("preparing request %r failed", req.id)
+            raise RequestError(f"the request could not be prepared: {type(e).__name__}: {e}",
+                               500) from None
+
+    def _start(self, req: GenerateRequest, deliver: Callable[[RequestOutput], None],
+               text: str | None, token_ids: list[int], params: SamplingParams) -> str:
         rid = f"{self.id_prefix}{next(self._ids)}"
         arrival = time.time()
         want_logprobs = params.logprobs is not None
@@ -133,6 +175,15 @@ class FrontendCore:
         if self.tokenizer is None and (req.prompt_token_ids is None or params.stop):
             raise ValueError("this engine has no tokenizer: send prompt_token_ids, and no stop "
                              "strings")
+        chars = _prompt_chars(req)
+        if chars > self.max_prompt_chars:
+            raise ValueError(f"the prompt has {chars} characters, more than a context of "
+                             f"{self.max_model_len} tokens can hold (at most "
+                             f"{self.max_prompt_chars} characters)")
+        if req.messages is not None:
+            for i, m in enumerate(req.messages):
+                if "role" not in m or "content" not in m:
+                    raise ValueError(f"messages[{i}] needs a role and a content")
         text = None
         if req.prompt_token_ids is not None:
             token_ids = list(req.prompt_token_ids)
@@ -186,44 +237,59 @@ class FrontendCore:
         now = time.time()
         updated: dict[str, _Request] = {}
         stopped = []
+        failed: dict[str, str] = {}
         for o in outputs:
             rid, _, index = o.id.rpartition("/")
             r = self.open.get(rid)
-            if r is None:
+            if r is None or rid in failed:
                 continue
-            index = int(index)
-            s, metrics = r.samples[index], r.output.metrics
-            if o.prompt_logprobs and r.output.prompt_logprobs is not None:
-                r.output.prompt_logprobs.extend(map(self._logprobs, o.prompt_logprobs))
-            if o.stats is not None and index == 0:
-                metrics.first_scheduled_time = o.stats.first_scheduled or None
-                metrics.num_cached_tokens = o.stats.num_cached_tokens
-                metrics.num_preemptions = o.stats.num_preemptions
-            c = s.out
-            if c.finish_reason is not None:  # ended here by a stop string; the engine catches up
-                continue
-            if o.new_token_ids:
-                if metrics.first_token_time is None:
-                    metrics.first_token_time = now
-                c.token_ids += o.new_token_ids
-                s.detok.push(o.new_token_ids)
-            if o.logprobs and c.logprobs is not None:
-                for lp in o.logprobs:
-                    c.logprobs.append(self._logprobs(lp))
-                    c.cumulative_logprob += lp.logprobs[0]
-            if s.detok.stopped_by is not None:
-                c.finish_reason, c.stop_reason = "stop", s.detok.stopped_by
-                stopped.append(o.id)
-            elif o.finish_reason is not None:
-                s.detok.flush()
-                c.finish_reason, c.stop_reason = o.finish_reason, o.stop_reason
-                c.error, c.error_code = o.error, o.error_code
-            c.text = s.detok.text
-            updated[rid] = r
+            try:
+                if self._fold(r, int(index), o, now, stopped):
+                    updated[rid] = r
+            except Exception as e:            # the detokenizer's, say: this request fails alone
+                log.exception("request %s: reading its output failed", rid)
+                failed[rid] = f"reading the engine's output failed: {type(e).__name__}: {e}"
         if stopped:
             self.send(Abort(ids=stopped, reason="stop"))
+        for rid, error in failed.items():
+            updated.pop(rid, None)
+            if rid in self.open:
+                self._end(rid, "error", error, 500)
         for rid, r in updated.items():
-            self._reply(rid, r)
+            if rid in self.open:
+                self._reply(rid, r)
+
+    def _fold(self, r: _Request, index: int, o: TokenOutput, now: float,
+              stopped: list[str]) -> bool:
+        """Fold one sample's TokenOutput into its request; False if there is nothing new."""
+        s, metrics = r.samples[index], r.output.metrics
+        if o.prompt_logprobs and r.output.prompt_logprobs is not None:
+            r.output.prompt_logprobs.extend(map(self._logprobs, o.prompt_logprobs))
+        if o.stats is not None and index == 0:
+            metrics.first_scheduled_time = o.stats.first_scheduled or None
+            metrics.num_cached_tokens = o.stats.num_cached_tokens
+            metrics.num_preemptions = o.stats.num_preemptions
+        c = s.out
+        if c.finish_reason is not None:  # ended here by a stop string; the engine catches up
+            return False
+        if o.new_token_ids:
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            c.token_ids += o.new_token_ids
+            s.detok.push(o.new_token_ids)
+        if o.logprobs and c.logprobs is not None:
+            for lp in o.logprobs:
+                c.logprobs.append(self._logprobs(lp))
+                c.cumulative_logprob += lp.logprobs[0]
+        if s.detok.stopped_by is not None:
+            c.finish_reason, c.stop_reason = "stop", s.detok.stopped_by
+            stopped.append(o.id)
+        elif o.finish_reason is not None:
+            s.detok.flush()
+            c.finish_reason, c.stop_reason = o.finish_reason, o.stop_reason
+            c.error, c.error_code = o.error, o.error_code
+        c.text = s.detok.text
+        return True
 
     def _reply(self, rid: str, r: _Request) -> None:
         """Deliver what is new: the whole output once finished, or (streams) a delta."""
@@ -292,11 +358,15 @@ class FrontendCore:
             waiter(None)
             return
         self._stats_waiters.append(waiter)
-        self.send(StatsRequest())
+        if not self._stats_asked:            # NOTE: one question at a time; every waiter
+            self._stats_asked = True         # then gets the one answer
+            self.send(StatsRequest())
 
     def on_stats(self, stats: Stats) -> None:
-        if self._stats_waiters:
-            self._stats_waiters.popleft()(stats)
+        self._stats_asked = False
+        waiters, self._stats_waiters = self._stats_waiters, deque()
+        for waiter in waiters:
+            waiter(stats)
 
     def fail_all(self, reason: str, code: int = 503) -> None:
         """End every open request with an error (engine failure, or a drain that ran out)."""
@@ -304,6 +374,7 @@ class FrontendCore:
             self._end(rid, "error", reason, code)
         while self._stats_waiters:
             self._stats_waiters.popleft()(None)
+        self._stats_asked = False
 
 
 def _sample_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -316,3 +387,27 @@ def _sample_params(params: SamplingParams, index: int) -> SamplingParams:
     if index > 0:
         changes["prompt_logprobs"] = None
     return msgspec.structs.replace(params, **changes)
+
+
+def tokenizes_inline(req: GenerateRequest) -> bool:
+    """Whether the request's prompt is short enough to tokenize on the event loop."""
+    return _prompt_chars(req) <= INLINE_CHARS
+
+
+def _prompt_chars(req: GenerateRequest) -> int:
+    if req.prompt is not None:
+        return len(req.prompt)
+    if req.messages is not None:
+        return sum(len(k) + len(v) for m in req.messages for k, v in m.items())
+    return 0
+
+
+def _max_prompt_chars(tokenizer, max_model_len: int) -> int:
+    """Characters beyond which a prompt cannot fit in the context: every token stands for at
+    most as many characters as the longest entry of the vocabulary (at least
+    MIN_CHARS_PER_TOKEN, for normalizers that drop characters), so a longer text has more
+    tokens than the context holds and is refused before it is tokenized."""
+    if tokenizer is None:
+        return 0
+    longest = max(map(len, tokenizer.get_vocab()), default=0)
+    return max_model_len * max(longest, MIN_CHARS_PER_TOKEN)

@@ -2,10 +2,11 @@
 
 `Guard` is plain ASGI middleware. Keys are compared as SHA-256 digests with
 `hmac.compare_digest` against every configured key, so neither the key's content nor its length
-shows in the timing. The rate limit is a token bucket per API key (per client address when no keys
-are set). A body over the cap is refused with 413 whether or not it declares its length (an
-undeclared one as it is read, through the app's HTTPException handler). Every
-response's status is counted for the metrics under its route.
+shows in the timing. The rate limit is a token bucket per API key (per client address when no
+keys are set), shared by every frontend (rate_limit.py); a refusal says when to retry
+(Retry-After). A body over the cap is refused with 413 whether or not it declares its length (an
+undeclared one as it is read, through the app's HTTPException handler). Every response's status
+is counted for the metrics under its route.
 
 Below the ASGI layer, `read_deadline_protocol` gives each request a deadline to arrive whole
 (headers and body), so clients that trickle bytes (slowloris) cannot hold connections forever,
@@ -15,18 +16,20 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import time
+import math
 
 import msgspec
 from starlette.exceptions import HTTPException
+
+from conveyor.frontend.rate_limit import SharedBuckets
 
 OPEN_PATHS = frozenset({"/health"})          # answered without an API key
 MAX_HEAD_BYTES = 16 << 10                    # a request's header block, as h11's and Node's
 ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
                     "/metrics", "/version", "/tokenize", "/detokenize"})
-_MAX_BUCKETS = 10_000
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-                404: "not_found_error", 408: "timeout_error", 413: "invalid_request_error",
+                404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
+                413: "invalid_request_error", 422: "invalid_request_error",
                 429: "rate_limit_error", 503: "service_unavailable"}
 
 
@@ -36,35 +39,16 @@ def error_body(status: int, message: str) -> dict:
                       "param": None, "code": status}}
 
 
-class TokenBucket:
-    def __init__(self, rate: float, burst: float):
-        self.rate, self.burst = rate, burst
-        self.tokens, self.stamp = burst, time.monotonic()
-
-    def _refill(self) -> None:
-        now = time.monotonic()
-        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
-        self.stamp = now
-
-    def take(self) -> bool:
-        self._refill()
-        if self.tokens < 1:
-            return False
-        self.tokens -= 1
-        return True
-
-    def full(self) -> bool:
-        self._refill()
-        return self.tokens >= self.burst
-
-
 class Guard:
     def __init__(self, app, api_keys: tuple[str, ...] = (), rate_limit: float | None = None,
-                 burst: int = 0, max_body_bytes: int = 8 << 20, metrics=None):
+                 burst: int = 0, max_body_bytes: int = 8 << 20, metrics=None,
+                 buckets_file: str | None = None):
+        """buckets_file: where the frontends of one server share their rate-limit buckets."""
         self.app = app
         self.key_digests = [hashlib.sha256(k.encode()).digest() for k in api_keys]
-        self.rate, self.burst = rate_limit, burst or max(1.0, rate_limit or 1.0)
-        self.buckets: dict[str, TokenBucket] = {}
+        self.rate = rate_limit
+        self.buckets = None if rate_limit is None else SharedBuckets(
+            rate_limit, burst or max(1.0, rate_limit), buckets_file)
         self.max_body = max_body_bytes
         self.metrics = metrics
 
@@ -102,7 +86,8 @@ class Guard:
             if self.metrics is not None:
                 self.metrics.http_request(path if path in ROUTES else "other", status or 499)
 
-    def _check(self, scope, path: str) -> tuple[int, str] | None:
+    def _check(self, scope, path: str) -> tuple | None:
+        """(status, message[, extra headers]) if the request is refused here."""
         headers = dict(scope["headers"])
         length = headers.get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_body):
@@ -118,20 +103,16 @@ class Guard:
             if match < 0:
                 return 401, "a valid API key is required (Authorization: Bearer KEY)"
             scope.setdefault("state", {})["api_key_index"] = match    # the tenant
-        if self.rate is not None and path not in OPEN_PATHS:
-            client = key or (scope.get("client") or ("?",))[0]
-            if not self._bucket(client).take():
-                return 429, f"rate limit exceeded: {self.rate:g} requests per second"
+        if self.buckets is not None and path not in OPEN_PATHS:
+            client = f"key:{key}" if key else f"address:{(scope.get('client') or ('?',))[0]}"
+            wait = self.buckets.take(client)
+            if wait > 0:
+                per = "API key" if self.key_digests else "client address"
+                unit = "request" if self.rate == 1 else "requests"
+                retry = max(1, math.ceil(wait))
+                return (429, f"rate limit exceeded: {self.rate:g} {unit} per second per {per}; "
+                             f"retry in {retry} s", [(b"retry-after", str(retry).encode())])
         return None
-
-    def _bucket(self, client: str) -> TokenBucket:
-        bucket = self.buckets.get(client)
-        if bucket is None:
-            if len(self.buckets) >= _MAX_BUCKETS:    # forget clients whose bucket is full
-                for k in [k for k, b in self.buckets.items() if b.full()]:
-                    del self.buckets[k]
-            bucket = self.buckets[client] = TokenBucket(self.rate, self.burst)
-        return bucket
 
     def _too_large(self) -> tuple[int, str]:
         return 413, f"the request body exceeds {self.max_body} bytes"
@@ -142,11 +123,11 @@ def _bearer(value: bytes) -> str:
     return token.strip() if scheme.lower() == "bearer" else ""
 
 
-async def _send_error(send, status: int, message: str) -> None:
+async def _send_error(send, status: int, message: str, headers: list | None = None) -> None:
     body = msgspec.json.encode(error_body(status, message))
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode())]})
+                            (b"content-length", str(len(body)).encode()), *(headers or [])]})
     await send({"type": "http.response.body", "body": body})
 
 

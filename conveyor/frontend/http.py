@@ -42,13 +42,19 @@ class Run:
         self.wake: asyncio.Future | None = None
         self.gone = False                     # the client disconnected
         self.open: dict[str, str] = {}        # prompt index -> engine request id, until finished
+        self.gens, self.request = gens, request
+
+    async def _submit(self) -> None:
+        """Submit every prompt (a long one is tokenized in a thread); ApiError if one is
+        refused, and then none stays open."""
         try:
-            for gen in gens:
-                self.open[gen.id] = core.submit(gen, self._deliver, fit_context=True)
+            for gen in self.gens:
+                self.open[gen.id] = await self.core.submit_async(gen, self._deliver,
+                                                                 fit_context=True)
         except RequestError as e:
             self.close()
             raise ApiError(e.code, str(e)) from None
-        self.watch = asyncio.ensure_future(self._watch(request))
+        self.watch = asyncio.ensure_future(self._watch(self.request))
 
     def _deliver(self, out: RequestOutput) -> None:
         self.items.append(out)
@@ -83,6 +89,7 @@ class Run:
             self.watch.cancel()
 
     async def respond(self, shape, stream: bool, include_usage: bool) -> Response:
+        await self._submit()
         streaming = False
         try:
             first = await self.next()

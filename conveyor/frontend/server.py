@@ -1,27 +1,29 @@
 """A frontend process: the public endpoints of the engine, on one asyncio loop.
 
-It serves the ZMQ client protocol (docs/PROTOCOL.md) on a ROUTER at tcp://host:zmq_port+index and
-the OpenAI HTTP API (conveyor/frontend/routes.py) on the port every frontend shares. Both hand
-requests to one FrontendCore, which talks to the scheduler. The launcher drives its state over
-the control socket: Ready (all processes are up: serve), Drain (SIGTERM: refuse new requests,
-finish open ones, then report Drained), EngineDead (fail every open request), Shutdown (exit).
+It serves the ZMQ client protocol (docs/PROTOCOL.md) on a ROUTER at tcp://zmq_host:zmq_port+index
+(conveyor/frontend/zmq_endpoint.py) and the OpenAI HTTP API (conveyor/frontend/routes.py) on the
+port every frontend shares. Both hand requests to one FrontendCore, which talks to the
+scheduler. The launcher drives its state over the control socket: Ready (all processes are up:
+serve), Drain (SIGTERM: refuse new requests, finish open ones, then report Drained), EngineDead
+(fail every open request), Shutdown (exit).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+from pathlib import Path
 
 import uvloop
 import zmq
 import zmq.asyncio
 
 from conveyor.engine import max_model_len
-from conveyor.frontend.core import DEAD, DRAINING, READY, FrontendCore, RequestError
+from conveyor.frontend.core import DEAD, DRAINING, READY, FrontendCore
 from conveyor.frontend.tokenizer import load_tokenizer
-from conveyor.outputs import RequestOutput
+from conveyor.frontend.zmq_endpoint import ZmqEndpoint
 from conveyor.shared.config import ServeConfig
-from conveyor.shared.messages.client import CancelRequest, ErrorReply, GenerateRequest
+from conveyor.shared.messages.client import CancelRequest, GenerateRequest
 from conveyor.shared.messages.control import Drain, Drained, EngineDead, Ready, Shutdown
 from conveyor.shared.messages.engine import Stats, StatsRequest, TokenOutputs
 from conveyor.shared.model_files import DEFAULT_MODEL_NAME, read_model_config, resolve_model
@@ -62,7 +64,6 @@ class Frontend:
         self.cfg, self.index, self.core, self.metrics = cfg, index, core, metrics
         self.role = f"frontend-{index}"
         self._http = None                    # the uvicorn server, if HTTP is on
-        self.by_client: dict[tuple[bytes, str], str] = {}   # (peer, client's id) -> request id
 
     async def run(self, ctx: zmq.Context, control: Socket) -> None:
         actx = zmq.asyncio.Context.shadow(ctx.underlying)
@@ -76,7 +77,7 @@ class Frontend:
             auth = ThreadAuthenticator(ctx, log=logging.getLogger("conveyor.zap"))
             auth.start()
             auth.configure_curve(domain="*", location=str(clients))
-        address = f"tcp://{cfg.host}:{cfg.zmq_port + self.index if cfg.zmq_port else '*'}"
+        address = f"tcp://{cfg.zmq_host}:{cfg.zmq_port + self.index if cfg.zmq_port else '*'}"
         try:
             self.clients = Socket(actx, zmq.ROUTER, address, bind=True,
                                   allowed=(GenerateRequest, CancelRequest, StatsRequest),
@@ -91,7 +92,7 @@ class Frontend:
         self.control = control
         # NOTE: these run as long as the process serves; one that ends takes the process down
         tasks = [asyncio.ensure_future(self._pump(self.scheduler, self._on_scheduler)),
-                 asyncio.ensure_future(self._pump(self.clients, self._on_client))]
+                 asyncio.ensure_future(ZmqEndpoint(self.clients, self.core).serve())]
         info = {"address": self.clients.address}
         if cfg.http.port is not None:
             tasks.append(await self._start_http())
@@ -132,7 +133,8 @@ class Frontend:
         deadline = loop.time() + timeout_s
         while self.core.open and loop.time() < deadline:
             await asyncio.sleep(_DRAIN_POLL_S)
-        self.core.fail_all("the server is shutting down", 503)
+        self.core.fail_all(f"the server is shutting down: the request did not finish within "
+                           f"the shutdown timeout ({timeout_s:g} s)", 503)
         await self._drained()
 
     async def _drained(self) -> None:
@@ -156,9 +158,8 @@ class Frontend:
         app = Guard(build_app(self.core, names, h.max_n, self.metrics, h.cache_salt_per_api_key,
                               h.tool_call_parser if h.enable_auto_tool_choice else None,
                               h.reasoning_parser),
-                    h.api_keys,
-                    None if h.rate_limit is None else h.rate_limit / self.cfg.num_frontends,
-                    h.rate_limit_burst, h.max_body_bytes, self.metrics)
+                    h.api_keys, h.rate_limit, h.rate_limit_burst, h.max_body_bytes, self.metrics,
+                    buckets_file=str(Path(self.cfg.runtime_dir) / "rate-limit"))
         sock = tcp_listener(self.cfg.host, h.port)
         config = uvicorn.Config(app, http=read_deadline_protocol(h.read_timeout),
                                 lifespan="off", log_level="warning", access_log=False,
@@ -181,41 +182,6 @@ class Frontend:
             self.core.on_outputs(msg.outputs)
         else:
             raise RuntimeError(f"unreadable message from the scheduler: {msg}")
-
-    # --- ZMQ clients --------------------------------------------------------------------------
-
-    def _on_client(self, peer: bytes, msg) -> None:
-        if isinstance(msg, GenerateRequest):
-            key = (peer, msg.id)
-            if key in self.by_client:
-                self.clients.send(ErrorReply(msg.id, f"request id {msg.id!r} is already in use"),
-                                  to=peer)
-                return
-            try:
-                self.by_client[key] = self.core.submit(
-                    msg, lambda out: self._to_client(peer, key, out))
-            except RequestError as e:
-                self.clients.send(ErrorReply(msg.id, str(e), e.code), to=peer)
-        elif isinstance(msg, CancelRequest):
-            rid = self.by_client.pop((peer, msg.id), None)
-            if rid is not None:
-                self.core.cancel(rid)
-        elif isinstance(msg, StatsRequest):
-            self.core.request_stats(lambda stats: self._send_stats(peer, stats))
-        else:                                    # ErrorReply: the frame was malformed
-            self.clients.send(msg, to=peer)
-
-    def _send_stats(self, peer: bytes, stats: Stats | None) -> None:
-        if stats is None:
-            self.clients.send(ErrorReply(None, "the engine is not running", 503), to=peer)
-            return
-        stats.frontend_open_requests = len(self.core.open)
-        self.clients.send(stats, to=peer)
-
-    def _to_client(self, peer: bytes, key: tuple[bytes, str], out: RequestOutput) -> None:
-        self.clients.send(out, to=peer)
-        if out.finished:
-            self.by_client.pop(key, None)
 
 
 async def _first(awaitable, tasks: list[asyncio.Task]):

@@ -23,8 +23,11 @@ def load_tokenizer(files: ModelFiles, tokenizer: str | None = None):
     cached = cache_dir() / "tokenizers" / f"{files.path.stem}-{files.path.stat().st_size}"
     if not (cached / "tokenizer_config.json").is_file():
         tok = AutoTokenizer.from_pretrained(files.path.parent, gguf_file=files.path.name)
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=cached.parent))
+        try:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(dir=cached.parent))
+        except OSError:                       # a read-only cache (an image's): serve uncached
+            return tok
         tok.save_pretrained(tmp)
         try:
             os.rename(tmp, cached)            # atomic: a concurrent loader sees all or nothing

@@ -289,12 +289,13 @@ class ServeConfig:
     engine: EngineConfig
     runtime_dir: str                         # private ipc:// socket folder of this instance
     launcher_pid: int
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"                  # the HTTP port's address
     zmq_port: int = 0                        # frontend i listens on zmq_port + i (0: any port)
     num_frontends: int = 1
     zmq_curve_keys: str | None = None        # folder with the CurveZMQ server keypair
     http: HttpConfig = field(default_factory=HttpConfig)
     skip_tokenizer_init: bool = False        # no tokenizer: clients send and get token ids
+    zmq_host: str = "127.0.0.1"              # the ZMQ engine port's address (see engine_port.py)
 
     def __post_init__(self) -> None:
         if self.num_frontends < 1:

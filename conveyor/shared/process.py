@@ -3,9 +3,15 @@
 `child_main` names the process (`conveyor::<name>`), makes it die with the launcher, runs the
 role's main with a control socket to the launcher (the role sends Ready on it), and turns an
 exception into an EngineDead on that socket and exit code 1.
+
+Signals: Ctrl-C, `docker stop`, systemd and `kill -- -PGID` signal every process of the group,
+not just the launcher. A child must not act on those: the launcher drains first and then stops
+it. So children are born with SIGINT and SIGTERM ignored (`spawning_children`), and a child
+exits on a SIGTERM only when the launcher itself sent it (`follow_launcher`).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -57,18 +63,53 @@ def _prctl(option: int, arg) -> None:
         libc.prctl(option, arg, 0, 0, 0)
 
 
-def _exit_on_sigterm(signum, frame) -> None:
-    # NOTE: exit at once: raising SystemExit here can land inside a finaliser (a zmq socket's
-    # __del__) and print a stray traceback; the launcher owns every shared resource anyway.
-    os._exit(0)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def spawning_children():
+    """Around starting child processes: they inherit SIGINT and SIGTERM ignored (dispositions
+    survive exec; handlers and the signal mask do not), so a signal to the whole group in the
+    moments before a child runs `follow_launcher` cannot kill it.
+
+    NOTE: the launcher's own stop signals are blocked meanwhile, not lost: Linux keeps a blocked
+    signal pending even while its disposition is "ignore", and delivers it to the handler
+    restored afterwards."""
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    handlers = {s: signal.signal(s, signal.SIG_IGN) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+def follow_launcher(launcher_pid: int) -> None:
+    """Ignore SIGINT; exit on a SIGTERM sent by the launcher, ignore one sent by anyone else.
+
+    NOTE: a Python handler cannot see who sent a signal, so SIGTERM is blocked in every thread
+    (threads started later inherit the mask) and one thread takes it with sigwaitinfo. It exits
+    at once: the launcher owns every shared resource, and raising SystemExit could land inside
+    a finaliser (a zmq socket's __del__) and print a stray traceback."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)    # pending until taken below
+
+    def wait() -> None:
+        while True:
+            info = signal.sigwaitinfo({signal.SIGTERM})
+            if info.si_pid == launcher_pid:
+                os._exit(0)
+
+    threading.Thread(target=wait, name="sigterm-from-launcher", daemon=True).start()
 
 
 def child_main(name: str, role_main, cfg: ServeConfig, *args) -> None:
     """Entry point of every child: role_main(ctx, control, cfg, *args) runs until shutdown."""
+    follow_launcher(cfg.launcher_pid)                # first: before any other thread starts
     set_title(f"conveyor::{name}")
     die_with_parent(cfg.launcher_pid)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)     # Ctrl-C is the launcher's to handle
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     logging.basicConfig(level=logging.WARNING, format=f"%(levelname)s {name}: %(message)s")
     ctx = zmq.Context()
     control = Socket(ctx, zmq.PUSH, ipc(cfg.runtime_dir, "launcher"), bind=False)

@@ -5,6 +5,8 @@ both when a user builds one and when one is decoded from a socket.
 """
 from __future__ import annotations
 
+import math
+
 import msgspec
 
 
@@ -38,6 +40,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                    getattr(self, name))
         _check(all(_fits_int64(t) for t in self.stop_token_ids), "stop_token_ids",
                "must fit in 64 bits", self.stop_token_ids)
+        for name in _FLOATS:       # inf and nan pass a range check on one side only
+            _check(math.isfinite(getattr(self, name)), name, "must be a finite number",
+                   getattr(self, name))
         _check(self.n >= 1, "n", "must be at least 1", self.n)
         _check(self.temperature >= 0, "temperature", "must be non-negative", self.temperature)
         _check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
@@ -67,6 +72,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
 
 
 MAX_LOGPROBS = 20
+_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+           "repetition_penalty")
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 

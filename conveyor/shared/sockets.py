@@ -9,6 +9,7 @@ log. Internal sockets are ipc:// paths in a private per-instance runtime directo
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import socket
 import tempfile
@@ -69,6 +70,13 @@ class Socket:
     async def recv_async(self) -> tuple[bytes | None, object]:
         """recv() for a socket made from a zmq.asyncio context."""
         return self._decode(await self.sock.recv_multipart(copy=True))
+
+    async def recv_async_with_fd(self) -> tuple[bytes | None, object, int]:
+        """recv_async(), and the file descriptor of the connection the message came by
+        (ZMQ_SRCFD): on a ROUTER, which client connection sent it."""
+        frames = await self.sock.recv_multipart(copy=False)
+        fd = frames[-1].get(zmq.SRCFD)
+        return (*self._decode([f.bytes for f in frames]), fd)
 
     def _decode(self, frames: list[bytes]) -> tuple[bytes | None, object]:
         peer = frames.pop(0) if self.kind == zmq.ROUTER else None
@@ -134,9 +142,58 @@ def reserve_shared_port(host: str, port: int) -> socket.socket:
     return tcp_listener(host, port, reuse_addr=False)
 
 
+RUNTIME_PREFIX = "conveyor-"
+OWNER_FILE = "launcher.pid"                 # in a runtime directory: "<pid> <start time>"
+
+
 def make_runtime_dir() -> Path:
-    """A fresh private (0700) directory for this instance's ipc:// socket files."""
-    return Path(tempfile.mkdtemp(prefix="conveyor-"))
+    """A fresh private (0700) directory for this instance's ipc:// socket files, naming its
+    launcher (this process) so that a later start can tell when it is stale."""
+    path = Path(tempfile.mkdtemp(prefix=RUNTIME_PREFIX))
+    (path / OWNER_FILE).write_text(_process_stamp(os.getpid()) or "")
+    return path
+
+
+def remove_stale_runtime_dirs() -> list[Path]:
+    """Remove the runtime directories of this user's launchers that are gone (SIGKILL leaves
+    them behind: sockets, metrics files); returns them. A directory is stale when the process
+    it names has exited, or its pid now belongs to a process started at another time. One made
+    in another PID namespace (a container sharing /tmp) is not judged."""
+    removed = []
+    here = _pid_namespace("self")
+    for path in Path(tempfile.gettempdir()).glob(f"{RUNTIME_PREFIX}*"):
+        try:
+            if not path.is_dir() or path.is_symlink() or path.stat().st_uid != os.getuid():
+                continue
+            stamp = (path / OWNER_FILE).read_text()
+        except OSError:
+            continue                         # not ours, or made by a version without the file
+        fields = stamp.split()
+        if len(fields) != 3 or not fields[0].isdigit() or here is None or fields[2] != here:
+            continue
+        if _process_stamp(int(fields[0])) != stamp:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _process_stamp(pid: int) -> str | None:
+    """"<pid> <start time in clock ticks since boot> <pid namespace>", or None if there is no
+    such process (or no /proc: not Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            start = f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+    namespace = _pid_namespace(str(pid))
+    return None if namespace is None else f"{pid} {start} {namespace}"
+
+
+def _pid_namespace(pid: str) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/pid")
+    except OSError:
+        return None
 
 
 def remove_runtime_dir(path: Path) -> None:

