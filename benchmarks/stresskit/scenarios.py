@@ -51,7 +51,8 @@ def abort_storm(server: Server, *, requests: int | None = None, duration: float 
     are left at a random point (closing the HTTP stream, even right after its headers; breaking
     out of the ZMQ stream). Afterwards every block is free, integrity holds, each request ended
     exactly once (one finish or one cancel seen by its client; the server's
-    conveyor:request_success_total grew by exactly the number sent), no frontend keeps any state, and
+    conveyor:request_success_total grew by exactly the number sent), no frontend keeps any state,
+    and
     memory is back near its start (growth over max_growth_mib is a problem)."""
     report = Report("abort-storm", f"{concurrency} streams, max_tokens {max_tokens}, "
                                    f"{cancel_share:.0%} cancelled")

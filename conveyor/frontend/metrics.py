@@ -2,10 +2,11 @@
 
 Names are `conveyor:<name>`; where vLLM has a series of the same meaning, <name> is vLLM's (so a
 vLLM dashboard works after replacing `vllm:` with `conveyor:`). Every series carries the label
-`model_name` (the first served model name). Per-request counters and histograms live in each frontend process and are summed across them
-by prometheus_client's multiprocess mode (files under PROMETHEUS_MULTIPROC_DIR, which the
-launcher sets before it spawns children). A scrape adds the scheduler's Stats, GPU use (NVML,
-when installed) and the resident memory of the launcher and its children (Linux /proc).
+`model_name` (the first served model name). Per-request counters and histograms live in each
+frontend process and are summed across them by prometheus_client's multiprocess mode (files under
+PROMETHEUS_MULTIPROC_DIR, which the launcher sets before it spawns children). A scrape adds the
+scheduler's Stats, GPU use (NVML, when installed) and the resident memory of the launcher and its
+children (Linux /proc).
 """
 from __future__ import annotations
 
