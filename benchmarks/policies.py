@@ -51,9 +51,9 @@ def counters(base_url: str) -> dict[str, float]:
     the HTTP path and the client; bench_serving's attainment includes them.
     """
     metrics = parse_metrics(httpx.get(f"{base_url}/metrics", timeout=30).text)
-    return {"preemptions": metrics["conveyor_num_preemptions_total"],
-            "judged": metrics["conveyor_slo_judged_total{objective=ttft}"],
-            "missed": metrics["conveyor_slo_missed_total{objective=ttft}"]}
+    return {"preemptions": metrics["conveyor:num_preemptions_total"],
+            "judged": metrics["conveyor:slo_judged_total{objective=ttft}"],
+            "missed": metrics["conveyor:slo_missed_total{objective=ttft}"]}
 
 
 def workload_args(args, base_url: str, rate: float, seed: int, warmup: int) -> list[str]:

@@ -60,7 +60,7 @@ class EngineCore:
         from conveyor.worker.profiling import StepProfiler
 
         policy = make_policy(config.scheduling_policy)   # a bad name fails before the model loads
-        files = resolve_model(config.model)
+        files = resolve_model(config.model, config.revision)
         model = read_model_config(files)
         length = max_model_len(config, model)
         profiler = StepProfiler.from_env(0, config.device == "cuda")

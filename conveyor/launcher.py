@@ -26,10 +26,12 @@ import zmq
 
 from conveyor.engine import max_model_len
 from conveyor.frontend.server import frontend_main
+from conveyor.frontend.tokenizer import read_chat_template
 from conveyor.scheduler.policy import make_policy
 from conveyor.scheduler.process import scheduler_main
 from conveyor.shared.config import EngineConfig, HttpConfig, ModelConfig, ServeConfig
 from conveyor.shared.engine_port import secure_engine_port
+from conveyor.shared.generation_config import default_sampling
 from conveyor.shared.messages.control import Drain, Drained, EngineDead, FrontendDead, Ready
 from conveyor.shared.model_files import DEFAULT_MODEL_NAME, read_model_config, resolve_model
 from conveyor.shared.process import child_main, spawning_children
@@ -82,11 +84,16 @@ def serve(engine: EngineConfig, http: HttpConfig, *, host: str = "127.0.0.1", zm
     workers, which import torch anyway, and in the scheduler from worker 0's device: this
     long-lived process never imports torch."""
     num_frontends = num_frontends or default_frontends()
-    model = read_model_config(resolve_model(engine.model))
+    files = resolve_model(engine.model, engine.revision)
+    model = read_model_config(files)
     check_tensor_parallel(model, engine.tensor_parallel_size)
     max_model_len(engine, model)
     try:
         make_policy(engine.scheduling_policy)    # the scheduler process loads it again
+        # the frontends read these again; a bad one fails here, before anything starts
+        if engine.chat_template is not None:
+            read_chat_template(engine.chat_template)
+        defaults = default_sampling(files, engine.generation_config)
     except ValueError as e:
         raise LaunchError(str(e)) from None
     try:
@@ -95,6 +102,10 @@ def serve(engine: EngineConfig, http: HttpConfig, *, host: str = "127.0.0.1", zm
         raise LaunchError(str(e)) from None
     if note is not None:
         print(f"conveyor: {note}", flush=True)
+    if defaults:
+        print(f"conveyor: default sampling from the model's generation_config.json: "
+              f"{', '.join(f'{k}={v}' for k, v in defaults.items())} (requests override it; "
+              f"--generation-config vllm turns it off)", flush=True)
     reserved = None
     if http.port is not None:
         try:

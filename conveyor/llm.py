@@ -16,6 +16,7 @@ from conveyor.frontend.core import READY, FrontendCore
 from conveyor.frontend.tokenizer import load_tokenizer
 from conveyor.outputs import RequestOutput
 from conveyor.shared.config import EngineConfig
+from conveyor.shared.generation_config import default_sampling
 from conveyor.shared.messages import through_wire
 from conveyor.shared.messages.client import GenerateRequest
 from conveyor.shared.messages.engine import Abort, AddRequest
@@ -32,8 +33,10 @@ class LLM:
                                                **engine_args).with_defaults(offline=True)
         self.engine, self.runner = EngineCore.local(self.config)
         # without a tokenizer, prompts are token ids and outputs carry token ids only
-        self.tokenizer = None if skip_tokenizer_init else load_tokenizer(self.runner.files,
-                                                                          tokenizer)
+        c = self.config
+        self.tokenizer = None if skip_tokenizer_init else load_tokenizer(
+            self.runner.files, tokenizer, c.chat_template, c.revision)
+        self.default_sampling = default_sampling(self.runner.files, c.generation_config)
         self.core = FrontendCore(self.tokenizer, self.runner.model_config.vocab_size,
                                  self.runner.max_model_len, "", self._send, state=READY)
         self._from_engine: list = []         # outputs the engine gave outside step()
@@ -41,6 +44,11 @@ class LLM:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a call without sampling params uses: SamplingParams' defaults, over which the
+        model's generation_config.json (generation_config="auto") sets its sampling keys."""
+        return SamplingParams(**self.default_sampling)
 
     @property
     def quantization_report(self):
@@ -55,6 +63,7 @@ class LLM:
         """priority: one per prompt (or one for all); lower runs first under
         `scheduling_policy="priority"` (docs/SCHEDULING.md), other policies ignore it."""
         prompts = _as_list(prompts)
+        sampling_params = sampling_params or self.get_default_sampling_params()
         requests = [_request(p, params, RequestOptions(priority=prio)) for p, params, prio in zip(
             prompts, _per_prompt(sampling_params, len(prompts), "sampling params"),
             _per_prompt(priority or 0, len(prompts), "priorities"))]
@@ -67,6 +76,7 @@ class LLM:
              tools: list[dict] | None = None) -> list[RequestOutput]:
         """tools: OpenAI-style function definitions, for the chat template to show the model."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        sampling_params = sampling_params or self.get_default_sampling_params()
         kwargs = {"add_generation_prompt": add_generation_prompt, **(chat_template_kwargs or {})}
         requests = [GenerateRequest(id="", messages=conv, sampling=params or SamplingParams(),
                                     chat_template_kwargs=kwargs, tools=tools)
@@ -78,7 +88,7 @@ class LLM:
                ) -> Iterator[str]:
         """Yield the text of one completion as it is generated (a prompt, or chat messages);
         leaving early aborts it. Used by `conveyor chat`."""
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.get_default_sampling_params()
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
             request = GenerateRequest(id="", messages=prompt, sampling=params, stream=True)
         else:

@@ -259,24 +259,26 @@ def scrape(server: Server, timeout: float = 10.0) -> dict[str, float]:
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text as {"name{label=value,...}": value}."""
+    """Prometheus text as {"name{label=value,...}": value}; the label model_name, the same on
+    every series of one server, is left out."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())
+                              if k != "model_name")
             out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
     return out
 
 
 def requests_total(metrics: dict[str, float]) -> float:
-    return sum(v for k, v in metrics.items() if k.startswith("conveyor_requests_total{"))
+    return sum(v for k, v in metrics.items() if k.startswith("conveyor:request_success_total{"))
 
 
 class MemorySampler:
-    """Samples `conveyor_process_resident_memory_bytes` every `every` s in a thread."""
-    _KEY = "conveyor_process_resident_memory_bytes{process="
+    """Samples `conveyor:process_resident_memory_bytes` every `every` s in a thread."""
+    _KEY = "conveyor:process_resident_memory_bytes{process="
 
     def __init__(self, server: Server, every: float = 1.0):
         self.server, self.every = server, every

@@ -51,7 +51,8 @@ def abort_storm(server: Server, *, requests: int | None = None, duration: float 
     are left at a random point (closing the HTTP stream, even right after its headers; breaking
     out of the ZMQ stream). Afterwards every block is free, integrity holds, each request ended
     exactly once (one finish or one cancel seen by its client; the server's
-    conveyor_requests_total grew by exactly the number sent), no frontend keeps any state, and
+    conveyor:request_success_total grew by exactly the number sent), no frontend keeps any state,
+    and
     memory is back near its start (growth over max_growth_mib is a problem)."""
     report = Report("abort-storm", f"{concurrency} streams, max_tokens {max_tokens}, "
                                    f"{cancel_share:.0%} cancelled")
@@ -118,8 +119,8 @@ def kv_pressure(server: Server, *, requests: int | None = None, duration: float 
     memory.fill(report)
     preempted = report.notes["preemptions"] - first.num_preemptions
     report.notes["preemptions"] = preempted
-    metric = scrape(server).get("conveyor_num_preemptions_total")
-    report.notes["conveyor_num_preemptions_total"] = metric
+    metric = scrape(server).get("conveyor:num_preemptions_total")
+    report.notes["conveyor:num_preemptions_total"] = metric
     report.check(preempted > 0 and (metric or 0) >= preempted,
                  f"no preemption seen ({preempted}, metric {metric}): the pool is not small")
     report.check(not mismatches, f"{len(mismatches)} output(s) differ from the offline API's, "

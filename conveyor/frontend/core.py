@@ -61,6 +61,7 @@ class _Sample:
     out: CompletionOutput                    # the whole completion so far
     detok: IncrementalDetokenizer
     sent: int = 0                            # tokens delivered (streams); -1 once it ended
+    last_token_time: float = 0.0             # when its latest tokens came (inter-token latency)
 
 
 @dataclass(slots=True, eq=False)
@@ -184,6 +185,10 @@ class FrontendCore:
             for i, m in enumerate(req.messages):
                 if "role" not in m or "content" not in m:
                     raise ValueError(f"messages[{i}] needs a role and a content")
+        if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
+            bad = sorted(t for t in params.logit_bias if t >= self.vocab_size)
+            raise ValueError(f"logit_bias token ids out of the vocabulary [0, {self.vocab_size})"
+                             f": {bad[:5]}")
         text = None
         if req.prompt_token_ids is not None:
             token_ids = list(req.prompt_token_ids)
@@ -275,6 +280,9 @@ class FrontendCore:
         if o.new_token_ids:
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
+            if s.last_token_time and self.metrics is not None:
+                self.metrics.inter_token(now - s.last_token_time)
+            s.last_token_time = now
             c.token_ids += o.new_token_ids
             s.detok.push(o.new_token_ids)
         if o.logprobs and c.logprobs is not None:

@@ -1,6 +1,8 @@
 """What every HTTP request passes before the API sees it: API keys, rate limit, body cap.
 
-`Guard` is plain ASGI middleware. Keys are compared as SHA-256 digests with
+`Guard` is plain ASGI middleware. The probes (/health, /ping, /version and /metrics, unless
+--metrics-need-api-key) answer without a key, as vLLM's do; every other path needs it, unknown ones
+included (so a client without the key learns no route). Keys are compared as SHA-256 digests with
 `hmac.compare_digest` against every configured key, so neither the key's content nor its length
 shows in the timing. The rate limit is a token bucket per API key (per client address when no
 keys are set), shared by every frontend (rate_limit.py); a refusal says when to retry
@@ -23,28 +25,32 @@ from starlette.exceptions import HTTPException
 
 from conveyor.frontend.rate_limit import SharedBuckets
 
-OPEN_PATHS = frozenset({"/health"})          # answered without an API key
+# answered without an API key (/metrics unless guarded) and never rate limited
+OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})
 MAX_HEAD_BYTES = 16 << 10                    # a request's header block, as h11's and Node's
-ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
-                    "/metrics", "/version", "/tokenize", "/detokenize"})
+ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/ping",
+                    "/metrics", "/version", "/tokenize", "/detokenize", "/tokenizer_info"})
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                 404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
                 413: "invalid_request_error", 422: "invalid_request_error",
                 429: "rate_limit_error", 503: "service_unavailable"}
 
 
-def error_body(status: int, message: str) -> dict:
-    """OpenAI's error shape."""
+def error_body(status: int, message: str, code: str | int | None = None,
+               param: str | None = None) -> dict:
+    """OpenAI's error shape; `code` defaults to the status (OpenAI's own codes are strings such
+    as "model_not_found"), `param` names the field at fault."""
     return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "server_error"),
-                      "param": None, "code": status}}
+                      "param": param, "code": status if code is None else code}}
 
 
 class Guard:
     def __init__(self, app, api_keys: tuple[str, ...] = (), rate_limit: float | None = None,
                  burst: int = 0, max_body_bytes: int = 8 << 20, metrics=None,
-                 buckets_file: str | None = None):
+                 buckets_file: str | None = None, metrics_need_api_key: bool = False):
         """buckets_file: where the frontends of one server share their rate-limit buckets."""
         self.app = app
+        self.metrics_need_key = metrics_need_api_key
         self.key_digests = [hashlib.sha256(k.encode()).digest() for k in api_keys]
         self.rate = rate_limit
         self.buckets = None if rate_limit is None else SharedBuckets(
@@ -93,7 +99,7 @@ class Guard:
         if length is not None and (not length.isdigit() or int(length) > self.max_body):
             return self._too_large()
         key = ""
-        if self.key_digests and path not in OPEN_PATHS:
+        if self.key_digests and self._needs_key(path):
             key = _bearer(headers.get(b"authorization", b""))
             digest = hashlib.sha256(key.encode(errors="replace")).digest()
             match = -1
@@ -113,6 +119,9 @@ class Guard:
                 return (429, f"rate limit exceeded: {self.rate:g} {unit} per second per {per}; "
                              f"retry in {retry} s", [(b"retry-after", str(retry).encode())])
         return None
+
+    def _needs_key(self, path: str) -> bool:
+        return path not in OPEN_PATHS or (path == "/metrics" and self.metrics_need_key)
 
     def _too_large(self) -> tuple[int, str]:
         return 413, f"the request body exceeds {self.max_body} bytes"

@@ -23,13 +23,15 @@ _JSON = msgspec.json.Encoder()
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, code: str | None = None,
+                 param: str | None = None):
         super().__init__(message)
-        self.status = status
+        self.status, self.code, self.param = status, code, param
 
 
-def error_response(status: int, message: str) -> Response:
-    return Response(_JSON.encode(error_body(status, message)), status,
+def error_response(status: int, message: str, code: str | None = None,
+                   param: str | None = None) -> Response:
+    return Response(_JSON.encode(error_body(status, message, code, param)), status,
                     media_type="application/json")
 
 
@@ -164,7 +166,7 @@ class EventStream(Response):
             events, items = shape.opening(), self.first
             while True:
                 for out in items:
-                    shape.prompt_tokens += len(out.prompt_token_ids or [])
+                    shape.saw(int(out.request_id), out)
                 failed = _failure([c for out in items for c in out.outputs])
                 for prompt, c in _coalesce(items):
                     shape.completion_tokens += len(c.token_ids)

@@ -1,9 +1,12 @@
 """Prometheus metrics of `conveyor serve`; every metric is described in docs/METRICS.md.
 
-Per-request counters and histograms live in each frontend process and are summed across them
-by prometheus_client's multiprocess mode (files under PROMETHEUS_MULTIPROC_DIR, which the
-launcher sets before it spawns children). A scrape adds the scheduler's Stats, GPU use (NVML,
-when installed) and the resident memory of the launcher and its children (Linux /proc).
+Names are `conveyor:<name>`; where vLLM has a series of the same meaning, <name> is vLLM's (so a
+vLLM dashboard works after replacing `vllm:` with `conveyor:`). Every series carries the label
+`model_name` (the first served model name). Per-request counters and histograms live in each
+frontend process and are summed across them by prometheus_client's multiprocess mode (files under
+PROMETHEUS_MULTIPROC_DIR, which the launcher sets before it spawns children). A scrape adds the
+scheduler's Stats, GPU use (NVML, when installed) and the resident memory of the launcher and its
+children (Linux /proc).
 """
 from __future__ import annotations
 
@@ -63,34 +66,43 @@ def finish_reason(output: RequestOutput) -> str:
 class ServerMetrics:
     """One per frontend process. Records requests; `render` answers a scrape."""
 
-    def __init__(self, launcher_pid: int | None = None):
-        self.launcher_pid = launcher_pid
+    def __init__(self, model_name: str = "", launcher_pid: int | None = None):
+        self.model_name, self.launcher_pid = model_name, launcher_pid
         self.multiproc_dir = os.environ.get(_ENV)
         # NOTE: prometheus_client picks in-memory or file-backed values once, at its import;
         # metrics that went to memory would be missing from the other frontends' scrapes.
         if (self.multiproc_dir is not None) != (values.ValueClass is not values.MutexValue):
             raise RuntimeError(f"{_ENV} must be set before prometheus_client is imported")
         self.registry = r = CollectorRegistry()
-        hist = lambda name, doc, buckets: Histogram(name, doc, buckets=buckets, registry=r)
-        self.requests = Counter("conveyor_requests_total", "Finished requests.",
-                                ["finish_reason"], registry=r)
+        model = ["model_name"]
+
+        def hist(name, doc, buckets):
+            return Histogram(name, doc, model, buckets=buckets, registry=r).labels(model_name)
+
+        def counter(name, doc):
+            return Counter(name, doc, model, registry=r).labels(model_name)
+
+        self.requests = Counter("conveyor:request_success", "Finished requests.",
+                                ["model_name", "finished_reason"], registry=r)
         for reason in _FINISH_REASONS:
-            self.requests.labels(reason)             # so every reason shows, at 0 until seen
-        self.prompt_tokens = Counter("conveyor_prompt_tokens_total", "Prompt tokens.", registry=r)
-        self.generation_tokens = Counter("conveyor_generation_tokens_total",
-                                         "Generated tokens.", registry=r)
-        self.http = Counter("conveyor_http_requests_total", "HTTP requests answered.",
-                            ["route", "status"], registry=r)
-        self.ttft = hist("conveyor_time_to_first_token_seconds", "Arrival to first token.",
+            self.requests.labels(model_name, reason)    # so every reason shows, at 0 until seen
+        self.prompt_tokens = counter("conveyor:prompt_tokens", "Prompt tokens.")
+        self.generation_tokens = counter("conveyor:generation_tokens", "Generated tokens.")
+        self.http = Counter("conveyor:http_requests", "HTTP requests answered.",
+                            ["model_name", "route", "status"], registry=r)
+        self.ttft = hist("conveyor:time_to_first_token_seconds", "Arrival to first token.",
                          _LATENCY_BUCKETS)
-        self.tpot = hist("conveyor_time_per_output_token_seconds",
-                         "Mean time between output tokens.", _TPOT_BUCKETS)
-        self.e2e = hist("conveyor_e2e_request_latency_seconds", "Arrival to finish.", _E2E_BUCKETS)
-        self.queue = hist("conveyor_request_queue_time_seconds", "Arrival to first scheduled.",
+        self.itl = hist("conveyor:inter_token_latency_seconds",
+                        "Time between two outputs of a sequence.", _TPOT_BUCKETS)
+        self.tpot = hist("conveyor:request_time_per_output_token_seconds",
+                         "A request's mean time between output tokens.", _TPOT_BUCKETS)
+        self.e2e = hist("conveyor:e2e_request_latency_seconds", "Arrival to finish.",
+                        _E2E_BUCKETS)
+        self.queue = hist("conveyor:request_queue_time_seconds", "Arrival to first scheduled.",
                           _LATENCY_BUCKETS)
-        self.prompt_len = hist("conveyor_request_prompt_tokens", "Prompt tokens per request.",
+        self.prompt_len = hist("conveyor:request_prompt_tokens", "Prompt tokens per request.",
                                _TOKEN_BUCKETS)
-        self.output_len = hist("conveyor_request_generation_tokens",
+        self.output_len = hist("conveyor:request_generation_tokens",
                                "Generated tokens per request.", _TOKEN_BUCKETS)
         self.gpus = _nvml_handles()
 
@@ -98,7 +110,7 @@ class ServerMetrics:
         m = output.metrics
         num_prompt = len(output.prompt_token_ids)
         num_output = sum(len(s.token_ids) for s in output.outputs)
-        self.requests.labels(finish_reason(output)).inc()
+        self.requests.labels(self.model_name, finish_reason(output)).inc()
         self.prompt_tokens.inc(num_prompt)
         self.generation_tokens.inc(num_output)
         self.prompt_len.observe(num_prompt)
@@ -112,8 +124,12 @@ class ServerMetrics:
         if m.first_scheduled_time is not None:
             self.queue.observe(m.first_scheduled_time - m.arrival_time)
 
+    def inter_token(self, seconds: float) -> None:
+        """A sequence's new tokens came `seconds` after its previous ones."""
+        self.itl.observe(seconds)
+
     def http_request(self, route: str, status: int) -> None:
-        self.http.labels(route, str(status)).inc()
+        self.http.labels(self.model_name, route, str(status)).inc()
 
     def render(self, stats: Stats | None) -> tuple[bytes, str]:
         """The exposition text of every frontend's metrics plus this scrape's snapshot."""
@@ -133,47 +149,54 @@ class _Snapshot:
         self.metrics, self.stats = metrics, stats
 
     def collect(self):
+        model = self.metrics.model_name
         if self.stats is not None:
-            yield from _stats_families(self.stats)
+            yield from _stats_families(self.stats, model)
         if self.metrics.gpus:
-            yield from _gpu_families(self.metrics.gpus)
+            yield from _gpu_families(self.metrics.gpus, model)
         if self.metrics.launcher_pid is not None and sys.platform.startswith("linux"):
-            yield _memory_family(self.metrics.launcher_pid)
+            yield _memory_family(self.metrics.launcher_pid, model)
 
 
-def _stats_families(s: Stats):
+def _stats_families(s: Stats, model: str):
+    def family(kind, name, doc, value, **labels):
+        f = kind(name, doc, labels=["model_name", *labels])
+        f.add_metric([model, *labels.values()], value)
+        return f
+
     def gauge(name, doc, value):
-        return GaugeMetricFamily(name, doc, value=value)
+        return family(GaugeMetricFamily, name, doc, value)
 
     def counter(name, doc, value):
-        return CounterMetricFamily(name, doc, value=value)
+        return family(CounterMetricFamily, name, doc, value)
 
     usage = 1.0 - s.num_free_blocks / s.num_total_blocks if s.num_total_blocks else 0.0
-    yield gauge("conveyor_num_requests_running", "Sequences in the running batch.", s.num_running)
-    yield gauge("conveyor_num_requests_waiting", "Sequences waiting to run.", s.num_waiting)
-    yield gauge("conveyor_kv_cache_usage_ratio", "Share of KV cache blocks held.", usage)
-    yield gauge("conveyor_kv_cache_blocks", "KV cache blocks in all.", s.num_total_blocks)
-    yield counter("conveyor_prefix_cache_queries_total", "Prompt tokens looked up in the cache.",
+    yield gauge("conveyor:num_requests_running", "Sequences in the running batch.",
+                s.num_running)
+    yield gauge("conveyor:num_requests_waiting", "Sequences waiting to run.", s.num_waiting)
+    yield gauge("conveyor:kv_cache_usage_perc", "Share of KV cache blocks held, 0 to 1.", usage)
+    yield gauge("conveyor:kv_cache_blocks", "KV cache blocks in all.", s.num_total_blocks)
+    yield counter("conveyor:prefix_cache_queries_total", "Prompt tokens looked up in the cache.",
                   s.prefix_cache_queries)
-    yield counter("conveyor_prefix_cache_hits_total", "Prompt tokens found in the cache.",
+    yield counter("conveyor:prefix_cache_hits_total", "Prompt tokens found in the cache.",
                   s.prefix_cache_hits)
-    yield counter("conveyor_num_preemptions_total", "Sequences preempted.", s.num_preemptions)
-    yield gauge("conveyor_engine_integrity_ok", "1 when the block manager's check passes.",
+    yield counter("conveyor:num_preemptions_total", "Sequences preempted.", s.num_preemptions)
+    yield gauge("conveyor:engine_integrity_ok", "1 when the block manager's check passes.",
                 1 if s.integrity_ok else 0)
-    yield gauge("conveyor_longest_wait_seconds", "Age of the oldest waiting sequence.",
+    yield gauge("conveyor:longest_wait_seconds", "Age of the oldest waiting sequence.",
                 s.longest_wait_s)
     if s.queue_cap is not None:
-        yield gauge("conveyor_queue_cap_requests", "Waiting sequences beyond this are refused.",
+        yield gauge("conveyor:queue_cap_requests", "Waiting sequences beyond this are refused.",
                     s.queue_cap)
-    judged = CounterMetricFamily("conveyor_slo_judged_total",
+    judged = CounterMetricFamily("conveyor:slo_judged_total",
                                  "Sequences whose latency objective was judged.",
-                                 labels=["objective"])
-    missed = CounterMetricFamily("conveyor_slo_missed_total",
+                                 labels=["model_name", "objective"])
+    missed = CounterMetricFamily("conveyor:slo_missed_total",
                                  "Sequences that missed their latency objective.",
-                                 labels=["objective"])
+                                 labels=["model_name", "objective"])
     for objective in ("ttft", "tpot"):
-        judged.add_metric([objective], getattr(s, f"{objective}_slo_judged"))
-        missed.add_metric([objective], getattr(s, f"{objective}_slo_missed"))
+        judged.add_metric([model, objective], getattr(s, f"{objective}_slo_judged"))
+        missed.add_metric([model, objective], getattr(s, f"{objective}_slo_missed"))
     yield from (judged, missed)
 
 
@@ -189,27 +212,29 @@ def _nvml_handles() -> list:
         return []
 
 
-def _gpu_families(handles: list):
+def _gpu_families(handles: list, model: str):
     import pynvml
 
-    util = GaugeMetricFamily("conveyor_gpu_utilization_ratio", "GPU busy time share.",
-                             labels=["gpu"])
-    used = GaugeMetricFamily("conveyor_gpu_memory_used_bytes", "GPU memory used.", labels=["gpu"])
-    total = GaugeMetricFamily("conveyor_gpu_memory_total_bytes", "GPU memory.", labels=["gpu"])
+    labels = ["model_name", "gpu"]
+    util = GaugeMetricFamily("conveyor:gpu_utilization_ratio", "GPU busy time share.",
+                             labels=labels)
+    used = GaugeMetricFamily("conveyor:gpu_memory_used_bytes", "GPU memory used.", labels=labels)
+    total = GaugeMetricFamily("conveyor:gpu_memory_total_bytes", "GPU memory.", labels=labels)
     for i, h in enumerate(handles):
         try:
             rate, mem = pynvml.nvmlDeviceGetUtilizationRates(h), pynvml.nvmlDeviceGetMemoryInfo(h)
         except pynvml.NVMLError:
             continue
-        util.add_metric([str(i)], rate.gpu / 100)
-        used.add_metric([str(i)], mem.used)
-        total.add_metric([str(i)], mem.total)
+        util.add_metric([model, str(i)], rate.gpu / 100)
+        used.add_metric([model, str(i)], mem.used)
+        total.add_metric([model, str(i)], mem.total)
     yield from (util, used, total)
 
 
-def _memory_family(launcher_pid: int) -> GaugeMetricFamily:
-    family = GaugeMetricFamily("conveyor_process_resident_memory_bytes",
-                               "Resident memory of the engine's processes.", labels=["process"])
+def _memory_family(launcher_pid: int, model: str) -> GaugeMetricFamily:
+    family = GaugeMetricFamily("conveyor:process_resident_memory_bytes",
+                               "Resident memory of the engine's processes.",
+                               labels=["model_name", "process"])
     procs = [(launcher_pid, "conveyor::launcher")]
     for entry in os.scandir("/proc"):
         if entry.name.isdigit() and _read(f"/proc/{entry.name}/stat", _ppid) == launcher_pid:
@@ -222,7 +247,7 @@ def _memory_family(launcher_pid: int) -> GaugeMetricFamily:
         if not title.startswith("conveyor::") or title in seen:
             title = f"{os.path.basename(title)}:{pid}"   # NOTE: label sets must stay unique
         seen.add(title)
-        family.add_metric([title], rss)
+        family.add_metric([model, title], rss)
     return family
 
 

@@ -2,8 +2,14 @@
 
 Requests are decoded with msgspec: a field of the wrong type is a clear 400, unknown fields are
 ignored (as OpenAI's servers do). `sampling_params` maps a request onto SamplingParams, with
-vLLM's extra fields (top_k, min_p, ignore_eos, repetition_penalty, min_tokens, ...). The builders
-turn RequestOutputs into response bodies and stream chunks (plain dicts, sent as JSON).
+vLLM's extra fields (top_k, min_p, ignore_eos, repetition_penalty, min_tokens, prompt_logprobs,
+...) and the server's defaults (generation_config.json) for what the request leaves unset. The
+builders turn RequestOutputs into response bodies and stream chunks (plain dicts, sent as JSON).
+
+Completions with `echo` and `logprobs` give the prompt's tokens first in the legacy logprobs
+object (the first token's logprob is null: nothing predicts it), as lm-evaluation-harness reads
+them for loglikelihoods; `max_tokens: 0` with `echo` returns the prompt alone (one token is
+computed and left out).
 """
 from __future__ import annotations
 
@@ -51,6 +57,7 @@ class _Common(msgspec.Struct, kw_only=True):
     tpot_slo: float | None = None
     return_token_ids: bool = False           # each choice also carries its token ids
     cache_salt: str | None = None            # prefix-cache blocks are shared only within a salt
+    prompt_logprobs: int | None = None       # top-k logprobs of each prompt token (not streamed)
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -95,12 +102,16 @@ def decode_request(body: bytes, kind: type):
         raise ValueError("the body is nested too deeply") from None
 
 
-def sampling_params(req: CompletionRequest | ChatRequest) -> SamplingParams:
-    """SamplingParams for a request, or ValueError for what the engine cannot do."""
-    if req.logit_bias:
-        raise ValueError("logit_bias is not supported")
+def sampling_params(req: CompletionRequest | ChatRequest,
+                    defaults: dict | None = None) -> SamplingParams:
+    """SamplingParams for a request, or ValueError for what the engine cannot do. `defaults`
+    ({field: value}, from the model's generation config) fill the fields the request leaves
+    unset."""
     if req.stream_options is not None and not req.stream:
         raise ValueError("stream_options is only allowed with stream: true")
+    if req.stream and req.prompt_logprobs is not None:
+        raise ValueError("prompt_logprobs is not available with stream: true")
+    prompt_logprobs = req.prompt_logprobs
     if isinstance(req, ChatRequest):
         max_tokens = req.max_completion_tokens or req.max_tokens
         if req.top_logprobs is not None and not req.logprobs:
@@ -113,9 +124,15 @@ def sampling_params(req: CompletionRequest | ChatRequest) -> SamplingParams:
         if req.suffix:
             raise ValueError("suffix is not supported")
         if req.best_of is not None and req.best_of != req.n:
-            raise ValueError("best_of other than n is not supported")
-        if req.echo and req.logprobs is not None:
-            raise ValueError("echo with logprobs is not supported")
+            raise ValueError(f"best_of other than n is not supported (best_of {req.best_of}, "
+                             f"n {req.n})")
+        if max_tokens == 0:
+            if not req.echo:
+                raise ValueError("max_tokens must be at least 1 (0 only with echo: the prompt "
+                                 "alone)")
+            max_tokens = 1                   # computed, then left out of the response
+        if req.echo and logprobs is not None:
+            prompt_logprobs = max(logprobs, prompt_logprobs or 0)
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {logprobs}")
     given = {
@@ -125,12 +142,26 @@ def sampling_params(req: CompletionRequest | ChatRequest) -> SamplingParams:
         "seed": req.seed, "max_tokens": max_tokens, "min_tokens": req.min_tokens,
         "ignore_eos": req.ignore_eos, "stop": [req.stop] if isinstance(req.stop, str) else req.stop,
         "stop_token_ids": req.stop_token_ids, "logprobs": logprobs,
+        "prompt_logprobs": prompt_logprobs, "logit_bias": _logit_bias(req.logit_bias),
         "skip_special_tokens": req.skip_special_tokens,
         "include_stop_str_in_output": req.include_stop_str_in_output,
     }
+    for name, value in (defaults or {}).items():
+        if given.get(name) is None:
+            given[name] = value
     # NOTE: a None means "the default"; max_tokens=None is kept: the rest of the context
     return SamplingParams(**{k: v for k, v in given.items()
                              if v is not None or k in ("max_tokens", "seed", "logprobs")})
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias (token ids as strings) with integer keys."""
+    if not bias:
+        return None
+    try:
+        return {int(k): float(v) for k, v in bias.items()}
+    except ValueError:
+        raise ValueError(f"logit_bias keys must be token ids, got {list(bias)[:5]}") from None
 
 
 def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
@@ -182,19 +213,39 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion_logprobs(entries: list[dict[int, Logprob]], offset: int) -> dict:
-    """OpenAI's legacy logprobs object: tokens, their logprobs, top alternatives, offsets."""
+def completion_logprobs(entries: list[tuple[str, float | None, dict | None]],
+                        offset: int) -> dict:
+    """OpenAI's legacy logprobs object of (token text, its logprob, {text: logprob} of the top
+    tokens) per token; text offsets count from `offset`."""
     tokens, token_logprobs, top, offsets = [], [], [], []
-    for entry in entries:
-        chosen = next(iter(entry.values()))
-        text = chosen.decoded_token or ""
+    for text, logprob, alternatives in entries:
         tokens.append(text)
-        token_logprobs.append(chosen.logprob)
-        top.append({(lp.decoded_token or ""): lp.logprob for lp in entry.values()})
+        token_logprobs.append(logprob)
+        top.append(alternatives)
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
             "text_offset": offsets}
+
+
+def legacy_entry(position: dict[int, Logprob], k: int | None = None
+                 ) -> tuple[str, float, dict]:
+    """One position for completion_logprobs: the chosen token (first) and, of the rest, those
+    ranked k or better (all when k is None)."""
+    items = list(position.values())
+    chosen = items[0]
+    top = {(lp.decoded_token or ""): lp.logprob for j, lp in enumerate(items)
+           if j == 0 or k is None or (lp.rank or 0) <= k}
+    return chosen.decoded_token or "", chosen.logprob, top
+
+
+def prompt_logprobs_json(entries: list[dict[int, Logprob] | None], k: int) -> list:
+    """vLLM's prompt_logprobs: per prompt token None (the first) or {token id: {logprob, rank,
+    decoded_token}} of the prompt's token and the k most likely."""
+    return [None if e is None else {
+        str(tok): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+        for j, (tok, lp) in enumerate(e.items()) if j == 0 or (lp.rank or 0) <= k}
+        for e in entries]
 
 
 def chat_logprobs(entries: list[dict[int, Logprob]], top: int) -> dict:
@@ -215,11 +266,13 @@ class ResponseShape:
     object_name = chunk_object = ""
     token_ids = False                        # add each choice's token ids (vLLM's extra)
 
-    def __init__(self, id: str, model: str, n: int):
+    def __init__(self, id: str, model: str, n: int, prompt_logprobs: int | None = None):
         self.id, self.model, self.n = id, model, n
+        self.prompt_logprobs = prompt_logprobs
         self.created = int(time.time())
         self.prompt_tokens = 0
         self.completion_tokens = 0
+        self.prompts: dict[int, RequestOutput] = {}   # prompt index -> its first output
 
     def base(self, choices: list[dict], chunk: bool = False) -> dict:
         return {"id": self.id, "object": self.chunk_object if chunk else self.object_name,
@@ -232,6 +285,16 @@ class ResponseShape:
         return {**self.base([], chunk=True),
                 "usage": usage(self.prompt_tokens, self.completion_tokens)}
 
+    def saw(self, prompt_index: int, out: RequestOutput) -> None:
+        """Note an output of a prompt: the first one carries the prompt's tokens."""
+        if out.prompt_token_ids is not None and prompt_index not in self.prompts:
+            self.prompts[prompt_index] = out
+            self.prompt_tokens += len(out.prompt_token_ids)
+
+    def visible(self, c: CompletionOutput) -> CompletionOutput:
+        """What the client sees of a completion."""
+        return c
+
     def choice(self, index: int, c: CompletionOutput, delta: bool = False) -> dict:
         out = {"index": index, **self.body(index, c, delta),
                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
@@ -240,6 +303,8 @@ class ResponseShape:
         return out
 
     def chunk(self, prompt_index: int, c: CompletionOutput) -> dict:
+        c = self.visible(c)
+        self.completion_tokens += len(c.token_ids)
         return self.base([self.choice(prompt_index * self.n + c.index, c, delta=True)],
                          chunk=True)
 
@@ -247,44 +312,82 @@ class ResponseShape:
         """The response body of whole outputs, one per prompt in prompt order."""
         choices = []
         for i, out in enumerate(finals):
-            self.prompt_tokens += len(out.prompt_token_ids or [])
+            self.saw(i, out)
             for c in out.outputs:
+                c = self.visible(c)
                 self.completion_tokens += len(c.token_ids)
                 choices.append(self.choice(i * self.n + c.index, c))
         return {**self.base(choices),
                 "usage": usage(self.prompt_tokens, self.completion_tokens)}
+
+    def prompt_logprobs_of(self, prompt_index: int) -> list | None:
+        out = self.prompts.get(prompt_index)
+        if self.prompt_logprobs is None or out is None or out.prompt_logprobs is None:
+            return None
+        return prompt_logprobs_json(out.prompt_logprobs, self.prompt_logprobs)
 
 
 class CompletionShape(ResponseShape):
     object_name = chunk_object = "text_completion"
 
     def __init__(self, id: str, model: str, req: CompletionRequest, tokenizer):
-        super().__init__(id, model, req.n)
+        super().__init__(id, model, req.n, req.prompt_logprobs)
         self.echo, self.tokenizer = req.echo, tokenizer
-        self.prompts = req.prompt if isinstance(req.prompt, list) and not isinstance(
+        self.logprobs = req.logprobs
+        self.prompt_only = req.max_tokens == 0     # echo alone (sampling_params checked it)
+        self.texts = req.prompt if isinstance(req.prompt, list) and not isinstance(
             req.prompt[0], int) else [req.prompt]
         self.echoed: set[int] = set()
+        self.offsets: dict[int, int] = {}          # choice index -> text offset of what follows
 
-    def _prefix(self, index: int) -> str:
-        if not self.echo or index in self.echoed:
-            return ""
-        self.echoed.add(index)
-        prompt = self.prompts[index // self.n]
+    def visible(self, c: CompletionOutput) -> CompletionOutput:
+        if not self.prompt_only:
+            return c
+        reason = c.finish_reason if c.finish_reason in (None, "abort", "error") else "length"
+        return msgspec.structs.replace(c, text="", token_ids=[], finish_reason=reason,
+                                       stop_reason=None,
+                                       logprobs=None if c.logprobs is None else [])
+
+    def _prompt_text(self, prompt_index: int) -> str:
+        prompt = self.texts[prompt_index]
         if isinstance(prompt, str) or self.tokenizer is None:
             return prompt if isinstance(prompt, str) else ""
         return self.tokenizer.decode(prompt)
 
+    def _prompt_entries(self, prompt_index: int) -> list[tuple[str, float | None, dict | None]]:
+        """The prompt's tokens for the legacy logprobs object: the first has no logprob."""
+        out = self.prompts.get(prompt_index)
+        if out is None or not out.prompt_token_ids or out.prompt_logprobs is None:
+            return []
+        first = self.tokenizer.decode([out.prompt_token_ids[0]]) if self.tokenizer else ""
+        return [(first, None, None)] + [legacy_entry(e, self.logprobs)
+                                        for e in out.prompt_logprobs[1:]]
+
     def body(self, index: int, c: CompletionOutput, delta: bool) -> dict:
-        return {"text": self._prefix(index) + c.text,
-                "logprobs": None if c.logprobs is None else completion_logprobs(c.logprobs, 0)}
+        prompt_index = index // self.n
+        echo_now = self.echo and index not in self.echoed
+        if echo_now:
+            self.echoed.add(index)
+        out = {"text": (self._prompt_text(prompt_index) if echo_now else "") + c.text,
+               "logprobs": None}
+        if c.logprobs is not None:
+            entries = self._prompt_entries(prompt_index) if echo_now else []
+            entries += [legacy_entry(e) for e in c.logprobs]
+            start = self.offsets.get(index, 0)
+            out["logprobs"] = completion_logprobs(entries, start)
+            self.offsets[index] = start + sum(len(e[0]) for e in entries)
+        if not delta and self.prompt_logprobs is not None:
+            out["prompt_logprobs"] = self.prompt_logprobs_of(prompt_index)
+        return out
 
 
 class ChatShape(ResponseShape):
     object_name, chunk_object = "chat.completion", "chat.completion.chunk"
 
     def __init__(self, id: str, model: str, n: int, top_logprobs: int,
+                 prompt_logprobs: int | None = None,
                  new_reader: Callable[[], ChatReader] | None = None):
-        super().__init__(id, model, n)
+        super().__init__(id, model, n, prompt_logprobs)
         self.top = top_logprobs
         self.new_reader = new_reader         # None: the text is the content, as it is
         self.readers: dict[int, ChatReader] = {}
@@ -319,3 +422,9 @@ class ChatShape(ResponseShape):
                 and not self.token_ids):
             return None
         return out
+
+    def whole(self, finals: list[RequestOutput]) -> dict:
+        body = super().whole(finals)
+        if self.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self.prompt_logprobs_of(0)
+        return body

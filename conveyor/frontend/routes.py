@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API of a frontend process (FastAPI on uvicorn): its routes.
 
 POST /v1/completions, /v1/chat/completions (streamed as server-sent events when asked),
-/tokenize, /detokenize; GET /v1/models, /health, /metrics, /version. Every frontend process
+/tokenize, /detokenize; GET /v1/models, /tokenizer_info, /health, /ping (also POST), /metrics,
+/version. Every frontend process
 serves this app on one shared port, behind `Guard` (auth, rate limit, body cap). Errors are
 OpenAI's error JSON with the right status. The generation routes turn a request into
 GenerateRequests for the FrontendCore; http.py sends back what it delivers.
@@ -63,18 +64,19 @@ class _DetokenizeRequest(msgspec.Struct, kw_only=True):
 
 class Routes:
     def __init__(self, core: FrontendCore, model_names: tuple[str, ...], max_n: int,
-                 metrics=None, salt_per_key: bool = False, tool_parser: str | None = None,
-                 reasoning_parser: str | None = None):
+                 metrics=None, salt_per_key: bool = False, defaults: dict | None = None,
+                 tool_parser: str | None = None, reasoning_parser: str | None = None):
         self.core, self.model_names, self.max_n = core, model_names, max_n
         self.metrics, self.salt_per_key = metrics, salt_per_key
+        self.defaults = defaults or {}       # sampling defaults (the model's generation config)
         self.tool_parser = tool_parser       # set only with --enable-auto-tool-choice
         self.reasoning = None if reasoning_parser is None else REASONING_PARSERS[reasoning_parser]
         self.created = int(time.time())
 
     def check_model(self, name: str | None) -> str:
         if name is not None and name not in self.model_names:
-            raise ApiError(400, f"the model {name!r} does not exist; this server serves "
-                                f"{', '.join(self.model_names)}")
+            raise ApiError(404, f"the model {name!r} does not exist; this server serves "
+                                f"{', '.join(self.model_names)}", "model_not_found", "model")
         return name or self.model_names[0]
 
     def options(self, request: Request, req) -> RequestOptions:
@@ -96,7 +98,7 @@ class Routes:
     async def completions(self, request: Request):
         req, model = await self.parse(request, oai.CompletionRequest)
         with _bad_request():
-            params = oai.sampling_params(req)
+            params = oai.sampling_params(req, self.defaults)
             prompts = oai.completion_prompts(req)
             if len(prompts) * params.n > self.max_n:
                 raise ValueError(f"n times the number of prompts must be at most {self.max_n} "
@@ -115,14 +117,14 @@ class Routes:
             tools = tool_mode(req.tools, req.tool_choice, req.parallel_tool_calls,
                               self.tool_parser)
             # NOTE: "required" and named tool choices are held to this JSON schema
-            params = constrain(oai.sampling_params(req), constraint_schema(tools))
+            params = constrain(oai.sampling_params(req, self.defaults), constraint_schema(tools))
             gen = GenerateRequest(id="0", messages=oai.chat_messages(req), tools=req.tools,
                                   chat_template_kwargs=req.chat_template_kwargs,
                                   sampling=params, stream=req.stream,
                                   options=self.options(request, req))
         reads = tools.choice != "none" or self.reasoning is not None
         shape = oai.ChatShape(f"chatcmpl-{uuid.uuid4().hex}", model, req.n,
-                              req.top_logprobs or 0,
+                              req.top_logprobs or 0, req.prompt_logprobs,
                               (lambda: ChatReader(self.reasoning, tools)) if reads else None)
         shape.token_ids = req.return_token_ids
         return await self._respond(request, [gen], shape, req)
@@ -140,6 +142,13 @@ class Routes:
         if self.core.state != READY:
             return error_response(503, f"the server is {self.core.state}")
         return Response(status_code=200)
+
+    async def tokenizer_info(self):
+        """What a client needs to tokenize as this server does (lm-eval's remote tokenizer)."""
+        tok = self._tokenizer(None)
+        return {"tokenizer_class": type(tok).__name__, "eos_token": tok.eos_token,
+                "bos_token": tok.bos_token, "pad_token": tok.pad_token,
+                "chat_template": tok.chat_template, "model_max_length": self.core.max_model_len}
 
     async def version(self):
         return {"version": __version__}
@@ -184,23 +193,25 @@ class Routes:
 
 
 def build_app(core: FrontendCore, model_names: tuple[str, ...], max_n: int,
-              metrics=None, salt_per_key: bool = False, tool_parser: str | None = None,
-              reasoning_parser: str | None = None) -> FastAPI:
+              metrics=None, salt_per_key: bool = False, defaults: dict | None = None,
+              tool_parser: str | None = None, reasoning_parser: str | None = None) -> FastAPI:
     app = FastAPI(title="conveyor", version=__version__, docs_url=None, redoc_url=None,
                   openapi_url=None)
-    routes = Routes(core, model_names, max_n, metrics, salt_per_key, tool_parser,
+    routes = Routes(core, model_names, max_n, metrics, salt_per_key, defaults, tool_parser,
                     reasoning_parser)
     for method, path, handler in (
             ("POST", "/v1/completions", routes.completions),
             ("POST", "/v1/chat/completions", routes.chat_completions),
             ("GET", "/v1/models", routes.models), ("GET", "/health", routes.health),
+            ("GET", "/ping", routes.health), ("POST", "/ping", routes.health),
+            ("GET", "/tokenizer_info", routes.tokenizer_info),
             ("GET", "/version", routes.version), ("GET", "/metrics", routes.prometheus),
             ("POST", "/tokenize", routes.tokenize), ("POST", "/detokenize", routes.detokenize)):
         app.add_api_route(path, handler, methods=[method])
 
     @app.exception_handler(ApiError)
     async def _api_error(request, e: ApiError):
-        return error_response(e.status, str(e))
+        return error_response(e.status, str(e), e.code, e.param)
 
     @app.exception_handler(HTTPException)
     async def _http_error(request, e: HTTPException):

@@ -23,6 +23,7 @@ from conveyor.frontend.core import DEAD, DRAINING, READY, FrontendCore
 from conveyor.frontend.tokenizer import load_tokenizer
 from conveyor.frontend.zmq_endpoint import ZmqEndpoint
 from conveyor.shared.config import ServeConfig
+from conveyor.shared.generation_config import default_sampling
 from conveyor.shared.messages.client import CancelRequest, GenerateRequest
 from conveyor.shared.messages.control import Drain, Drained, EngineDead, Ready, Shutdown
 from conveyor.shared.messages.engine import Stats, StatsRequest, TokenOutputs
@@ -42,13 +43,15 @@ _FLUSH_S = 2.0     # how long ended HTTP responses get to write their last bytes
 
 
 def frontend_main(ctx: zmq.Context, control: Socket, cfg: ServeConfig, index: int) -> None:
-    files = resolve_model(cfg.engine.model)
+    e = cfg.engine
+    files = resolve_model(e.model, e.revision)
     model = read_model_config(files)
-    tokenizer = None if cfg.skip_tokenizer_init else load_tokenizer(files, cfg.engine.tokenizer)
+    tokenizer = None if cfg.skip_tokenizer_init else load_tokenizer(
+        files, e.tokenizer, e.chat_template, e.revision)
     metrics = None
     if cfg.http.port is not None:
         from conveyor.frontend.metrics import ServerMetrics
-        metrics = ServerMetrics(launcher_pid=cfg.launcher_pid)
+        metrics = ServerMetrics(served_names(cfg)[0], launcher_pid=cfg.launcher_pid)
     # NOTE: the caps are per server; each of the F frontends enforces its share
     share = cfg.http.max_concurrent_requests
     core = FrontendCore(tokenizer, model.vocab_size, max_model_len(cfg.engine, model),
@@ -56,12 +59,20 @@ def frontend_main(ctx: zmq.Context, control: Socket, cfg: ServeConfig, index: in
                         None if share is None else -(-share // cfg.num_frontends),
                         cfg.http.request_timeout, metrics, cfg.http.max_n)
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(Frontend(cfg, index, core, metrics).run(ctx, control))
+        runner.run(Frontend(cfg, index, core, metrics,
+                            default_sampling(files, e.generation_config)).run(ctx, control))
+
+
+def served_names(cfg: ServeConfig) -> tuple[str, ...]:
+    """The model names clients may use; the first names the model in responses and metrics."""
+    return cfg.http.served_model_names or (cfg.engine.model or DEFAULT_MODEL_NAME,)
 
 
 class Frontend:
-    def __init__(self, cfg: ServeConfig, index: int, core: FrontendCore, metrics):
+    def __init__(self, cfg: ServeConfig, index: int, core: FrontendCore, metrics,
+                 defaults: dict | None = None):
         self.cfg, self.index, self.core, self.metrics = cfg, index, core, metrics
+        self.defaults = defaults or {}               # sampling defaults of requests
         self.role = f"frontend-{index}"
         self._http = None                    # the uvicorn server, if HTTP is on
 
@@ -154,15 +165,17 @@ class Frontend:
         from conveyor.frontend.routes import build_app
 
         h = self.cfg.http
-        names = h.served_model_names or (self.cfg.engine.model or DEFAULT_MODEL_NAME,)
-        app = Guard(build_app(self.core, names, h.max_n, self.metrics, h.cache_salt_per_api_key,
+        app = Guard(build_app(self.core, served_names(self.cfg), h.max_n, self.metrics,
+                              h.cache_salt_per_api_key, self.defaults,
                               h.tool_call_parser if h.enable_auto_tool_choice else None,
                               h.reasoning_parser),
                     h.api_keys, h.rate_limit, h.rate_limit_burst, h.max_body_bytes, self.metrics,
-                    buckets_file=str(Path(self.cfg.runtime_dir) / "rate-limit"))
+                    buckets_file=str(Path(self.cfg.runtime_dir) / "rate-limit"),
+                    metrics_need_api_key=h.metrics_need_api_key)
         sock = tcp_listener(self.cfg.host, h.port)
         config = uvicorn.Config(app, http=read_deadline_protocol(h.read_timeout),
-                                lifespan="off", log_level="warning", access_log=False,
+                                lifespan="off", log_level=h.uvicorn_log_level,
+                                access_log=h.uvicorn_log_level in ("info", "debug", "trace"),
                                 timeout_keep_alive=30)
         server = self._http = _uvicorn_server(config)
         task = asyncio.ensure_future(server.serve(sockets=[sock]))

@@ -2,6 +2,7 @@
 
 For a GGUF model the tokenizer is built from the file's own vocabulary by transformers once
 (seconds), then kept as tokenizer.json under ~/.cache/conveyor/tokenizers (a third of a second).
+`--chat-template` (a file or an inline Jinja template) replaces the model's chat template.
 """
 from __future__ import annotations
 
@@ -10,14 +11,43 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from conveyor.shared.model_files import ModelFiles, cache_dir
+from conveyor.shared.model_files import ModelFiles, cache_dir, resolve_folder
 
 
-def load_tokenizer(files: ModelFiles, tokenizer: str | None = None):
+def read_chat_template(value: str) -> str:
+    """The template `value` gives: a file's text, or `value` itself when it is Jinja. ValueError
+    if it is neither, or does not parse."""
+    import jinja2
+
+    path = Path(value).expanduser()
+    if path.is_file():
+        text = path.read_text()
+    elif any(c in value for c in "{}\n"):
+        text = value
+    else:
+        raise ValueError(f"chat_template {value!r} is neither a file nor a Jinja template")
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"chat_template does not parse: {e}") from None
+    return text
+
+
+def load_tokenizer(files: ModelFiles, tokenizer: str | None = None,
+                   chat_template: str | None = None, revision: str | None = None):
+    """The model's tokenizer (or the folder or hub id `tokenizer`), with `chat_template` (a file
+    or inline Jinja) as its chat template when given."""
+    tok = _load(files, tokenizer, revision)
+    if chat_template is not None:
+        tok.chat_template = read_chat_template(chat_template)
+    return tok
+
+
+def _load(files: ModelFiles, tokenizer: str | None, revision: str | None):
     from transformers import AutoTokenizer
 
     if tokenizer is not None:
-        return AutoTokenizer.from_pretrained(tokenizer)
+        return AutoTokenizer.from_pretrained(resolve_folder(tokenizer, revision))
     if not files.is_gguf:
         return AutoTokenizer.from_pretrained(files.path)
     cached = cache_dir() / "tokenizers" / f"{files.path.stem}-{files.path.stat().st_size}"

@@ -56,7 +56,7 @@ class Workers:
 
 
 def scheduler_main(ctx: zmq.Context, control: Socket, cfg: ServeConfig) -> None:
-    model = read_model_config(resolve_model(cfg.engine.model))
+    model = read_model_config(resolve_model(cfg.engine.model, cfg.engine.revision))
     frontends = Socket(ctx, zmq.ROUTER, ipc(cfg.runtime_dir, "scheduler"), bind=True,
                        allowed=(AddRequest, Abort, StatsRequest, FrontendDead))
     workers = Workers(ctx, cfg)

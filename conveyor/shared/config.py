@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 QUANTIZATION_MODES = (None, "int8", "fp8")
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+# vLLM's --dtype spellings for conveyor's three
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 
 # max_num_batched_tokens by (device, offline) when not given. A GPU server keeps steps short for
 # the requests already decoding (vLLM's server default); an offline batch gains from fewer, larger
@@ -28,8 +31,13 @@ def cuda_available() -> bool:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None                 # HF folder or .gguf file; None: the default model
+    # HF folder, .gguf file or hub id in the local HF cache; None: the default model
+    model: str | None = None
     tokenizer: str | None = None             # defaults to the model's own
+    revision: str | None = None              # of a hub id: branch, tag or commit (default: main)
+    chat_template: str | None = None         # a Jinja file or inline template; None: the model's
+    # default sampling: "auto" (the model's generation_config.json), "vllm" (none) or a folder
+    generation_config: str = "auto"
     device: str = "auto"                     # "auto" (CUDA when there is one) | "cpu" | "cuda"
     dtype: str = "auto"                      # auto: float32 on CPU, bfloat16 on GPU
     seed: int = 0
@@ -72,8 +80,10 @@ class EngineConfig:
             if not ok:
                 raise ValueError(f"{name} {rule}, got {getattr(self, name)!r}")
         check(self.device in ("auto", "cpu", "cuda"), "device", "must be 'auto', 'cpu' or 'cuda'")
+        if self.dtype in DTYPE_ALIASES:
+            object.__setattr__(self, "dtype", DTYPE_ALIASES[self.dtype])
         check(self.dtype in ("auto", "float32", "float16", "bfloat16"), "dtype",
-              "must be auto, float32, float16 or bfloat16")
+              "must be auto, float32 (float), float16 (half) or bfloat16")
         check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256), "block_size",
               "must be a power of two up to 256")
         check(self.max_num_seqs >= 1, "max_num_seqs", "must be at least 1")
@@ -85,8 +95,10 @@ class EngineConfig:
               "max_queued_requests", "must be non-negative")
         check(math.isfinite(self.max_wait_s) and self.max_wait_s > 0, "max_wait_s",
               "must be a positive number of seconds")
+        if self.max_model_len == -1:         # vLLM's spelling of "the model's own"
+            object.__setattr__(self, "max_model_len", None)
         check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len",
-              "must be at least 1")
+              "must be at least 1 (or -1: the model's context length)")
         check(self.prefix_caching_hash_algo in ("sha256", "sha256-keyed"),
               "prefix_caching_hash_algo", "must be 'sha256' or 'sha256-keyed'")
         check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "must be in (0, 1]")
@@ -255,6 +267,8 @@ class HttpConfig:
     enable_auto_tool_choice: bool = False    # tool_choice "auto" reads calls with tool_call_parser
     tool_call_parser: str | None = None      # a name in conveyor/frontend/tool_parsers
     reasoning_parser: str | None = None      # qwen3 | deepseek_r1: <think> to reasoning_content
+    metrics_need_api_key: bool = False       # /metrics asks for the API key too (else open)
+    uvicorn_log_level: str = "warning"       # info and below also log each HTTP request
 
     def __post_init__(self) -> None:
         from conveyor.frontend.reasoning import REASONING_PARSERS
@@ -281,6 +295,9 @@ class HttpConfig:
             raise ValueError("rate_limit_burst and shutdown_timeout must be non-negative")
         if any(not k for k in self.api_keys):
             raise ValueError("an API key must not be empty")
+        if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
+            raise ValueError(f"uvicorn_log_level must be one of {', '.join(UVICORN_LOG_LEVELS)}, "
+                             f"got {self.uvicorn_log_level!r}")
 
 
 @dataclass(frozen=True)

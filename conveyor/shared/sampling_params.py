@@ -29,6 +29,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     logprobs: int | None = None              # top-k logprobs per generated token (0: sampled only)
     prompt_logprobs: int | None = None       # top-k logprobs per prompt token
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None   # token id -> added to its logit, in [-100, 100]
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -61,6 +62,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                "must be non-empty strings", self.stop)
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                "must be non-negative token ids", self.stop_token_ids)
+        if self.logit_bias:
+            _check(all(isinstance(t, int) and 0 <= t <= INT64_MAX for t in self.logit_bias),
+                   "logit_bias", "keys must be token ids", list(self.logit_bias)[:5])
+            _check(all(-100 <= v <= 100 for v in self.logit_bias.values()), "logit_bias",
+                   "values must be in [-100, 100]", self.logit_bias)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _check(value is None or 0 <= value <= MAX_LOGPROBS, name,

@@ -51,7 +51,7 @@ def worker_main(ctx: zmq.Context, control: Socket, cfg: ServeConfig, rank: int) 
             from conveyor.worker.layers.parallel import enable_custom_all_reduce
 
             enable_custom_all_reduce(device)
-    files = resolve_model(engine.model)
+    files = resolve_model(engine.model, engine.revision)
     model = read_model_config(files)
     profiler = StepProfiler.from_env(rank, device.type == "cuda")
     runner = ModelRunner(engine, model, files, max_model_len(engine, model), device)

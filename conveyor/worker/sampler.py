@@ -1,9 +1,9 @@
 """Turns one row of logits per running sequence into its next token, plus logprobs when asked.
 
-Order per row: penalties and min_tokens masking, then greedy argmax, or temperature, top-k, top-p,
-min-p and an exponential-race draw. Returned logprobs come from the raw logits (vLLM's default).
-Each filter runs batched over only the rows that use it. `sample_tensors` never syncs the device
-(its results stay there until the caller reads them); `sample` is it plus the read.
+Order per row: penalties, logit bias and min_tokens masking, then greedy argmax, or temperature,
+top-k, top-p, min-p and an exponential-race draw. Returned logprobs come from the raw logits (vLLM's
+default). Each filter runs batched over only the rows that use it. `sample_tensors` never syncs the
+device (its results stay there until the caller reads them); `sample` is it plus the read.
 
 On CUDA with Triton, greedy and temperature-only rows are drawn by one fused kernel
 (conveyor/kernels/sample.py) from the logits in the model's dtype, and rows with top-p or min-p
@@ -133,17 +133,29 @@ class Sampler:
             logits = logits.float()
         params = [s.params for s in states]
         penalised = [i for i, p in enumerate(params) if _uses_penalty(p)]
+        biased = [i for i, p in enumerate(params) if p.logit_bias]
         banned_rows, banned_ids = self._min_tokens_bans(states)
         wants_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
+        edited = penalised or biased or banned_rows
         if (not fused and all(p.greedy for p in params)
-                and not (penalised or banned_rows or wants_logprobs)):
+                and not (edited or wants_logprobs)):
             return SampledTensors(logits.argmax(-1), [], None)
 
         # [N, V]; float32 once edited
-        x = logits.to(torch.float32, copy=True) if penalised or banned_rows else logits
+        x = logits.to(torch.float32, copy=True) if edited else logits
         if penalised:
             x = _on_rows(x, penalised, lambda sub: self._apply_penalties(
                 sub, [states[i] for i in penalised]))
+        if biased:
+            rows, cols, bias = [], [], []
+            for i in biased:
+                for tok, value in params[i].logit_bias.items():
+                    if tok < self.vocab_size:
+                        rows.append(i)
+                        cols.append(tok)
+                        bias.append(value)
+            x.index_put_((_tensor(rows, x.device), _tensor(cols, x.device)),
+                         _tensor(bias, x.device, torch.float32), accumulate=True)
         if banned_rows:
             x[_tensor(banned_rows, x.device), _tensor(banned_ids, x.device)] = float("-inf")
 

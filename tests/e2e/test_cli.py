@@ -1,4 +1,5 @@
-"""The command line: generate, chat (streamed, over stdin) and clear errors for a missing model."""
+"""The command line: generate, chat (streamed, over stdin; Ctrl-C, /reset, /exit) and clear
+errors for a missing model."""
 import os
 import subprocess
 import sys
@@ -55,3 +56,57 @@ def test_missing_default_model_says_how_to_get_it(tmp_path):
 def test_bad_engine_argument_is_a_clear_error(capsys):
     assert main(["generate", "--block-size", "3", "hi"]) == 2
     assert "block_size" in capsys.readouterr().err
+
+
+@needs_model
+def test_chat_ctrl_c_stops_a_reply_then_reset_and_exit():
+    """Ctrl-C during a reply stops it and the prompt comes back; /reset forgets the
+    conversation; /exit quits with 0; Ctrl-C at the prompt exits cleanly too."""
+    import signal
+    import threading
+    import time
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "conveyor.cli", "chat", "--max-tokens", "2000",
+         "--max-num-seqs", "2", "--temperature", "0.8"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out: list[str] = []
+    reader = threading.Thread(target=lambda: out.extend(iter(lambda: proc.stdout.read(1), "")),
+                              daemon=True)
+    reader.start()
+    try:
+        proc.stdin.write("Write a very long story about a dragon and a knight.\n")
+        proc.stdin.flush()
+        deadline = time.monotonic() + 240
+        while len("".join(out)) < 20:                   # the reply is streaming
+            assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        while "[stopped]" not in "".join(out):
+            assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read()
+            time.sleep(0.05)
+        proc.stdin.write("/reset\n/exit\n")
+        proc.stdin.flush()
+        assert proc.wait(120) == 0
+        reader.join(10)
+        err = proc.stderr.read()
+        assert "conversation forgotten" in err and "Traceback" not in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+    at_prompt = subprocess.Popen(
+        [sys.executable, "-m", "conveyor.cli", "chat", "--max-num-seqs", "2"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert "conveyor chat:" in at_prompt.stderr.readline()   # the REPL is up
+        assert at_prompt.stdout.read(2) == "> "                    # and waits at its prompt
+        time.sleep(0.2)
+        at_prompt.send_signal(signal.SIGINT)
+        _, err = at_prompt.communicate(timeout=60)
+        assert at_prompt.returncode == 0 and "Traceback" not in err
+    finally:
+        if at_prompt.poll() is None:
+            at_prompt.kill()
+            at_prompt.wait()

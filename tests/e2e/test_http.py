@@ -150,7 +150,11 @@ def test_api_keys(server, oai):
     _error(httpx.get(server.http + "/v1/models"), 401)
     _error(_post(server, "/v1/completions", {"prompt": "x"}, key="key-one-and-more"), 401)
     assert [m.id for m in oai.models.list().data] == ["smol"]
-    assert httpx.get(server.http + "/health").status_code == 200      # no key needed
+    for probe in ("/health", "/ping", "/version", "/metrics"):          # no key needed
+        assert httpx.get(server.http + probe).status_code == 200, probe
+    r = _post(server, "/v1/completions", {"prompt": "x", "model": "gpt-4"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert r.json()["error"]["param"] == "model" and "gpt-4" in r.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("body,needle", [
@@ -162,7 +166,6 @@ def test_api_keys(server, oai):
     ({"prompt": "x" * 3000}, "context length"),
     ({"prompt": ""}, "empty"),
     ({"prompt": [1, 2, 10 ** 9]}, "vocabulary"),
-    ({"prompt": "x", "model": "gpt-4"}, "gpt-4"),
     ({"prompt": "x", "n": 5}, "must be at most 4"),
     ({"prompt": ["x", "y", "z"], "n": 2}, "must be at most 4 (--max-n), got 2 x 3"),
     ({"prompt": "x", "seed": 2 ** 64}, "seed must fit in 64 bits"),
@@ -242,13 +245,14 @@ def test_disconnect_mid_stream_frees_blocks_and_metrics_move(server):
             time.sleep(0.1)
         assert s.integrity_ok
     after = _metrics(server)
-    key = 'conveyor_requests_total{finish_reason=abort}'
+    key = 'conveyor:request_success_total{finished_reason=abort}'
     assert after[key] == before.get(key, 0) + 1
-    assert after["conveyor_kv_cache_usage_ratio"] == 0
-    assert after["conveyor_generation_tokens_total"] > before["conveyor_generation_tokens_total"]
-    ok = 'conveyor_http_requests_total{route=/v1/completions,status=200}'
+    assert after["conveyor:kv_cache_usage_perc"] == 0
+    assert after["conveyor:generation_tokens_total"] > before["conveyor:generation_tokens_total"]
+    ok = 'conveyor:http_requests_total{route=/v1/completions,status=200}'
     assert after[ok] > before.get(ok, 0)
-    assert after["conveyor_time_to_first_token_seconds_count"] > 0
+    assert after["conveyor:time_to_first_token_seconds_count"] > 0
+    assert after["conveyor:inter_token_latency_seconds_count"] >= 2
 
 
 # --- limits -----------------------------------------------------------------------------------

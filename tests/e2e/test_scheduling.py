@@ -77,13 +77,13 @@ def test_high_priority_goes_first_and_low_priority_still_finishes(server):
     assert high_ttft < low_ttft, (highs, lows)
     assert stats.num_preemptions >= 1 and stats.num_running == stats.num_waiting == 0
     assert (stats.ttft_slo_judged, stats.ttft_slo_missed) == (NUM_HIGH, 0)
-    metrics = {(s.name, tuple(s.labels.values())): s.value
+    metrics = {(s.name, tuple(v for k, v in s.labels.items() if k != "model_name")): s.value
                for f in text_string_to_metric_families(httpx.get(server.http + "/metrics").text)
                for s in f.samples}
-    assert metrics[("conveyor_slo_judged_total", ("ttft",))] == NUM_HIGH
-    assert metrics[("conveyor_slo_missed_total", ("ttft",))] == 0
-    assert metrics[("conveyor_longest_wait_seconds", ())] == 0
-    assert metrics[("conveyor_queue_cap_requests", ())] > 0
+    assert metrics[("conveyor:slo_judged_total", ("ttft",))] == NUM_HIGH
+    assert metrics[("conveyor:slo_missed_total", ("ttft",))] == 0
+    assert metrics[("conveyor:longest_wait_seconds", ())] == 0
+    assert metrics[("conveyor:queue_cap_requests", ())] > 0
 
 
 @pytest.mark.parametrize("path, body", [

@@ -1,6 +1,6 @@
 """A KV pool so small (10 blocks for 8 sequences) that requests are preempted and recomputed
 again and again: greedy outputs over HTTP and ZMQ equal the offline API's, preemptions are
-counted (Stats and conveyor_num_preemptions_total), no request is lost or starved, and every
+counted (Stats and conveyor:num_preemptions_total), no request is lost or starved, and every
 block is free afterwards. Long version: scripts/stress.py --scenario kv-pressure."""
 import pytest
 

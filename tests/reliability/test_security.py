@@ -117,7 +117,7 @@ def test_internal_sockets_live_in_a_private_directory(server):
 
 @needs_model
 @pytest.mark.slow
-def test_every_route_but_health_needs_the_key(server):
+def test_every_route_but_the_probes_needs_the_key(server):
     from conveyor.frontend.core import FrontendCore
     from conveyor.frontend.guard import OPEN_PATHS
     from conveyor.frontend.routes import build_app

@@ -25,3 +25,27 @@ def test_cpu_budget_is_the_same_offline_and_served():
     for offline in (False, True):
         config = EngineConfig(device="cpu").with_defaults(offline=offline)
         assert config.max_num_batched_tokens == TOKEN_BUDGETS["cpu", offline] == 2048
+
+
+def test_llm_samples_with_the_models_generation_config_unless_told_otherwise(tmp_path):
+    import json
+
+    from models_util import make_tiny_model
+
+    from conveyor import LLM, SamplingParams
+
+    model = make_tiny_model("llama", tmp_path / "m")
+    (model / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.0, "max_new_tokens": 3, "top_k": 5}))
+    common = dict(skip_tokenizer_init=True, device="cpu", num_kv_blocks=16, max_num_seqs=2)
+    llm = LLM(str(model), **common)
+    assert llm.get_default_sampling_params() == SamplingParams(temperature=0.0, max_tokens=3,
+                                                               top_k=5)
+    one, two = llm.generate([[3, 4, 5], [3, 4, 5]], use_tqdm=False)
+    assert len(one.outputs[0].token_ids) == 3
+    assert one.outputs[0].token_ids == two.outputs[0].token_ids           # greedy
+    plain = LLM(str(model), generation_config="vllm", **common)
+    assert plain.get_default_sampling_params() == SamplingParams()
+    [out] = plain.generate([[3, 4, 5]], SamplingParams(max_tokens=4, ignore_eos=True),
+                           use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 4

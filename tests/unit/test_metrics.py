@@ -57,7 +57,7 @@ FRONTEND = inspect.getsource(make_output) + """
 import json, sys
 from conveyor.frontend.metrics import ServerMetrics
 
-m = ServerMetrics()
+m = ServerMetrics("m")
 spec = json.loads(sys.argv[1])
 for kwargs in spec["requests"]:
     m.request_finished(make_output(**kwargs))
@@ -70,7 +70,7 @@ import sys
 from conveyor.frontend.metrics import ServerMetrics
 from conveyor.shared.messages import Stats
 
-body, content_type = ServerMetrics().render(Stats(num_running=2, num_total_blocks=8))
+body, content_type = ServerMetrics("m").render(Stats(num_running=2, num_total_blocks=8))
 assert content_type.startswith("text/plain"), content_type
 sys.stdout.write(body.decode())
 """
@@ -99,30 +99,30 @@ def test_counters_and_histograms_sum_across_frontend_processes(tmp_path):
     got = samples(run_python(RENDER, env))
 
     def value(name, **labels):
-        return got[(name, frozenset(labels.items()))]
+        return got[(name, frozenset({**labels, "model_name": "m"}.items()))]
 
-    assert value("conveyor_requests_total", finish_reason="stop") == 3
-    assert value("conveyor_requests_total", finish_reason="length") == 1
-    assert value("conveyor_requests_total", finish_reason="error") == 1
-    assert value("conveyor_requests_total", finish_reason="abort") == 0
-    assert value("conveyor_prompt_tokens_total") == 4 + 4 + 10 + 2 + 7
-    assert value("conveyor_generation_tokens_total") == 3 + 5 + 16 + 1 + 0
-    assert value("conveyor_http_requests_total", route="/v1/completions", status="200") == 3
-    assert value("conveyor_http_requests_total", route="/v1/completions", status="400") == 1
-    assert value("conveyor_http_requests_total", route="/v1/chat/completions", status="500") == 1
+    assert value("conveyor:request_success_total", finished_reason="stop") == 3
+    assert value("conveyor:request_success_total", finished_reason="length") == 1
+    assert value("conveyor:request_success_total", finished_reason="error") == 1
+    assert value("conveyor:request_success_total", finished_reason="abort") == 0
+    assert value("conveyor:prompt_tokens_total") == 4 + 4 + 10 + 2 + 7
+    assert value("conveyor:generation_tokens_total") == 3 + 5 + 16 + 1 + 0
+    assert value("conveyor:http_requests_total", route="/v1/completions", status="200") == 3
+    assert value("conveyor:http_requests_total", route="/v1/completions", status="400") == 1
+    assert value("conveyor:http_requests_total", route="/v1/chat/completions", status="500") == 1
     # the errored request never got a first token nor a schedule; one-token requests have no TPOT
-    assert value("conveyor_time_to_first_token_seconds_count") == 4
-    assert value("conveyor_time_to_first_token_seconds_sum") == pytest.approx(4 * 0.5)
-    assert value("conveyor_request_queue_time_seconds_count") == 4
-    assert value("conveyor_time_per_output_token_seconds_count") == 3
-    assert value("conveyor_e2e_request_latency_seconds_count") == 5
-    assert value("conveyor_e2e_request_latency_seconds_sum") == pytest.approx(5 * 2.0)
-    assert value("conveyor_request_generation_tokens_count") == 5
-    assert value("conveyor_request_generation_tokens_bucket", le="4.0") == 3   # 3, 1 and 0
-    assert value("conveyor_request_prompt_tokens_bucket", le="8.0") == 4      # all but the 10
+    assert value("conveyor:time_to_first_token_seconds_count") == 4
+    assert value("conveyor:time_to_first_token_seconds_sum") == pytest.approx(4 * 0.5)
+    assert value("conveyor:request_queue_time_seconds_count") == 4
+    assert value("conveyor:request_time_per_output_token_seconds_count") == 3
+    assert value("conveyor:e2e_request_latency_seconds_count") == 5
+    assert value("conveyor:e2e_request_latency_seconds_sum") == pytest.approx(5 * 2.0)
+    assert value("conveyor:request_generation_tokens_count") == 5
+    assert value("conveyor:request_generation_tokens_bucket", le="4.0") == 3   # 3, 1 and 0
+    assert value("conveyor:request_prompt_tokens_bucket", le="8.0") == 4      # all but the 10
     # the snapshot of the Stats comes along
-    assert value("conveyor_num_requests_running") == 2
-    assert value("conveyor_kv_cache_usage_ratio") == 1.0                      # 0 of 8 free
+    assert value("conveyor:num_requests_running") == 2
+    assert value("conveyor:kv_cache_usage_perc") == 1.0                      # 0 of 8 free
 
 
 def test_metrics_recorded_before_the_folder_was_set_are_refused(tmp_path):
@@ -165,8 +165,9 @@ def test_request_finish_reason_priority():
 
 
 def test_single_process_render_of_requests_and_stats():
-    m = ServerMetrics()
+    m = ServerMetrics("m")
     m.request_finished(make_output(6, [("stop", 4)], ttft=0.03))
+    m.inter_token(0.02)
     m.http_request("/v1/completions", 200)
     stats = Stats(num_running=3, num_waiting=2, num_free_blocks=25, num_total_blocks=100,
                   prefix_cache_queries=40, prefix_cache_hits=10, num_preemptions=7,
@@ -177,40 +178,45 @@ def test_single_process_render_of_requests_and_stats():
     assert content_type == "text/plain; version=0.0.4; charset=utf-8"
 
     def value(name, **labels):
-        return got[(name, frozenset(labels.items()))]
+        return got[(name, frozenset({**labels, "model_name": "m"}.items()))]
 
-    assert value("conveyor_requests_total", finish_reason="stop") == 1
-    assert value("conveyor_generation_tokens_total") == 4
-    assert value("conveyor_time_to_first_token_seconds_sum") == pytest.approx(0.03)
-    assert value("conveyor_time_to_first_token_seconds_bucket", le="0.025") == 0
-    assert value("conveyor_time_to_first_token_seconds_bucket", le="0.05") == 1
+    assert value("conveyor:request_success_total", finished_reason="stop") == 1
+    assert value("conveyor:generation_tokens_total") == 4
+    assert value("conveyor:time_to_first_token_seconds_sum") == pytest.approx(0.03)
+    assert value("conveyor:time_to_first_token_seconds_bucket", le="0.025") == 0
+    assert value("conveyor:time_to_first_token_seconds_bucket", le="0.05") == 1
     # (finished - first token) / (tokens - 1) = (2.0 - 0.03) / 3
-    assert value("conveyor_time_per_output_token_seconds_sum") == pytest.approx(1.97 / 3)
-    assert value("conveyor_http_requests_total", route="/v1/completions", status="200") == 1
-    assert value("conveyor_num_requests_running") == 3
-    assert value("conveyor_num_requests_waiting") == 2
-    assert value("conveyor_kv_cache_usage_ratio") == pytest.approx(0.75)
-    assert value("conveyor_kv_cache_blocks") == 100
-    assert value("conveyor_prefix_cache_queries_total") == 40
-    assert value("conveyor_prefix_cache_hits_total") == 10
-    assert value("conveyor_num_preemptions_total") == 7
-    assert value("conveyor_engine_integrity_ok") == 0
-    assert value("conveyor_longest_wait_seconds") == 4.5
-    assert value("conveyor_queue_cap_requests") == 64
-    assert value("conveyor_slo_judged_total", objective="ttft") == 9
-    assert value("conveyor_slo_missed_total", objective="ttft") == 2
-    assert value("conveyor_slo_judged_total", objective="tpot") == 5
-    assert value("conveyor_slo_missed_total", objective="tpot") == 1
+    assert value("conveyor:request_time_per_output_token_seconds_sum") == pytest.approx(1.97 / 3)
+    assert value("conveyor:http_requests_total", route="/v1/completions", status="200") == 1
+    assert value("conveyor:inter_token_latency_seconds_bucket", le="0.015") == 0
+    assert value("conveyor:inter_token_latency_seconds_bucket", le="0.02") == 1
+    assert value("conveyor:num_requests_running") == 3
+    assert value("conveyor:num_requests_waiting") == 2
+    assert value("conveyor:kv_cache_usage_perc") == pytest.approx(0.75)
+    assert value("conveyor:kv_cache_blocks") == 100
+    assert value("conveyor:prefix_cache_queries_total") == 40
+    assert value("conveyor:prefix_cache_hits_total") == 10
+    assert value("conveyor:num_preemptions_total") == 7
+    assert value("conveyor:engine_integrity_ok") == 0
+    assert value("conveyor:longest_wait_seconds") == 4.5
+    assert value("conveyor:queue_cap_requests") == 64
+    assert value("conveyor:slo_judged_total", objective="ttft") == 9
+    assert value("conveyor:slo_missed_total", objective="ttft") == 2
+    assert value("conveyor:slo_judged_total", objective="tpot") == 5
+    assert value("conveyor:slo_missed_total", objective="tpot") == 1
 
-    assert samples(m.render(Stats())[0].decode())[("conveyor_kv_cache_usage_ratio",
-                                                    frozenset())] == 0.0
+    model = frozenset({("model_name", "m")})
+    assert samples(m.render(Stats())[0].decode())[("conveyor:kv_cache_usage_perc", model)] == 0.0
     names = {name for name, _ in samples(m.render(None)[0].decode())}
-    assert "conveyor_requests_total" in names
-    assert not any(n.startswith(("conveyor_num_", "conveyor_kv_", "conveyor_prefix_",
-                                 "conveyor_engine_", "conveyor_process_", "conveyor_slo_",
-                                 "conveyor_longest_", "conveyor_queue_")) for n in names)
+    assert "conveyor:request_success_total" in names
+    assert not any(n.startswith(("conveyor:num_", "conveyor:kv_", "conveyor:prefix_",
+                                 "conveyor:engine_", "conveyor:process_", "conveyor:slo_",
+                                 "conveyor:longest_", "conveyor:queue_")) for n in names)
     no_cap = samples(m.render(Stats())[0].decode())
-    assert ("conveyor_queue_cap_requests", frozenset()) not in no_cap
+    assert ("conveyor:queue_cap_requests", model) not in no_cap
+    # every series carries the model's name
+    assert all(dict(labels).get("model_name") == "m"
+               for _, labels in samples(m.render(Stats(queue_cap=3))[0].decode()))
 
 
 def test_gpu_metrics_from_nvml(monkeypatch):
@@ -229,11 +235,11 @@ def test_gpu_metrics_from_nvml(monkeypatch):
         nvmlDeviceGetMemoryInfo=memory)
     monkeypatch.setitem(sys.modules, "pynvml", fake)
     got = samples(ServerMetrics().render(None)[0].decode())
-    gpu = {name: v for (name, labels), v in got.items() if name.startswith("conveyor_gpu_")
-           and labels == frozenset({("gpu", "0")})}
-    assert gpu == {"conveyor_gpu_utilization_ratio": 0.42,
-                   "conveyor_gpu_memory_used_bytes": 3 << 30,
-                   "conveyor_gpu_memory_total_bytes": 80 << 30}
+    gpu = {name: v for (name, labels), v in got.items() if name.startswith("conveyor:gpu_")
+           and labels == frozenset({("gpu", "0"), ("model_name", "")})}
+    assert gpu == {"conveyor:gpu_utilization_ratio": 0.42,
+                   "conveyor:gpu_memory_used_bytes": 3 << 30,
+                   "conveyor:gpu_memory_total_bytes": 80 << 30}
     assert not any(("gpu", "1") in labels for _, labels in got)   # the lost GPU is skipped
 
     def no_driver():
@@ -242,7 +248,7 @@ def test_gpu_metrics_from_nvml(monkeypatch):
     monkeypatch.setattr(fake, "nvmlInit", no_driver)
     m = ServerMetrics()
     assert m.gpus == []
-    assert not any(n.startswith("conveyor_gpu_") for n, _ in samples(m.render(None)[0].decode()))
+    assert not any(n.startswith("conveyor:gpu_") for n, _ in samples(m.render(None)[0].decode()))
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -256,7 +262,7 @@ def test_resident_memory_of_the_launcher_and_its_children():
         assert titled.stdout.readline() == "ready\n"
         got = samples(ServerMetrics(launcher_pid=os.getpid()).render(None)[0].decode())
         rss = {dict(labels)["process"]: v for (name, labels), v in got.items()
-               if name == "conveyor_process_resident_memory_bytes"}
+               if name == "conveyor:process_resident_memory_bytes"}
         assert rss["conveyor::launcher"] > 10 << 20            # this pytest process
         assert rss["conveyor::worker-0"] > 1 << 20             # a python interpreter
         assert rss[f"sleep:{plain.pid}"] > 0

@@ -281,3 +281,24 @@ def test_token_array_follows_the_appended_tokens():
     assert sam.sample(logits, [s]).token_ids[0] != 3       # 3 is penalised; ties take the first
     s.token_ids.append(0)
     assert sam.sample(logits, [s]).token_ids[0] not in (0, 3)
+
+
+def test_logit_bias_adds_to_the_logits_of_its_rows_only():
+    logits = torch.tensor([[2.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]] * 3)
+    states = [seq(temperature=0, logit_bias={1: 5.0}), seq(temperature=0),
+              seq(temperature=0, logit_bias={0: -100.0, 3: 0.5}, logprobs=1)]
+    out = sampler().sample(logits, states)
+    assert out.token_ids == [1, 0, 1]
+    # returned logprobs are the model's, before the bias (vLLM's default)
+    assert out.logprobs[2].logprobs[0] == pytest.approx(logits[0].log_softmax(-1)[1].item())
+    # sampled rows: the bias reshapes the distribution as softmax(logits + bias)
+    freq = frequencies(PROB_LOGITS, logit_bias={3: float(torch.tensor(6.0).log())})
+    biased = torch.tensor(PROBS) * torch.tensor([1, 1, 1, 6.0])
+    assert torch.allclose(freq, biased / biased.sum(), atol=TOL)
+
+
+def test_logit_bias_is_checked():
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={1: 101.0})
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={-1: 1.0})
