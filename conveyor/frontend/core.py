@@ -23,6 +23,7 @@ import msgspec
 from conveyor.frontend.detokenizer import IncrementalDetokenizer, backend_of
 from conveyor.frontend.tokenizer import apply_chat_template, check_token_ids
 from conveyor.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from conveyor.shared.grammar import check as check_grammar
 from conveyor.shared.messages.client import GenerateRequest
 from conveyor.shared.messages.engine import (
     Abort,
@@ -133,6 +134,11 @@ class FrontendCore:
         if self.tokenizer is None and (req.prompt_token_ids is None or params.stop):
             raise ValueError("this engine has no tokenizer: send prompt_token_ids, and no stop "
                              "strings")
+        if params.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs need the model's tokenizer, and this engine "
+                                 "has none")
+            check_grammar(params.structured_outputs)
         text = None
         if req.prompt_token_ids is not None:
             token_ids = list(req.prompt_token_ids)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import msgspec
 
+from conveyor.shared.structured_outputs import StructuredOutputs
+
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     n: int = 1
@@ -27,6 +29,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     logprobs: int | None = None              # top-k logprobs per generated token (0: sampled only)
     prompt_logprobs: int | None = None       # top-k logprobs per prompt token
     skip_special_tokens: bool = True
+    # the output must match a JSON schema, a regex, a choice or a grammar (structured_outputs.py)
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
