@@ -151,10 +151,10 @@ def bench_backend(backend, doc_tokens: list[int], batches: list[int], steps: int
                   repeat: int) -> dict:
     out = {"compile_ms": {}, "first_mask_ms": {}, "fill": {}}
     for kind, grammar in backend.grammars().items():
-        out["compile_ms"][kind] = _median_ms(lambda: backend.compile(grammar), repeat)
+        out["compile_ms"][kind] = _median_ms(lambda g=grammar: backend.compile(g), repeat)
 
-        def first_mask():
-            m = backend.new_matcher(backend.compile(grammar))
+        def first_mask(g=grammar):
+            m = backend.new_matcher(backend.compile(g))
             backend.fill_one(m, backend.bitmask(1))
         out["first_mask_ms"][kind] = _median_ms(first_mask, repeat)
     compiled = backend.compile(backend.grammars()["json schema"])

@@ -2,7 +2,7 @@
 regex, a choice of strings or a grammar (Lark or GBNF/EBNF). Exactly one is set.
 
 It travels inside SamplingParams, so it needs nothing but msgspec: the grammar library is used
-only where grammars are checked (the frontend) and run (worker rank 0): `conveyor/shared/grammar.py`.
+only where grammars are checked (the frontend) and run (worker rank 0): `shared/grammar.py`.
 """
 from __future__ import annotations
 
