@@ -99,9 +99,15 @@ class SeqGrammar:
             self._consume(token)
 
     def ready(self):
-        """The matcher, with every accepted token consumed (waits for the compile)."""
-        if self.matcher is None:
-            self.matcher = self._compiled.result().deep_copy()
+        """The matcher, with every accepted token consumed (waits for the compile); None if
+        the compile failed (then the sequence may only end)."""
+        if self.matcher is None and self._compiled is not None:
+            try:
+                self.matcher = self._compiled.result().deep_copy()
+            except Exception:
+                log.exception("a grammar could not be compiled; its sequence gets EOS only")
+                self._compiled = None
+                return None
             for t in self.pending:
                 self._consume(t)
             self.pending = []
@@ -122,12 +128,16 @@ class GrammarCompiler:
     """Compiles grammars for one vocabulary on `threads` threads; the tokenizer may be a Future
     (built while the model loads)."""
 
-    def __init__(self, tokenizer, vocab_size: int, threads: int | None = None):
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...],
+                 threads: int | None = None):
         import llguidance
 
         threads = threads or max(1, min(8, (os.cpu_count() or 2) // 2))
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self._eos_row = np.zeros(bitmask_width(vocab_size), dtype=np.int32)   # EOS only
+        for t in eos_token_ids:
+            self._eos_row.view(np.uint32)[t // 32] |= np.uint32(1 << (t % 32))
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="grammar")
         self.executor = llguidance.LLExecutor(threads)
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
@@ -167,8 +177,15 @@ class GrammarCompiler:
         """Row i of bitmask [>= len(grammars), ceil(V / 32)] int32 gets grammars[i]'s mask."""
         from llguidance.numpy import fill_next_token_bitmask_par
 
-        fill_next_token_bitmask_par(self.executor, [(g.ready(), i) for i, g in enumerate(grammars)],
-                                    bitmask)
+        matchers = []
+        for i, g in enumerate(grammars):
+            m = g.ready()
+            if m is None:
+                bitmask[i] = self._eos_row
+            else:
+                matchers.append((m, i))
+        if matchers:
+            fill_next_token_bitmask_par(self.executor, matchers, bitmask)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -40,7 +40,8 @@ class StructuredOutputMasks:
 
             # NOTE: the tokenizer is built off the step loop too; compiles wait for it
             self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-tokenizer")
-            self._compiler = GrammarCompiler(self._tokenizer_pool.submit(tokenizer), vocab_size)
+            self._compiler = GrammarCompiler(self._tokenizer_pool.submit(tokenizer), vocab_size,
+                                             eos)
         return self._compiler
 
     def start(self, state: SeqSamplingState, so: StructuredOutputs) -> None:

@@ -74,6 +74,7 @@ def test_parse_returns_a_pydantic_object(oai):
     assert r.choices[0].finish_reason == "stop"
 
 
+@pytest.mark.timeout(1200)   # 50 x ~45 tokens at once: a minute on two idle cores, more if busy
 def test_sampled_json_always_validates(oai):
     """50 samples at temperature 1 (one request of n=8 plus single ones, all at once)."""
     fmt = {"type": "json_schema", "json_schema": {"name": "user", "schema": SCHEMA,

@@ -114,7 +114,7 @@ def vocab():
     config = read_model_config(files)
     hf = load_tokenizer(files)
     compiler = GrammarCompiler(build_tokenizer(hf, config.vocab_size, config.eos_token_ids),
-                               config.vocab_size)
+                               config.vocab_size, config.eos_token_ids)
     yield hf, compiler, config
     compiler.close()
 
@@ -163,6 +163,19 @@ def test_resumed_matcher_equals_one_fed_token_by_token(vocab):
 
 
 @needs_model
+def test_a_failed_compile_allows_only_eos(vocab):
+    from concurrent.futures import Future
+
+    from conveyor.shared.grammar import SeqGrammar
+
+    _, compiler, config = vocab
+    failed = Future()
+    failed.set_exception(RuntimeError("no tokenizer"))
+    allowed = _allowed(compiler, [SeqGrammar(failed, [])])[0]
+    assert np.nonzero(allowed)[0].tolist() == list(config.eos_token_ids)
+
+
+@needs_model
 def test_compiles_are_cached(vocab):
     _, compiler, _ = vocab
     so = StructuredOutputs(regex="[0-9]{3}")
@@ -197,7 +210,7 @@ def test_sampler_draws_only_allowed_tokens(vocab):
         tokens = out.token_ids.tolist()
         for r, t in enumerate(tokens[:len(grammars)]):
             assert allowed[r, t], (r, t, hf.decode([t]))
-            assert re.fullmatch(r"[0-9]+", hf.decode([t]))
+            assert t in config.eos_token_ids or re.fullmatch(r"[0-9]+", hf.decode([t]))
         assert tokens[len(params)] == int(logits[len(params)].argmax())   # free greedy row
         lp = out.logprobs.tolist()[0]                                     # row 4, constrained
         assert all(allowed[4, t] for t in lp.token_ids)
