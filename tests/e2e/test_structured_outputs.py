@@ -107,9 +107,13 @@ def test_guided_regex_and_choice(oai):
         model=None, messages=PROMPT, max_tokens=10, temperature=1,
         extra_body={"structured_outputs": {"grammar": 'start: "yes" | "no" | "maybe"'}})
     assert r.choices[0].message.content in ("yes", "no", "maybe")
-    r = oai.chat.completions.create(model=None, messages=PROMPT, max_tokens=60, temperature=0,
-                                    response_format={"type": "json_object"})
-    assert isinstance(json.loads(r.choices[0].message.content), dict)
+    r = oai.chat.completions.create(
+        model=None, max_tokens=60, temperature=0, response_format={"type": "json_object"},
+        messages=[{"role": "user", "content": 'Reply {"ok": true} and nothing else.'}])
+    c = r.choices[0]   # any JSON object: unbounded, so max_tokens may cut it
+    assert c.message.content.startswith("{")
+    if c.finish_reason == "stop":
+        assert isinstance(json.loads(c.message.content), dict)
 
 
 def test_streaming_agrees_with_whole(oai):
