@@ -107,8 +107,8 @@ def main() -> None:
     print(f"{llm.config.device}, batch {args.batch}, {args.max_tokens} tokens a request, "
           f"best of {args.rounds}")
     print(f"{'measure':<34}{'value':>14}{'goal':>16}")
-    print(f"{'decode, unconstrained':<34}{best['unconstrained']:>10.0f} tok/s")
-    print(f"{'decode, json schema':<34}{best['json schema']:>10.0f} tok/s"
+    print(f"{'decode, unconstrained':<34}{best['unconstrained']:>10.1f} tok/s")
+    print(f"{'decode, json schema':<34}{best['json schema']:>10.1f} tok/s"
           f"{f'{ratio:.3f}x':>12} (≥ 0.95x {'✓' if ratio >= 0.95 else '✗'})")
     print(f"{'first token, unconstrained':<34}{plain:>11.2f} ms")
     for name, ms, goal in (("first token, new schema", new, 50.0),
