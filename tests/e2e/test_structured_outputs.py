@@ -81,8 +81,8 @@ def test_sampled_json_always_validates(oai):
                                                   "strict": True}}
 
     def ask(n):
-        return oai.chat.completions.create(model=None, messages=PROMPT, response_format=fmt,
-                                           temperature=1.0, max_tokens=60, n=n)
+        return oai.with_options(timeout=1100).chat.completions.create(
+            model=None, messages=PROMPT, response_format=fmt, temperature=1.0, max_tokens=60, n=n)
 
     with ThreadPoolExecutor(43) as pool:
         responses = list(pool.map(ask, [8] + [1] * 42))
