@@ -31,6 +31,7 @@ import msgspec
 from conveyor.frontend.detokenizer import IncrementalDetokenizer, backend_of
 from conveyor.frontend.tokenizer import apply_chat_template, check_token_ids
 from conveyor.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from conveyor.shared.grammar import check as check_grammar
 from conveyor.shared.messages.client import GenerateRequest
 from conveyor.shared.messages.engine import (
     Abort,
@@ -189,6 +190,11 @@ class FrontendCore:
             bad = sorted(t for t in params.logit_bias if t >= self.vocab_size)
             raise ValueError(f"logit_bias token ids out of the vocabulary [0, {self.vocab_size})"
                              f": {bad[:5]}")
+        if params.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs need the model's tokenizer, and this engine "
+                                 "has none")
+            check_grammar(params.structured_outputs)
         text = None
         if req.prompt_token_ids is not None:
             token_ids = list(req.prompt_token_ids)

@@ -22,11 +22,24 @@ from conveyor.frontend.chat_output import ChatReader
 from conveyor.frontend.tools import history_tool_calls
 from conveyor.outputs import CompletionOutput, Logprob, RequestOutput
 from conveyor.shared.sampling_params import MAX_LOGPROBS, SamplingParams
+from conveyor.shared.structured_outputs import StructuredOutputs
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+
+
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    name: str | None = None
+    description: str | None = None
+    schema: dict | None = None
+    strict: bool | None = None               # the schema is enforced either way
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    type: str                                # text, json_object or json_schema
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _Common(msgspec.Struct, kw_only=True):
@@ -58,6 +71,13 @@ class _Common(msgspec.Struct, kw_only=True):
     return_token_ids: bool = False           # each choice also carries its token ids
     cache_salt: str | None = None            # prefix-cache blocks are shared only within a salt
     prompt_logprobs: int | None = None       # top-k logprobs of each prompt token (not streamed)
+    # structured outputs (one form at most): OpenAI's, vLLM's, and vLLM's older fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: str | dict | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -86,7 +106,6 @@ class ChatRequest(_Common, kw_only=True):
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool = True
-    response_format: dict | None = None
     chat_template_kwargs: dict[str, str | int | float | bool | None] | None = None
 
 
@@ -117,8 +136,6 @@ def sampling_params(req: CompletionRequest | ChatRequest,
         if req.top_logprobs is not None and not req.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise ValueError("only response_format type 'text' is supported")
     else:
         max_tokens, logprobs = req.max_tokens, req.logprobs
         if req.suffix:
@@ -145,6 +162,7 @@ def sampling_params(req: CompletionRequest | ChatRequest,
         "prompt_logprobs": prompt_logprobs, "logit_bias": _logit_bias(req.logit_bias),
         "skip_special_tokens": req.skip_special_tokens,
         "include_stop_str_in_output": req.include_stop_str_in_output,
+        "structured_outputs": structured_outputs(req),
     }
     for name, value in (defaults or {}).items():
         if given.get(name) is None:
@@ -162,6 +180,32 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
         return {int(k): float(v) for k, v in bias.items()}
     except ValueError:
         raise ValueError(f"logit_bias keys must be token ids, got {list(bias)[:5]}") from None
+
+
+def structured_outputs(req: CompletionRequest | ChatRequest) -> StructuredOutputs | None:
+    """The request's output constraint from whichever form it came in (ValueError if more
+    than one, or a form is malformed)."""
+    forms = {}
+    if req.structured_outputs is not None:
+        forms["structured_outputs"] = req.structured_outputs
+    rf = req.response_format
+    if rf is not None and rf.type != "text":
+        if rf.type == "json_object":
+            forms["response_format"] = StructuredOutputs(json_object=True)
+        elif rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema is None:
+                raise ValueError("response_format of type json_schema needs json_schema.schema")
+            forms["response_format"] = StructuredOutputs(json=rf.json_schema.schema)
+        else:
+            raise ValueError(f"response_format type must be text, json_object or json_schema, "
+                             f"got {rf.type!r}")
+    for kind in ("json", "regex", "choice", "grammar"):
+        value = getattr(req, f"guided_{kind}")
+        if value is not None:
+            forms[f"guided_{kind}"] = StructuredOutputs(**{kind: value})
+    if len(forms) > 1:
+        raise ValueError(f"set at most one of {', '.join(forms)}")
+    return next(iter(forms.values()), None)
 
 
 def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+import msgspec
+
 from conveyor.frontend.tool_parsers import (
     TOOL_PARSERS,
     JsonArrayParser,
@@ -20,6 +22,7 @@ from conveyor.frontend.tool_parsers import (
     ToolParser,
 )
 from conveyor.shared.sampling_params import SamplingParams
+from conveyor.shared.structured_outputs import from_json_schema
 
 _ANY_OBJECT = {"type": "object"}
 
@@ -108,13 +111,13 @@ def constraint_schema(mode: ToolMode) -> dict | None:
 
 def constrain(params: SamplingParams, schema: dict | None) -> SamplingParams:
     """The sampling params with the output held to `schema` (JSON) by the structured-output
-    backend."""
+    backend; ValueError if the request already has a constraint of its own."""
     if schema is None:
         return params
-    # NOTE: the grammar backend is what makes "required" and named calls parse; without it the
-    # request is refused rather than answered by an unconstrained model
-    raise ValueError("tool_choice \"required\" or a named function needs structured output, "
-                     "which this server does not have yet")
+    if params.structured_outputs is not None:
+        raise ValueError('tool_choice "required" or a named function cannot be combined with '
+                         'response_format or another structured-output constraint')
+    return msgspec.structs.replace(params, structured_outputs=from_json_schema(schema))
 
 
 def history_tool_calls(calls: list, where: str) -> list[dict]:

@@ -9,6 +9,8 @@ import math
 
 import msgspec
 
+from conveyor.shared.structured_outputs import StructuredOutputs
+
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     n: int = 1
@@ -30,6 +32,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     prompt_logprobs: int | None = None       # top-k logprobs per prompt token
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None   # token id -> added to its logit, in [-100, 100]
+    # the output must match a JSON schema, a regex, a choice or a grammar (structured_outputs.py)
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

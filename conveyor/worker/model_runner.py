@@ -32,6 +32,7 @@ from conveyor.worker.layers.quantization import QuantReport, check_device, resol
 from conveyor.worker.loader import load_model
 from conveyor.worker.sampler import LogprobTensors, SampledTensors, Sampler, SeqSamplingState
 from conveyor.worker.step_inputs import StepInputs
+from conveyor.worker.structured import StructuredOutputMasks
 
 _PROFILE_PARAMS = SamplingParams(temperature=0)
 
@@ -80,6 +81,12 @@ class ModelRunner:
             set_kv_scales(self.model, self.kv_scales)
         self.sampler = Sampler(model_config.vocab_size, model_config.eos_token_ids, config.seed,
                                self.device)
+        self.structured = None    # matchers and bitmasks of structured outputs (rank 0 only)
+        if tp_rank() == 0:
+            self.structured = StructuredOutputMasks(files, config.tokenizer,
+                                                    model_config.vocab_size,
+                                                    model_config.eos_token_ids,
+                                                    config.max_num_seqs, self.device)
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.graphs = None      # CUDA graphs of the forward pass, made once the pool exists
@@ -203,6 +210,8 @@ class ModelRunner:
         for seq in plan.new:
             state = SeqSamplingState.new(seq.sampling, list(seq.token_ids), seq.prompt_len,
                                          self.device)
+            if seq.sampling.structured_outputs is not None and self.structured is not None:
+                self.structured.start(state, seq.sampling.structured_outputs)
             self.slots[seq.slot] = Slot(0, seq.num_computed, state)
             self._add_blocks(seq.slot, seq.block_ids)
         steps = []
@@ -220,7 +229,8 @@ class ModelRunner:
         rank0 = tp_rank() == 0
         if num:
             if rank0:
-                drawn = self.sampler.sample_tensors(st.logits[:num], st.states)
+                allowed = self.structured.masks(st.states)
+                drawn = self.sampler.sample_tensors(st.logits[:num], st.states, allowed)
             else:
                 drawn = SampledTensors(torch.empty(num, dtype=torch.long, device=self.device),
                                        [], None)
@@ -248,6 +258,8 @@ class ModelRunner:
         sampled = out.token_ids if out else []
         for state, token in zip(st.states, sampled):
             state.token_ids.append(token)
+            if state.grammar is not None:
+                state.grammar.accept(token)
         return StepResult(step=st.step, sampled=sampled, logprobs=out.logprobs if out else [],
                           prompt_logprobs=[(slot, lp.tolist()) for slot, lp in st.host_prompt])
 

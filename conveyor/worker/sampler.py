@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from conveyor.kernels import triton_available
+from conveyor.kernels.token_bitmask import apply_token_bitmask
 from conveyor.shared.messages.worker import TokenLogprobs
 from conveyor.shared.sampling_params import SamplingParams
 
@@ -33,6 +34,7 @@ class SeqSamplingState:
     prompt_len: int
     token_ids: list[int]                     # prompt + output so far; the worker appends each token
     generator: torch.Generator | None        # seeded from params.seed; None: the shared generator
+    grammar: object | None = None            # SeqGrammar of its structured outputs (rank 0)
     # token_ids as int64, for the penalties: converted as tokens arrive, not every step
     _array: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64), repr=False)
     _converted: int = 0
@@ -124,10 +126,17 @@ class Sampler:
         """logits: [N, >= vocab_size], row i for states[i]; columns past vocab_size are ignored."""
         return self.sample_tensors(logits, states).output()
 
-    def sample_tensors(self, logits: torch.Tensor,
-                       states: list[SeqSamplingState]) -> SampledTensors:
-        """`sample` without reading the result: nothing here waits for the device."""
+    def sample_tensors(self, logits: torch.Tensor, states: list[SeqSamplingState],
+                       allowed: tuple[torch.Tensor, torch.Tensor] | None = None
+                       ) -> SampledTensors:
+        """`sample` without reading the result: nothing here waits for the device.
+
+        allowed: (bitmask [R, ceil(V / 32)] int32, rows [R]) of structured outputs: those rows'
+        banned tokens get -inf in `logits` (in place) before anything else, logprobs included.
+        """
         logits = logits[:, : self.vocab_size]  # [N, V]
+        if allowed is not None:
+            apply_token_bitmask(logits, *allowed)
         fused = _fused(logits)
         if not fused:
             logits = logits.float()

@@ -1,0 +1,122 @@
+"""Structured outputs' cost on the engine (issue 32's goals), offline through LLM:
+
+- decode throughput at batch BATCH with a typical JSON schema against the same requests
+  unconstrained (goal: within 5 %). The schema is an array of records long enough that no output
+  completes it before MAX_TOKENS; ignore_eos and temperature 1 make every request run to
+  MAX_TOKENS either way, so both passes decode the same number of tokens;
+- first-token delay of one request (max_tokens 1) with a schema never seen before (a fresh
+  property name each trial, goal ≤ 50 ms) and with one seen before (cached, goal ≤ 1 ms), over
+  the same request unconstrained; medians over TRIALS. A warm-up request builds the grammar
+  library's view of the vocabulary first (once per engine).
+
+    python scripts/bench_structured_outputs.py [--model M] [--device cuda] [--batch 64]
+        [--max-tokens 256] [--trials 20]
+    python scripts/bench_structured_outputs.py --device cpu --batch 4 --max-tokens 8 --trials 3
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from conveyor.shared.structured_outputs import StructuredOutputs
+
+RECORD = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer"},
+        "name": {"type": "string", "maxLength": 24},
+        "status": {"type": "string", "enum": ["active", "inactive", "pending"]},
+        "score": {"type": "number"},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 4},
+        "address": {"type": "object",
+                    "properties": {"city": {"type": "string", "maxLength": 20},
+                                   "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                    "required": ["city", "zip"]},
+    },
+    "required": ["id", "name", "status", "tags", "address"],
+}
+
+
+def schema(min_items: int, extra_property: str | None = None) -> dict:
+    """Records in an array of at least min_items (so outputs do not complete it early)."""
+    record = dict(RECORD)
+    if extra_property is not None:
+        record["properties"] = {**RECORD["properties"], extra_property: {"type": "boolean"}}
+    return {"type": "object", "properties": {"records": {"type": "array", "items": record,
+                                                         "minItems": min_items}},
+            "required": ["records"]}
+
+
+def _throughput(llm, prompts, params) -> tuple[float, int]:
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    took = time.perf_counter() - t
+    tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    return tokens / took, tokens
+
+
+def _ttft_ms(llm, prompt, params) -> float:
+    t = time.perf_counter()
+    llm.generate([prompt], params, use_tqdm=False)
+    return (time.perf_counter() - t) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="default: the default model")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--trials", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=3, help="throughput passes of each kind")
+    args = ap.parse_args()
+    from conveyor import LLM, SamplingParams
+
+    engine = {"device": args.device} if args.device else {}
+    llm = LLM(model=args.model, max_num_seqs=max(args.batch, 8), **engine)
+    prompts = [f"Write record number {i} of the customer database as JSON:"
+               for i in range(args.batch)]
+    base = dict(temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True, seed=None)
+    so = StructuredOutputs(json=schema(min_items=args.max_tokens // 8 + 2))
+    free = SamplingParams(**base)
+    constrained = SamplingParams(**base, structured_outputs=so)
+    _throughput(llm, prompts[:2], SamplingParams(**{**base, "max_tokens": 4},
+                                                 structured_outputs=so))    # warm-up
+    _throughput(llm, prompts, free)
+    rates = {"unconstrained": [], "json schema": []}
+    for _ in range(args.rounds):      # alternate, so drift hits both alike
+        for name, params in (("unconstrained", free), ("json schema", constrained)):
+            rate, _ = _throughput(llm, prompts, params)
+            rates[name].append(rate)
+    best = {k: max(v) for k, v in rates.items()}
+    ratio = best["json schema"] / best["unconstrained"]
+
+    one = dict(temperature=0, max_tokens=1)
+    prompt = prompts[0]
+    plain = statistics.median(_ttft_ms(llm, prompt, SamplingParams(**one))
+                              for _ in range(args.trials))
+    new = statistics.median(
+        _ttft_ms(llm, prompt, SamplingParams(**one, structured_outputs=StructuredOutputs(
+            json=schema(2, f"field_{time.perf_counter_ns()}_{i}")))) for i in range(args.trials))
+    cached_so = StructuredOutputs(json=schema(2))
+    _ttft_ms(llm, prompt, SamplingParams(**one, structured_outputs=cached_so))
+    cached = statistics.median(_ttft_ms(llm, prompt, SamplingParams(
+        **one, structured_outputs=cached_so)) for _ in range(args.trials))
+
+    print(f"{llm.config.device}, batch {args.batch}, {args.max_tokens} tokens a request, "
+          f"best of {args.rounds}")
+    print(f"{'measure':<34}{'value':>14}{'goal':>16}")
+    print(f"{'decode, unconstrained':<34}{best['unconstrained']:>10.1f} tok/s")
+    print(f"{'decode, json schema':<34}{best['json schema']:>10.1f} tok/s"
+          f"{f'{ratio:.3f}x':>12} (≥ 0.95x {'✓' if ratio >= 0.95 else '✗'})")
+    print(f"{'first token, unconstrained':<34}{plain:>11.2f} ms")
+    for name, ms, goal in (("first token, new schema", new, 50.0),
+                           ("first token, cached schema", cached, 1.0)):
+        delay = ms - plain
+        print(f"{name:<34}{ms:>11.2f} ms   +{delay:.2f} ms (≤ {goal:g} ms "
+              f"{'✓' if delay <= goal else '✗'})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,195 @@
+"""Grammars for structured outputs, on llguidance (docs/STRUCTURED_OUTPUTS.md says why it).
+
+`check` is the frontend's: it turns a StructuredOutputs into an llguidance grammar and validates
+it without a tokenizer, so a bad schema, regex or grammar is a 400 before anything reaches the
+engine. `GrammarCompiler` is worker rank 0's: it compiles grammars for the model's vocabulary on
+a thread pool (off the step loop; llguidance drops the GIL), caches them by key, and gives each
+sequence a `SeqGrammar` that follows its tokens. `fill_bitmask` fills a batch's token bitmask
+(bit t of row r set: token t is allowed) on llguidance's threads. No torch here.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+
+from conveyor.shared.structured_outputs import StructuredOutputs
+
+log = logging.getLogger(__name__)
+
+CACHE_SIZE = 512                             # compiled grammars kept, least recently used out
+# NOTE: compact JSON (", " and ": " between items, no other whitespace): a model may not pad its
+# output with whitespace until max_tokens runs out, as small models given the freedom do.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_WHAT = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regex",
+         "choice": "choice", "grammar": "grammar"}
+
+
+def to_grammar(so: StructuredOutputs) -> str:
+    """llguidance's grammar text for `so` (not validated)."""
+    from llguidance import LLMatcher, grammar_from
+
+    kind = so.kind
+    if kind == "json":
+        schema = so.json if isinstance(so.json, str) else json.dumps(so.json)
+        return LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
+    if kind == "json_object":
+        return LLMatcher.grammar_from_json_schema('{"type": "object"}', overrides=JSON_OPTIONS)
+    if kind == "regex":
+        return LLMatcher.grammar_from_regex(so.regex)
+    if kind == "choice":
+        return LLMatcher.grammar_from_lark(
+            "start: " + " | ".join(json.dumps(c) for c in so.choice))
+    return grammar_from("grammar", so.grammar)   # Lark as it is; GBNF converted to Lark
+
+
+_checked: OrderedDict[tuple[str, str], str] = OrderedDict()   # key -> error ("" if none)
+_checked_lock = threading.Lock()
+
+
+def check(so: StructuredOutputs) -> None:
+    """ValueError naming the problem if `so` cannot be compiled (results cached by key)."""
+    from llguidance import LLMatcher
+
+    key = so.key()
+    with _checked_lock:
+        error = _checked.get(key)
+        if error is not None:
+            _checked.move_to_end(key)
+    if error is None:
+        try:
+            error = LLMatcher.validate_grammar(to_grammar(so))
+        except ValueError as e:
+            error = str(e) or "invalid"
+        with _checked_lock:
+            _checked[key] = error
+            if len(_checked) > CACHE_SIZE:
+                _checked.popitem(last=False)
+    if error:
+        raise ValueError(f"the {_WHAT[so.kind]} of structured_outputs is invalid: "
+                         f"{error.strip()}")
+
+
+def build_tokenizer(hf_tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]):
+    """llguidance's view of a Hugging Face fast tokenizer (about half a second)."""
+    import llguidance.hf
+
+    return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size,
+                                        eos_token=list(eos_token_ids))
+
+
+class SeqGrammar:
+    """One sequence's matcher. Tokens accepted before its grammar is compiled wait in `pending`
+    (a resumed sequence starts with its output so far there). `ready()` waits for the grammar."""
+
+    def __init__(self, compiled: Future, tokens: list[int]):
+        self._compiled = compiled
+        self.pending = list(tokens)
+        self.matcher = None
+
+    def accept(self, token: int) -> None:
+        if self.matcher is None:
+            self.pending.append(token)
+        else:
+            self._consume(token)
+
+    def ready(self):
+        """The matcher, with every accepted token consumed (waits for the compile); None if
+        the compile failed (then the sequence may only end)."""
+        if self.matcher is None and self._compiled is not None:
+            try:
+                self.matcher = self._compiled.result().deep_copy()
+            except Exception:
+                log.exception("a grammar could not be compiled; its sequence gets EOS only")
+                self._compiled = None
+                return None
+            for t in self.pending:
+                self._consume(t)
+            self.pending = []
+        return self.matcher
+
+    def _consume(self, token: int) -> None:
+        m = self.matcher
+        if m.is_stopped() or m.is_error():
+            return            # e.g. the token planned after EOS, which the scheduler drops
+        if not m.consume_token(token):
+            # NOTE: only a row with no allowed token can sample outside the mask (min_tokens
+            # banning EOS where the grammar allows only EOS); from here on it allows only EOS.
+            log.warning("a sampled token %d broke its grammar: %s", token,
+                        m.get_error().splitlines()[0] if m.get_error() else "")
+
+
+class GrammarCompiler:
+    """Compiles grammars for one vocabulary on `threads` threads; the tokenizer may be a Future
+    (built while the model loads)."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...],
+                 threads: int | None = None):
+        import llguidance
+
+        threads = threads or max(1, min(8, (os.cpu_count() or 2) // 2))
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._eos_row = np.zeros(bitmask_width(vocab_size), dtype=np.int32)   # EOS only
+        for t in eos_token_ids:
+            self._eos_row.view(np.uint32)[t // 32] |= np.uint32(1 << (t % 32))
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="grammar")
+        self.executor = llguidance.LLExecutor(threads)
+        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self.num_compiled = 0
+
+    @property
+    def tokenizer(self):
+        t = self._tokenizer
+        return t.result() if isinstance(t, Future) else t
+
+    def compile(self, so: StructuredOutputs) -> Future:
+        """A Future of the compiled (fresh) matcher of `so`: cached by key, else started now."""
+        key = so.key()
+        fut = self._cache.get(key)
+        if fut is not None:
+            self._cache.move_to_end(key)
+            return fut
+        fut = self._cache[key] = self._pool.submit(self._compile, so)
+        if len(self._cache) > CACHE_SIZE:
+            self._cache.popitem(last=False)
+        return fut
+
+    def _compile(self, so: StructuredOutputs):
+        from llguidance import LLMatcher
+
+        m = LLMatcher(self.tokenizer, to_grammar(so), log_level=0)
+        self.num_compiled += 1
+        if m.is_error():   # the frontend checked it; a grammar it passed may still fail here
+            log.warning("a grammar failed to compile: %s", m.get_error())
+        return m
+
+    def start(self, so: StructuredOutputs, tokens: list[int]) -> SeqGrammar:
+        """A matcher for a sequence whose output so far is `tokens`."""
+        return SeqGrammar(self.compile(so), tokens)
+
+    def fill_bitmask(self, grammars: list[SeqGrammar], bitmask: np.ndarray) -> None:
+        """Row i of bitmask [>= len(grammars), ceil(V / 32)] int32 gets grammars[i]'s mask."""
+        from llguidance.numpy import fill_next_token_bitmask_par
+
+        matchers = []
+        for i, g in enumerate(grammars):
+            m = g.ready()
+            if m is None:
+                bitmask[i] = self._eos_row
+            else:
+                matchers.append((m, i))
+        if matchers:
+            fill_next_token_bitmask_par(self.executor, matchers, bitmask)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def bitmask_width(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32

@@ -1,0 +1,65 @@
+"""Structured outputs in the worker that samples (rank 0): a matcher per constrained sequence, and
+each step's token bitmask for the sampler (docs/ARCHITECTURE.md, "Structured outputs").
+
+The model runner calls `start` when a sequence takes a slot (a resumed one replays its output so
+far), `SeqGrammar.accept` as each sampled token reaches the host (at the flush of its step), and
+`masks` for a step's sampling rows, between that flush and the sampling: on a GPU the step's
+forward pass is already queued, so the matchers advance and the bitmask is filled while it runs.
+The vocabulary view is built by the first constrained sequence (about a second, once).
+"""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from conveyor.shared.grammar import GrammarCompiler, bitmask_width, build_tokenizer
+from conveyor.shared.model_files import ModelFiles
+from conveyor.shared.structured_outputs import StructuredOutputs
+from conveyor.worker.sampler import SeqSamplingState, _tensor
+
+
+class StructuredOutputMasks:
+    def __init__(self, files: ModelFiles, tokenizer: str | None, vocab_size: int,
+                 eos_token_ids: tuple[int, ...], max_rows: int, device: torch.device):
+        self.device = device
+        self.vocab_size = vocab_size
+        self._args = (files, tokenizer, vocab_size, eos_token_ids)
+        self._compiler: GrammarCompiler | None = None
+        self._max_rows = max_rows
+        self._host: torch.Tensor | None = None     # [max_rows, W] int32, pinned on CUDA
+
+    @property
+    def compiler(self) -> GrammarCompiler:
+        if self._compiler is None:
+            files, name, vocab_size, eos = self._args
+
+            def tokenizer():
+                from conveyor.frontend.tokenizer import load_tokenizer
+                return build_tokenizer(load_tokenizer(files, name), vocab_size, eos)
+
+            # NOTE: the tokenizer is built off the step loop too; compiles wait for it
+            self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-tokenizer")
+            self._compiler = GrammarCompiler(self._tokenizer_pool.submit(tokenizer), vocab_size,
+                                             eos)
+        return self._compiler
+
+    def start(self, state: SeqSamplingState, so: StructuredOutputs) -> None:
+        """Give `state` a matcher; its output so far (a resumed sequence's) is replayed."""
+        state.grammar = self.compiler.start(so, state.token_ids[state.prompt_len:])
+
+    def masks(self, states: list[SeqSamplingState]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(bitmask [R, W] int32, rows [R] int64) on the device for the constrained rows of a
+        step's sampling batch, or None if it has none. Waits for grammars still compiling."""
+        rows = [i for i, s in enumerate(states) if s.grammar is not None]
+        if not rows:
+            return None
+        if self._host is None:
+            self._host = torch.empty(self._max_rows, bitmask_width(self.vocab_size),
+                                     dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        # NOTE: the buffer is reused: the previous step's copy from it is done, since the
+        # runner waited for that step's results before this step's sampling.
+        host = self._host[:len(rows)]
+        self.compiler.fill_bitmask([states[i].grammar for i in rows], host.numpy())
+        mask = host.to(self.device, non_blocking=True) if self.device.type == "cuda" else host
+        return mask, _tensor(rows, self.device, torch.long)

@@ -1,0 +1,174 @@
+"""Structured outputs end to end with the default model: through the `openai` client against
+`conveyor serve` (response_format with a Pydantic model, json_schema, vLLM's structured_outputs
+and guided_* fields, streaming, n > 1, bad constraints refused with 400), through the ZMQ
+client, and offline through LLM (with a KV pool so small that sequences are preempted and
+recomputed mid-output). Every sampled output must satisfy its constraint."""
+import json
+import re
+from concurrent.futures import ThreadPoolExecutor
+from typing import Literal
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel, Field
+from serve_util import start_server
+
+from conveyor import SamplingParams
+from conveyor.shared.model_files import default_model_path
+from conveyor.shared.structured_outputs import StructuredOutputs
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not default_model_path().is_file(),
+                                                   reason="default model not fetched")]
+
+# nested objects, enums, arrays and required fields, bounded so that 60 tokens always suffice
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "role": {"type": "string", "enum": ["admin", "editor", "viewer"]},
+        "ok": {"type": "boolean"},
+        "home": {
+            "type": "object",
+            "properties": {"zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+            "required": ["zip"],
+            "additionalProperties": False,
+        },
+        "tags": {"type": "array", "items": {"type": "string", "enum": ["a", "b", "c"]},
+                 "maxItems": 2},
+    },
+    "required": ["name", "role", "ok", "home", "tags"],
+    "additionalProperties": False,
+}
+PROMPT = [{"role": "user", "content": "Give me a user record as JSON."}]
+PHONE = r"\(\d{3}\) \d{3}-\d{4}"
+CHOICES = ["positive", "negative", "neutral"]
+
+
+class City(BaseModel):
+    name: str = Field(max_length=16)
+    country: Literal["France", "Japan", "Peru"]
+    population_millions: int = Field(ge=0, le=99)
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = start_server("--max-n", "8")
+    yield s
+    s.kill_all()
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    return openai.OpenAI(base_url=server.http + "/v1", api_key="none", max_retries=0,
+                         timeout=300)
+
+
+def test_parse_returns_a_pydantic_object(oai):
+    r = oai.chat.completions.parse(
+        model=None, messages=[{"role": "user", "content": "Describe Paris."}],
+        response_format=City, max_tokens=80, temperature=0)
+    city = r.choices[0].message.parsed
+    assert isinstance(city, City), r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.timeout(1200)   # 50 x ~45 tokens at once: a minute on two idle cores, more if busy
+def test_sampled_json_always_validates(oai):
+    """50 samples at temperature 1 (one request of n=8 plus single ones, all at once)."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "user", "schema": SCHEMA,
+                                                  "strict": True}}
+
+    def ask(n):
+        return oai.with_options(timeout=1100).chat.completions.create(
+            model=None, messages=PROMPT, response_format=fmt, temperature=1.0, max_tokens=60, n=n)
+
+    with ThreadPoolExecutor(43) as pool:
+        responses = list(pool.map(ask, [8] + [1] * 42))
+    choices = [c for r in responses for c in r.choices]
+    assert len(choices) == 50
+    for c in choices:
+        assert c.finish_reason == "stop", c.message.content
+        jsonschema.validate(json.loads(c.message.content), SCHEMA)
+
+
+def test_guided_regex_and_choice(oai):
+    r = oai.completions.create(model=None, prompt="Call me at", max_tokens=20, temperature=1,
+                               n=4, extra_body={"guided_regex": PHONE})
+    for c in r.choices:
+        assert re.fullmatch(PHONE, c.text), c.text
+    r = oai.chat.completions.create(
+        model=None, messages=[{"role": "user", "content": "Is this review good? 'Loved it'"}],
+        max_tokens=10, temperature=1, n=4, extra_body={"guided_choice": CHOICES})
+    for c in r.choices:
+        assert c.message.content in CHOICES
+    r = oai.chat.completions.create(
+        model=None, messages=PROMPT, max_tokens=10, temperature=1,
+        extra_body={"structured_outputs": {"grammar": 'start: "yes" | "no" | "maybe"'}})
+    assert r.choices[0].message.content in ("yes", "no", "maybe")
+    r = oai.chat.completions.create(
+        model=None, max_tokens=60, temperature=0, response_format={"type": "json_object"},
+        messages=[{"role": "user", "content": 'Reply {"ok": true} and nothing else.'}])
+    c = r.choices[0]   # any JSON object: unbounded, so max_tokens may cut it
+    assert c.message.content.startswith("{")
+    if c.finish_reason == "stop":
+        assert isinstance(json.loads(c.message.content), dict)
+
+
+def test_streaming_agrees_with_whole(oai):
+    body = dict(model=None, messages=PROMPT, max_tokens=60, temperature=1.0, seed=7,
+                extra_body={"guided_json": SCHEMA})
+    whole = oai.chat.completions.create(**body).choices[0].message.content
+    parts = [c.choices[0].delta.content or "" for c in
+             oai.chat.completions.create(stream=True, **body) if c.choices]
+    assert "".join(parts) == whole
+    jsonschema.validate(json.loads(whole), SCHEMA)
+
+
+@pytest.mark.parametrize("extra,words", [
+    ({"guided_json": {"type": "object", "properties": {"a": {"type": "strnig"}}}}, "JSON schema"),
+    ({"guided_json": "{not json"}, "not valid JSON"),
+    ({"guided_regex": "a(b"}, "regex"),
+    ({"guided_grammar": "start: missing_rule"}, "grammar"),
+    ({"guided_choice": []}, "choice"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "at most one"),
+    ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}, "whitespace_pattern"),
+    ({"structured_outputs": {}}, "exactly one"),
+    ({"response_format": {"type": "json_schema"}}, "json_schema.schema"),
+    ({"response_format": {"type": "yaml"}}, "response_format"),
+])
+def test_bad_constraints_are_400(server, extra, words):
+    for path, body in (("/v1/chat/completions", {"messages": PROMPT}),
+                       ("/v1/completions", {"prompt": "hi"})):
+        r = httpx.post(server.http + path, json={**body, "max_tokens": 5, **extra}, timeout=60)
+        assert r.status_code == 400, r.text
+        assert words in r.json()["error"]["message"]
+
+
+def test_zmq_client(server):
+    from conveyor.client import Client
+
+    params = SamplingParams(temperature=1.0, max_tokens=20, n=3,
+                            structured_outputs=StructuredOutputs(regex=PHONE))
+    with Client(server.addresses[0], timeout=120) as client:
+        out = client.generate("My number is", params)
+    assert len(out.outputs) == 3
+    for c in out.outputs:
+        assert re.fullmatch(PHONE, c.text), c.text
+
+
+def test_offline_with_preemption():
+    """A pool of 12 blocks of 16 tokens for 4 sequences of ~80 tokens: they preempt one
+    another and are recomputed; the replayed matchers keep every output valid."""
+    from conveyor import LLM
+
+    llm = LLM(max_model_len=512, num_kv_blocks=12, max_num_batched_tokens=64)
+    so = StructuredOutputs(json=SCHEMA)
+    outs = llm.chat([PROMPT] * 2, SamplingParams(temperature=1.0, max_tokens=60, n=2, seed=3,
+                                                 structured_outputs=so), use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    for o in outs:
+        for c in o.outputs:
+            assert c.finish_reason == "stop", c.text
+            jsonschema.validate(json.loads(c.text), SCHEMA)

@@ -1,0 +1,219 @@
+"""Structured outputs without a model: the request forms and their checks, the wire, the
+matchers against the grammar they follow (on the default model's vocabulary when it is fetched),
+and the sampler never drawing a token its bitmask bans."""
+import json
+import re
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+
+from conveyor.frontend import openai_protocol as oai
+from conveyor.shared.grammar import GrammarCompiler, bitmask_width, build_tokenizer, check
+from conveyor.shared.messages import through_wire
+from conveyor.shared.messages.worker import NewSeq, StepPlan
+from conveyor.shared.model_files import default_model_path
+from conveyor.shared.sampling_params import SamplingParams
+from conveyor.shared.structured_outputs import StructuredOutputs, from_json_schema
+from conveyor.worker.sampler import Sampler, SeqSamplingState
+
+SCHEMA = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+
+
+def test_exactly_one_form():
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputs()
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputs(regex="a", choice=["a"])
+    with pytest.raises(ValueError, match="not valid JSON"):
+        StructuredOutputs(json="{nope")
+    with pytest.raises(ValueError, match="choice"):
+        StructuredOutputs(choice=[""])
+    assert from_json_schema(SCHEMA).kind == "json"
+
+
+def test_key_is_canonical():
+    a = StructuredOutputs(json=SCHEMA)
+    b = StructuredOutputs(json=json.dumps(SCHEMA, indent=2))
+    assert a.key() == b.key()
+    assert a.key() != StructuredOutputs(json={"type": "object"}).key()
+
+
+def test_sampling_params_cross_the_wire():
+    params = SamplingParams(structured_outputs=StructuredOutputs(json=SCHEMA))
+    plan = StepPlan(1, [NewSeq(0, [1, 2], 2, params, [0], 0)], [], [])
+    assert through_wire(plan).new[0].sampling.structured_outputs.key() == \
+        params.structured_outputs.key()
+    with pytest.raises(msgspec.ValidationError, match="exactly one"):
+        msgspec.json.decode(b'{"structured_outputs": {}}', type=SamplingParams)
+
+
+def _chat(**fields):
+    body = {"messages": [{"role": "user", "content": "hi"}], **fields}
+    return oai.decode_request(json.dumps(body).encode(), oai.ChatRequest)
+
+
+@pytest.mark.parametrize("fields,expected", [
+    ({"response_format": {"type": "json_object"}}, StructuredOutputs(json_object=True)),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA,
+                                                                 "strict": True}}},
+     StructuredOutputs(json=SCHEMA)),
+    ({"response_format": {"type": "text"}}, None),
+    ({"structured_outputs": {"regex": "[ab]+"}}, StructuredOutputs(regex="[ab]+")),
+    ({"guided_json": json.dumps(SCHEMA)}, StructuredOutputs(json=json.dumps(SCHEMA))),
+    ({"guided_regex": "a"}, StructuredOutputs(regex="a")),
+    ({"guided_choice": ["a", "b"]}, StructuredOutputs(choice=["a", "b"])),
+    ({"guided_grammar": 'start: "a"'}, StructuredOutputs(grammar='start: "a"')),
+])
+def test_request_forms(fields, expected):
+    got = oai.sampling_params(_chat(**fields)).structured_outputs
+    assert got == expected
+    completion = oai.decode_request(json.dumps({"prompt": "hi", **fields}).encode(),
+                                    oai.CompletionRequest)
+    assert oai.sampling_params(completion).structured_outputs == expected
+
+
+def test_two_forms_are_refused():
+    with pytest.raises(ValueError, match="at most one of response_format, guided_regex"):
+        oai.sampling_params(_chat(response_format={"type": "json_object"}, guided_regex="a"))
+
+
+@pytest.mark.parametrize("so,words", [
+    (StructuredOutputs(json={"type": "object", "properties": {"a": {"type": "strnig"}}}),
+     "JSON schema"),
+    (StructuredOutputs(regex="(a"), "regex"),
+    (StructuredOutputs(grammar="start: nothing_here"), "nothing_here"),
+    (StructuredOutputs(grammar="root ::= missing"), "grammar"),
+])
+def test_check_names_the_problem(so, words):
+    with pytest.raises(ValueError, match=words):
+        check(so)
+
+
+def test_check_passes_good_ones():
+    for so in (StructuredOutputs(json=SCHEMA), StructuredOutputs(json_object=True),
+               StructuredOutputs(regex=r"\d+"), StructuredOutputs(choice=["a", "b"]),
+               StructuredOutputs(grammar='start: "a" | "b"'),
+               StructuredOutputs(grammar='root ::= "a" | "b"')):      # GBNF
+        check(so)
+
+
+# --- on the default model's vocabulary ------------------------------------------------------
+
+needs_model = pytest.mark.skipif(not default_model_path().is_file(),
+                                 reason="default model not fetched")
+
+
+@pytest.fixture(scope="module")
+def vocab():
+    from conveyor.frontend.tokenizer import load_tokenizer
+    from conveyor.shared.model_files import read_model_config, resolve_model
+
+    files = resolve_model(None)
+    config = read_model_config(files)
+    hf = load_tokenizer(files)
+    compiler = GrammarCompiler(build_tokenizer(hf, config.vocab_size, config.eos_token_ids),
+                               config.vocab_size, config.eos_token_ids)
+    yield hf, compiler, config
+    compiler.close()
+
+
+def _allowed(compiler, grammars) -> np.ndarray:
+    """[len(grammars), V] bool."""
+    mask = np.zeros((len(grammars), bitmask_width(compiler.vocab_size)), dtype=np.int32)
+    compiler.fill_bitmask(grammars, mask)
+    bits = np.unpackbits(mask.view(np.uint8), axis=1, bitorder="little").astype(bool)
+    return bits[:, :compiler.vocab_size]
+
+
+@needs_model
+def test_choice_mask_against_the_vocabulary(vocab):
+    """The first mask of a choice allows exactly the tokens whose text starts one of the
+    choices (or is a whole one); after a whole choice only EOS is allowed."""
+    hf, compiler, config = vocab
+    choices = ["yes", "no", "maybe so"]
+    g = compiler.start(StructuredOutputs(choice=choices), [])
+    allowed = _allowed(compiler, [g])[0]
+    texts = [hf.decode([t]) for t in range(config.vocab_size)]
+    expected = np.array([bool(t) and any(c.startswith(t) for c in choices)
+                         and not hf.convert_ids_to_tokens(i).startswith("<") for i, t in
+                         enumerate(texts)])
+    assert np.array_equal(allowed, expected), (np.nonzero(allowed != expected)[0][:10])
+    for t in hf.encode("maybe so", add_special_tokens=False):
+        g.accept(t)
+    assert np.nonzero(_allowed(compiler, [g])[0])[0].tolist() == list(config.eos_token_ids)
+
+
+@needs_model
+def test_resumed_matcher_equals_one_fed_token_by_token(vocab):
+    """A preempted sequence's new matcher replays its output: same state, same mask."""
+    hf, compiler, _ = vocab
+    so = StructuredOutputs(json=SCHEMA)
+    tokens = hf.encode('{"x": 12', add_special_tokens=False)
+    fed = compiler.start(so, [])
+    fed.ready()
+    for t in tokens:
+        fed.accept(t)
+    resumed = compiler.start(so, tokens)
+    both = _allowed(compiler, [fed, resumed])
+    assert np.array_equal(both[0], both[1])
+    allowed_text = {hf.decode([t]) for t in np.nonzero(both[0])[0]}
+    assert "3" in allowed_text and "}" in allowed_text and "a" not in allowed_text
+
+
+@needs_model
+def test_a_failed_compile_allows_only_eos(vocab):
+    from concurrent.futures import Future
+
+    from conveyor.shared.grammar import SeqGrammar
+
+    _, compiler, config = vocab
+    failed = Future()
+    failed.set_exception(RuntimeError("no tokenizer"))
+    allowed = _allowed(compiler, [SeqGrammar(failed, [])])[0]
+    assert np.nonzero(allowed)[0].tolist() == list(config.eos_token_ids)
+
+
+@needs_model
+def test_compiles_are_cached(vocab):
+    _, compiler, _ = vocab
+    so = StructuredOutputs(regex="[0-9]{3}")
+    first = compiler.compile(so)
+    assert compiler.compile(StructuredOutputs(regex="[0-9]{3}")) is first
+
+
+@needs_model
+def test_sampler_draws_only_allowed_tokens(vocab):
+    """Random logits, many sampling modes: every drawn token is one the mask allows, and the
+    logprobs put -inf on banned tokens; unconstrained rows are untouched."""
+    hf, compiler, config = vocab
+    V = config.vocab_size
+    sampler = Sampler(V, config.eos_token_ids, 0, "cpu")
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=0.7, top_k=50), SamplingParams(top_p=0.9),
+              SamplingParams(min_p=0.1, logprobs=3), SamplingParams(repetition_penalty=1.3)]
+    states, grammars = [], []
+    for i, p in enumerate(params * 2):
+        s = SeqSamplingState.new(p, [1, 2, 3], 3, "cpu")
+        if i < len(params):            # constrained rows first, free ones after
+            s.grammar = compiler.start(StructuredOutputs(regex=r"[0-9]{2,4}"), [])
+            grammars.append(s.grammar)
+        states.append(s)
+    for _ in range(3):
+        allowed = torch.from_numpy(_allowed(compiler, grammars))
+        mask = torch.zeros(len(grammars), bitmask_width(V), dtype=torch.int32)
+        compiler.fill_bitmask(grammars, mask.numpy())
+        logits = torch.randn(len(states), V) * 4
+        logits[:, hf.encode("hello", add_special_tokens=False)[0]] = 100.0   # tempting, banned
+        out = sampler.sample_tensors(logits, states, (mask, torch.arange(len(grammars))))
+        tokens = out.token_ids.tolist()
+        for r, t in enumerate(tokens[:len(grammars)]):
+            assert allowed[r, t], (r, t, hf.decode([t]))
+            assert t in config.eos_token_ids or re.fullmatch(r"[0-9]+", hf.decode([t]))
+        assert tokens[len(params)] == int(logits[len(params)].argmax())   # free greedy row
+        lp = out.logprobs.tolist()[0]                                     # row 4, constrained
+        assert all(allowed[4, t] for t in lp.token_ids)
+        for s, g, t in zip(states, grammars, tokens):
+            g.accept(t)
+            s.token_ids.append(t)
