@@ -71,6 +71,9 @@ ENGINE_FLAGS: dict[str, tuple[str, str, dict]] = {
     "load_format": ("model", "auto: the checkpoint's weights; dummy: random weights from "
                              "config.json alone (benchmarks)", {"choices": ("auto", "dummy")}),
     "enforce_eager": ("model", "run every step eagerly: no CUDA graphs", {}),
+    "max_cudagraph_capture_size": ("model", "the largest step (tokens) replayed from a CUDA "
+                                            "graph; larger ones run eagerly (default 2048; 0: "
+                                            "decode-only steps alone)", {}),
     "block_size": ("cache", "tokens per KV cache block (a power of two up to 256)", {}),
     "enable_prefix_caching": ("cache", "reuse the KV cache of prompt prefixes seen before", {}),
     "prefix_caching_hash_algo": ("cache", "block hashes: sha256, or sha256-keyed (HMAC under a "
