@@ -21,6 +21,7 @@ PRESETS = {
     "llama-tied": ("LlamaConfig", {"tie_word_embeddings": True}),
     "qwen2": ("Qwen2Config", {"tie_word_embeddings": False, "rope_theta": 1e6}),
     "qwen3": ("Qwen3Config", {"tie_word_embeddings": True}),
+    "mistral": ("MistralConfig", {"sliding_window": 8, "tie_word_embeddings": False}),
 }
 
 

@@ -161,7 +161,14 @@ class ModelConfig:
     # "fp8" / "int8": the checkpoint stores its linear weights in float8 e4m3 / int8 with scales
     # (config.json's quantization_config; checkpoint_quantization below); None: full precision
     quantization: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    # per layer: how many keys (the query's own included) its attention sees; 0 = all of them
+    # (Mistral's sliding_window on every layer; Gemma's on the "sliding_attention" layers)
+    layer_windows: tuple[int, ...] = ()
+    extra: dict[str, Any] = field(default_factory=dict)   # config.json as read: family keys
+
+    def window(self, layer: int) -> int:
+        """The attention window of `layer` (0: full causal attention)."""
+        return self.layer_windows[layer] if self.layer_windows else 0
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -198,7 +205,33 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             initializer_range=float(cfg.get("initializer_range") or 0.02),
             quantization=checkpoint_quantization(cfg.get("quantization_config")),
+            layer_windows=layer_windows(cfg, arch),
+            extra=dict(cfg),
         )
+
+
+# Sliding and full attention layers of the families that interleave them, for config.json files
+# without `layer_types`: every layer whose (index + 1) is not a multiple of the period slides.
+_WINDOW_PERIODS = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6}
+
+
+def layer_windows(cfg: dict[str, Any], arch: str) -> tuple[int, ...]:
+    """Each layer's attention window (0: full), from `sliding_window` and `layer_types` (or the
+    family's pattern); Qwen2's `use_sliding_window: false` turns the window off."""
+    window = cfg.get("sliding_window")
+    layers = cfg["num_hidden_layers"]
+    if not window or cfg.get("use_sliding_window", True) is False:
+        return ()
+    types = cfg.get("layer_types")
+    if types is None and arch in _WINDOW_PERIODS:
+        period = cfg.get("sliding_window_pattern") or _WINDOW_PERIODS[arch]
+        types = ["full_attention" if (i + 1) % period == 0 else "sliding_attention"
+                 for i in range(layers)]
+    if types is None:
+        return (int(window),) * layers
+    if len(types) != layers:
+        raise ValueError(f"layer_types has {len(types)} entries for {layers} layers")
+    return tuple(int(window) if t == "sliding_attention" else 0 for t in types)
 
 
 def checkpoint_quantization(qc: dict[str, Any] | None) -> str | None:

@@ -1,5 +1,6 @@
-"""Llama (also Mistral-shaped models, without sliding windows): the decoder the other models
-reuse. Qwen2 and Qwen3 subclass LlamaForCausalLM and change only `attention_options`.
+"""Llama, and Mistral (the same decoder with a sliding window, config.json's `sliding_window`,
+on every layer): the decoder the other models reuse. Qwen2 and Qwen3 subclass LlamaForCausalLM
+and change only `attention_options`.
 
 Module names follow Hugging Face's, except the fused qkv_proj and gate_up_proj, which the
 loader fills through `packed_modules`.
@@ -39,7 +40,8 @@ class LlamaAttention(nn.Module):
         # Qwen3: RMSNorm over each head of q and k, before the rotary embedding.
         self.q_norm = RMSNorm(d, config.rms_norm_eps, dtype) if qk_norm else None
         self.k_norm = RMSNorm(d, config.rms_norm_eps, dtype) if qk_norm else None
-        self.attn = Attention(layer_idx, heads, kv_heads, d, scale=d ** -0.5)
+        self.attn = Attention(layer_idx, heads, kv_heads, d, scale=d ** -0.5,
+                              window=config.window(layer_idx))
 
     def forward(self, x: torch.Tensor | Fp8Rows, cos: torch.Tensor, sin: torch.Tensor,
                 ctx: StepContext) -> torch.Tensor:
