@@ -171,6 +171,10 @@ def _packed_name(name: str, packed: dict) -> tuple[str, object]:
 
 
 def load_weights(model: nn.Module, weights: Weights) -> None:
+    """Fill the model from (checkpoint name, tensor) pairs; a model whose checkpoint lays
+    tensors out otherwise (Phi-3's fused qkv) maps them first (`convert_weights`)."""
+    if hasattr(model, "convert_weights"):
+        weights = model.convert_weights(weights)
     packed = model.packed_modules
     params = dict(model.named_parameters())
     tied = model.config.tie_word_embeddings

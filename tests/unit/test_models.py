@@ -78,7 +78,7 @@ def run_step(model, pool, tokens, work, num_decodes):
     return {sid: logits[end - n:end] for (sid, n), end in zip(work, rows)}
 
 
-ARCHS = ["llama", "llama-tied", "qwen2", "qwen3", "mistral"]
+ARCHS = ["llama", "llama-tied", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3"]
 
 
 @pytest.fixture(scope="module")

@@ -26,8 +26,12 @@ from conveyor.worker.layers.rotary import RotaryEmbedding, apply_rotary
 
 
 class LlamaAttention(nn.Module):
+    """Options beyond Llama's, for the families built on it: `scale` (default head_dim^-0.5),
+    `softcap` of the attention logits, `norm` (the class of q_norm / k_norm)."""
+
     def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype,
-                 qkv_bias: bool, o_bias: bool, qk_norm: bool = False):
+                 qkv_bias: bool, o_bias: bool, qk_norm: bool = False, scale: float | None = None,
+                 softcap: float = 0.0, norm: type[RMSNorm] = RMSNorm):
         super().__init__()
         d = config.head_dim
         self.qkv_proj = QKVParallelLinear(config.hidden_size, d, config.num_attention_heads,
@@ -38,10 +42,10 @@ class LlamaAttention(nn.Module):
         self.q_size, self.kv_size = heads * d, kv_heads * d
         self.head_dim = d
         # Qwen3: RMSNorm over each head of q and k, before the rotary embedding.
-        self.q_norm = RMSNorm(d, config.rms_norm_eps, dtype) if qk_norm else None
-        self.k_norm = RMSNorm(d, config.rms_norm_eps, dtype) if qk_norm else None
-        self.attn = Attention(layer_idx, heads, kv_heads, d, scale=d ** -0.5,
-                              window=config.window(layer_idx))
+        self.q_norm = norm(d, config.rms_norm_eps, dtype) if qk_norm else None
+        self.k_norm = norm(d, config.rms_norm_eps, dtype) if qk_norm else None
+        self.attn = Attention(layer_idx, heads, kv_heads, d, scale=scale or d ** -0.5,
+                              window=config.window(layer_idx), softcap=softcap)
 
     def forward(self, x: torch.Tensor | Fp8Rows, cos: torch.Tensor, sin: torch.Tensor,
                 ctx: StepContext) -> torch.Tensor:
@@ -49,7 +53,7 @@ class LlamaAttention(nn.Module):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, -1, self.head_dim)                  # [T, heads, head_dim]
         k = k.reshape(t, -1, self.head_dim)                  # [T, kv_heads, head_dim]
-        if q.is_cuda and triton_available():
+        if q.is_cuda and triton_available() and 2 * cos.shape[-1] == self.head_dim:
             # one kernel: q/k norm and rotary in place, k and v stored into the KV pool as well
             from conveyor.kernels.rotary import rotary_qk
 
@@ -112,11 +116,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, attention_options: dict):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, attention_options: dict,
+                 rotary_emb: RotaryEmbedding):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
-                                          config.rope_theta, config.rope_scaling)
+        self.rotary_emb = rotary_emb
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, dtype, attention_options)
             for i in range(config.num_hidden_layers))
@@ -146,10 +150,16 @@ class LlamaForCausalLM(nn.Module):
         """Keyword arguments of LlamaAttention that vary by model family."""
         return {"qkv_bias": config.attention_bias, "o_bias": config.attention_bias}
 
+    @staticmethod
+    def rotary_embedding(config: ModelConfig) -> RotaryEmbedding:
+        return RotaryEmbedding(config.head_dim, config.max_position_embeddings,
+                               config.rope_theta, config.rope_scaling)
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, dtype, self.attention_options(config))
+        self.model = LlamaModel(config, dtype, self.attention_options(config),
+                                self.rotary_embedding(config))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
