@@ -39,6 +39,13 @@ SHAPES = {
                                         num_attention_heads=32, intermediate_size=14336)),
     "llama3.1-70b": ("LlamaConfig", dict(_LLAMA31, num_hidden_layers=80, hidden_size=8192,
                                          num_attention_heads=64, intermediate_size=28672)),
+    # 128 experts of width 768, 8 a token: 3.3 B of its 30.5 B parameters active a token
+    "qwen3-30b-a3b": ("Qwen3MoeConfig", dict(
+        num_hidden_layers=48, hidden_size=2048, num_attention_heads=32, num_key_value_heads=4,
+        head_dim=128, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+        num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        vocab_size=151936, tie_word_embeddings=False, rope_theta=1e6,
+        max_position_embeddings=40960, rms_norm_eps=1e-6)),
 }
 
 

@@ -37,6 +37,16 @@ PRESETS = {
                             "rope_scaling": {"type": "longrope",
                                              "short_factor": [1.0, 1.3, 1.7, 2.5],
                                              "long_factor": [2.0, 3.1, 4.7, 9.0]}}),
+    # 6 experts of width 24, 2 a token, renormalised; layer 1 of 3 dense (mlp_only_layers)
+    "qwen3-moe": ("Qwen3MoeConfig", {"num_experts": 6, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 24, "norm_topk_prob": True,
+                                     "num_hidden_layers": 3, "mlp_only_layers": [1],
+                                     "tie_word_embeddings": False}),
+    "qwen3-moe-unnormed": ("Qwen3MoeConfig", {"num_experts": 5, "num_experts_per_tok": 3,
+                                              "moe_intermediate_size": 24,
+                                              "norm_topk_prob": False}),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2,
+                                  "sliding_window": 8, "intermediate_size": 40}),
 }
 
 

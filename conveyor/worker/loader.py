@@ -162,8 +162,18 @@ def _keep_q8_0(model: nn.Module, reader, keep: tuple[re.Pattern, ...]) -> set[st
     return names
 
 
+_EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
 def _packed_name(name: str, packed: dict) -> tuple[str, object]:
-    """A checkpoint name in our fused modules, and its shard id (None if not fused)."""
+    """A checkpoint name in our fused modules, and its shard id (None if not fused): an MoE
+    expert's projection goes into its layer's stacked w13 (gate, up) or w2 (down) with shard
+    id (expert, part) (layers/moe.py)."""
+    if m := _EXPERT.match(name):
+        from conveyor.worker.layers.moe import EXPERT_PARTS
+
+        part = EXPERT_PARTS[m.group(3)]
+        return f"{m.group(1)}.{'w2' if part == 2 else 'w13'}", (int(m.group(2)), part)
     for part, (fused, shard) in packed.items():
         if f".{part}." in name:
             return name.replace(f".{part}.", f".{fused}."), shard
@@ -198,9 +208,10 @@ def load_weights(model: nn.Module, weights: Weights) -> None:
             raise ValueError(f"cannot load {name} (shard {shard_id}): {e}") from None
         loaded.setdefault(name, set()).add(shard_id)
     missing = []
-    for name in params:
+    for name, param in params.items():
         fused = name.split(".")[-2]
-        want = {s for f, s in packed.values() if f == fused} or {None}
+        want = (getattr(param, "expected_shards", None)
+                or {s for f, s in packed.values() if f == fused} or {None})
         missing += [f"{name} (shard {s})" if s is not None else name
                     for s in sorted(want - loaded.get(name, set()), key=str)]
     if missing or unexpected:

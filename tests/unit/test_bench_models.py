@@ -17,3 +17,16 @@ def test_unset_engine_arguments_take_serve_defaults():
     flags = engine_flags(dict(quantization=None, max_num_seqs=4))
     assert flags == ["--max-num-seqs=4"]
     assert build_parser().parse_args(["serve", *flags]).quantization is None
+
+
+def test_qwen3_30b_a3b_shape_has_its_published_size():
+    """30.5 B parameters (128 experts of width 768 in each of 48 layers), 3.3 B active a token."""
+    from benchmarks.models import checkpoint_bytes, hf_config
+
+    params = checkpoint_bytes("qwen3-30b-a3b") / 2
+    assert 30.4e9 < params < 30.6e9
+    c = hf_config("qwen3-30b-a3b").to_dict()
+    experts = c.get("num_experts") or c["num_local_experts"]     # transformers 5 renames it
+    expert = 3 * c["hidden_size"] * c["moe_intermediate_size"]
+    active = params - c["num_hidden_layers"] * (experts - c["num_experts_per_tok"]) * expert
+    assert 3.2e9 < active < 3.4e9

@@ -89,7 +89,7 @@ class GemmaModel(nn.Module):
             for i in range(config.num_hidden_layers))
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         # NOTE: a Python float rounded to the model dtype, as transformers' embed_scale buffer
-        self.normalizer = float(torch.tensor(config.hidden_size ** 0.5, dtype=dtype))
+        self.normalizer = float(torch.tensor(config.hidden_size ** 0.5, dtype=dtype, device="cpu"))
 
     def forward(self, input_ids, positions, ctx: StepContext):
         x = self.embed_tokens(input_ids) * self.normalizer               # [T, hidden]
@@ -109,6 +109,12 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         return {"qkv_bias": config.attention_bias, "o_bias": config.attention_bias,
                 "scale": (e.get("query_pre_attn_scalar") or config.head_dim) ** -0.5,
                 "softcap": float(e.get("attn_logit_softcapping") or 0.0)}
+
+    @staticmethod
+    def extra_layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+        """Checkpoint tensors of a layer beyond Llama's (for load_format="dummy")."""
+        h = config.hidden_size
+        return {"pre_feedforward_layernorm.weight": (h,), "post_feedforward_layernorm.weight": (h,)}
 
     @staticmethod
     def rotary_embeddings(config: ModelConfig) -> tuple[RotaryEmbedding, RotaryEmbedding]:

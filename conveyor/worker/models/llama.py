@@ -88,10 +88,10 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype,
-                 attention_options: dict):
+                 attention_options: dict, mlp: nn.Module):
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_idx, dtype, **attention_options)
-        self.mlp = LlamaMLP(config, dtype)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -110,19 +110,19 @@ class LlamaDecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(x, residual, reduce=True, fp8=fp8)
         x = self.self_attn(x, cos, sin, ctx)
-        fp8 = self.mlp.gate_up_proj.takes_fp8_rows(x)
+        fp8 = isinstance(self.mlp, LlamaMLP) and self.mlp.gate_up_proj.takes_fp8_rows(x)
         x, residual = self.post_attention_layernorm(x, residual, reduce=True, fp8=fp8)
         return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, attention_options: dict,
-                 rotary_emb: RotaryEmbedding):
+                 rotary_emb: RotaryEmbedding, make_mlp):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
         self.rotary_emb = rotary_emb
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, dtype, attention_options)
+            LlamaDecoderLayer(config, i, dtype, attention_options, make_mlp(config, i, dtype))
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -151,6 +151,11 @@ class LlamaForCausalLM(nn.Module):
         return {"qkv_bias": config.attention_bias, "o_bias": config.attention_bias}
 
     @staticmethod
+    def make_mlp(config: ModelConfig, layer_idx: int, dtype: torch.dtype) -> nn.Module:
+        """Layer layer_idx's MLP (a mixture of experts in the MoE families)."""
+        return LlamaMLP(config, dtype)
+
+    @staticmethod
     def rotary_embedding(config: ModelConfig) -> RotaryEmbedding:
         return RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                config.rope_theta, config.rope_scaling)
@@ -159,7 +164,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, dtype, self.attention_options(config),
-                                self.rotary_embedding(config))
+                                self.rotary_embedding(config), self.make_mlp)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
