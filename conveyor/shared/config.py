@@ -260,9 +260,31 @@ def checkpoint_quantization(qc: dict[str, Any] | None) -> str | None:
         raise ValueError("of compressed-tensors checkpoints, conveyor loads 8-bit weights with "
                          "tensor or channel scales only: float, or symmetric int stored as int8 "
                          "(format int-quantized)")
-    raise ValueError(f"checkpoint quantization {method!r} is not supported (conveyor loads fp8 "
-                     f"and int8 checkpoints, and quantizes full-precision ones with "
+    if method in ("awq", "gptq"):
+        int4_format(qc)
+        return method
+    raise ValueError(f"checkpoint quantization {method!r} is not supported (conveyor loads fp8, "
+                     f"int8, AWQ and GPTQ checkpoints, and quantizes full-precision ones with "
                      f"--quantization)")
+
+
+def int4_format(qc: dict[str, Any]) -> tuple[int, int, bool]:
+    """An AWQ or GPTQ quantization_config -> (group size, 0 for the whole row; the zero offset,
+    1 for GPTQ's "gptq" format, which stores zero - 1; act-order). Refuses what conveyor does
+    not load: other bit widths, AWQ other than its GEMM layout with zero points."""
+    method = qc.get("quant_method")
+    bits = qc.get("bits", qc.get("w_bit"))
+    if bits != 4:
+        raise ValueError(f"{method} checkpoints load with 4-bit weights only, got bits {bits}")
+    group = qc.get("group_size", qc.get("q_group_size", 128))
+    if method == "awq":
+        if str(qc.get("version", "gemm")).lower() != "gemm" or not qc.get("zero_point", True):
+            raise ValueError("AWQ checkpoints load in the GEMM layout with zero points only, "
+                             f"got version {qc.get('version')!r}, zero_point "
+                             f"{qc.get('zero_point')!r}")
+        return (0 if group == -1 else group), 0, False
+    offset = 0 if qc.get("checkpoint_format") == "gptq_v2" else 1
+    return (0 if group == -1 else group), offset, bool(qc.get("desc_act"))
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,8 @@ def load_model(config: ModelConfig, files: ModelFiles, dtype: torch.dtype,
         reader = open_gguf(files.path)
         int8_names = _keep_q8_0(model, reader, keep) if quantization == "int8" else set()
         load_weights(model, gguf_weights(reader, int8_names))
+    elif config.quantization in ("awq", "gptq"):
+        load_weights(model, _take_int4(model, files.path, config))
     else:
         rows = _take_quantized(model, files.path, config.quantization)
         kv_scales: dict[tuple[int, str], float] = {}
@@ -99,6 +101,36 @@ def _take_quantized(model: nn.Module, folder: Path, mode: str | None) -> dict[st
         module.make_quantized(dtype, 1)
         taken.update({name: rows[name] for name in parts})
     return taken
+
+
+def _take_int4(model: nn.Module, folder: Path, config: ModelConfig) -> Weights:
+    """For an AWQ or GPTQ checkpoint: make the linear layers with a `qweight` take 4-bit
+    weights (LinearBase.make_int4), and return the checkpoint's tensors with those layers'
+    parts converted to the W4A16 layout (worker/int4_checkpoint.py)."""
+    from safetensors import safe_open
+
+    from conveyor.shared.config import int4_format
+    from conveyor.worker.int4_checkpoint import int4_weights
+
+    group, zero_offset, act_order = int4_format(config.extra["quantization_config"])
+    names = []
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            names += list(f.keys())
+    has_g_idx = any(n.endswith(".g_idx") for n in names)
+    layers = {n.removesuffix(".qweight") + ".weight": True for n in names
+              if n.endswith(".qweight")}
+    for module_name, (module, _) in _by_module(model, layers).items():
+        if not isinstance(module, LinearBase):
+            raise ValueError(f"{module_name}: 4-bit checkpoint weights load only into linear "
+                             f"layers")
+        k = module.weight.shape[1]
+        module.make_int4(k // group if group else 1, act_order)
+    weights = int4_weights(safetensors_weights(folder), config.quantization, zero_offset,
+                           has_g_idx)
+    if not act_order:      # GPTQ's g_idx then only repeats the groups: no column order
+        weights = ((n, t) for n, t in weights if not n.endswith(".weight_perm"))
+    return weights
 
 
 def _by_module(model: nn.Module, flags: dict[str, bool]

@@ -57,7 +57,7 @@ def quantizable(module: nn.Module) -> bool:
 @dataclass
 class QuantReport:
     """What load-time quantization did, for the log line and LLM.quantization_report."""
-    mode: str                                   # "int8" | "fp8"
+    mode: str                                   # "int8" | "fp8" | "awq" | "gptq" (checkpoints)
     dtype: str                                  # the model's (activation) dtype
     quantized: list[str] = field(default_factory=list)     # per-row scales, quantized here
     # loaded quantized: GGUF Q8_0 blocks kept in int8, or a quantized checkpoint's layers
@@ -119,8 +119,10 @@ def quantize_model(model: nn.Module, mode: str | None, keep: tuple[re.Pattern, .
         weight = module.weight
         if module.weight_scale is not None:                      # loaded quantized (Q8_0)
             report.prequantized.append(name)
-            report.bytes_before += weight.numel() * getattr(torch, report.dtype).itemsize
-            report.bytes_after += _nbytes(weight) + _nbytes(module.weight_scale)
+            values = weight.numel() * (8 if weight.dtype == torch.int32 else 1)   # 4-bit words
+            report.bytes_before += values * getattr(torch, report.dtype).itemsize
+            report.bytes_after += sum(_nbytes(t) for t in (weight, module.weight_scale,
+                                                           module.weight_zero) if t is not None)
             module.to(device)
             continue
         if from_checkpoint or keep_matches(name, keep):
