@@ -236,7 +236,8 @@ def layer_windows(cfg: dict[str, Any], arch: str) -> tuple[int, ...]:
 
 def checkpoint_quantization(qc: dict[str, Any] | None) -> str | None:
     """The quantization a checkpoint's config.json declares, where conveyor loads it as it is:
-    1-byte weights with per-tensor or per-channel scales, in the formats vLLM calls "fp8"
+    1-byte weights with per-tensor, per-channel or (fp8) square block scales, and 4-bit AWQ and
+    GPTQ weights (int4_format), in the formats vLLM calls "fp8"
     (AutoFP8, `quant_method: fp8`) and "compressed-tensors" (llm-compressor's float 8-bit
     weights, or symmetric int 8-bit ones stored as int8: its "int-quantized" W8A8 models, run
     here as W8A16). Other formats raise ValueError."""
@@ -244,22 +245,26 @@ def checkpoint_quantization(qc: dict[str, Any] | None) -> str | None:
         return None
     method = qc.get("quant_method")
     if method == "fp8":
-        if qc.get("weight_block_size"):
-            raise ValueError("fp8 checkpoints with block-wise scales (weight_block_size) are not "
-                             "supported; per-tensor and per-channel scales are")
+        block = qc.get("weight_block_size")
+        if block and (len(block) != 2 or block[0] != block[1]):
+            raise ValueError(f"fp8 checkpoints with block-wise scales load with square blocks "
+                             f"(weight_block_size [B, B]), got {block}")
         return "fp8"
     if method == "compressed-tensors":
         groups = list((qc.get("config_groups") or {}).values())
         weights = [g.get("weights") or {} for g in groups]
         kinds = {w.get("type") for w in weights}
         if (len(kinds) == 1 and all(w.get("num_bits") == 8 and w.get("symmetric", True)
-                                    and w.get("strategy") in ("tensor", "channel")
+                                    and w.get("strategy") in ("tensor", "channel", "block")
                                     for w in weights)
-                and (kinds == {"float"} or qc.get("format") == "int-quantized")):
+                and (kinds == {"float"} or qc.get("format") == "int-quantized")
+                and all(w.get("strategy") != "block" or (
+                    kinds == {"float"} and len(w.get("block_structure") or []) == 2
+                    and len(set(w["block_structure"])) == 1) for w in weights)):
             return "fp8" if kinds == {"float"} else "int8"
         raise ValueError("of compressed-tensors checkpoints, conveyor loads 8-bit weights with "
-                         "tensor or channel scales only: float, or symmetric int stored as int8 "
-                         "(format int-quantized)")
+                         "tensor, channel or (float, square) block scales only: float, or "
+                         "symmetric int stored as int8 (format int-quantized)")
     if method in ("awq", "gptq"):
         int4_format(qc)
         return method

@@ -63,9 +63,11 @@ def load_model(config: ModelConfig, files: ModelFiles, dtype: torch.dtype,
     elif config.quantization in ("awq", "gptq"):
         load_weights(model, _take_int4(model, files.path, config))
     else:
-        rows = _take_quantized(model, files.path, config.quantization)
+        block = _block_size(config)
+        rows = _take_quantized(model, files.path, config.quantization, block)
         kv_scales: dict[tuple[int, str], float] = {}
-        load_weights(model, _with_scales(safetensors_weights(files.path), rows, kv_scales))
+        load_weights(model, _with_scales(safetensors_weights(files.path), rows, kv_scales,
+                                         block))
         model.checkpoint_kv_scales = _per_layer(kv_scales, config.num_hidden_layers)
     from_checkpoint = config.quantization is not None and load_format != "dummy"
     model.quant_report = quantize_model(model, quantization, keep, device, from_checkpoint)
@@ -75,10 +77,25 @@ def load_model(config: ModelConfig, files: ModelFiles, dtype: torch.dtype,
 _STORED = {"fp8": ("F8_E4M3", torch.float8_e4m3fn), "int8": ("I8", torch.int8)}
 
 
-def _take_quantized(model: nn.Module, folder: Path, mode: str | None) -> dict[str, int]:
+def _block_size(config: ModelConfig) -> int:
+    """The side of an fp8 checkpoint's square scale blocks (0: per tensor or per channel):
+    `weight_block_size` ("fp8", DeepSeek's layout), or compressed-tensors' block strategy."""
+    qc = config.extra.get("quantization_config") or {}
+    if qc.get("weight_block_size"):
+        return int(qc["weight_block_size"][0])
+    for group in (qc.get("config_groups") or {}).values():
+        weights = group.get("weights") or {}
+        if weights.get("strategy") == "block":
+            return int(weights["block_structure"][0])
+    return 0
+
+
+def _take_quantized(model: nn.Module, folder: Path, mode: str | None, block: int = 0
+                    ) -> dict[str, int]:
     """For a checkpoint quantized in `mode` ("fp8" or "int8"): make the linear layers whose
-    checkpoint weights are stored in it take 1-byte weights and one scale per row; returns
-    {checkpoint weight name: its rows} of those weights ({} for other checkpoints)."""
+    checkpoint weights are stored in it take 1-byte weights and one scale per row (with
+    `block`-square scales: one per row and block of columns); returns {checkpoint weight name:
+    its rows} of those weights ({} for other checkpoints)."""
     from safetensors import safe_open
 
     if mode is None:
@@ -98,7 +115,11 @@ def _take_quantized(model: nn.Module, folder: Path, mode: str | None) -> dict[st
         if not (isinstance(module, LinearBase) and all(parts.values())):
             raise ValueError(f"{module_name}: {mode} checkpoint weights load only into linear "
                              f"layers whose every part is {mode}")
-        module.make_quantized(dtype, 1)
+        k = module.weight.shape[1]
+        if block and k % block:
+            raise ValueError(f"{module_name}: {k} inputs (on this rank) are not whole scale "
+                             f"blocks of {block}")
+        module.make_quantized(dtype, k // block if block else 1)
         taken.update({name: rows[name] for name in parts})
     return taken
 
@@ -150,10 +171,12 @@ _KV_SCALE = re.compile(r"model\.layers\.(\d+)\.self_attn\."
 
 
 def _with_scales(weights: Weights, rows_of: dict[str, int],
-                 kv_scales: dict[tuple[int, str], float]) -> Weights:
+                 kv_scales: dict[tuple[int, str], float], block: int = 0) -> Weights:
     """A quantized checkpoint's tensors as load_weights takes them: each weight_scale (one per
-    tensor, or one per channel) as float32 [rows, 1]; input_scale dropped; the KV cache scales
-    put in kv_scales[(layer, "k" or "v")]. Other checkpoints' tensors pass unchanged."""
+    tensor, or one per channel) as float32 [rows, 1], or with `block`-square scales
+    ([ceil(rows / block), columns / block], also named weight_scale_inv) each block row's
+    scales repeated for its rows, [rows, columns / block]; input_scale dropped; the KV cache
+    scales put in kv_scales[(layer, "k" or "v")]. Other checkpoints' tensors pass unchanged."""
     for name, tensor in weights:
         if not rows_of:
             yield name, tensor
@@ -161,6 +184,15 @@ def _with_scales(weights: Weights, rows_of: dict[str, int],
             continue
         elif m := _KV_SCALE.match(name):
             kv_scales[int(m.group(1)), m.group(2) or m.group(3)] = float(tensor.float().max())
+        elif block and name.endswith((".weight_scale", ".weight_scale_inv")):
+            weight = name.removesuffix("_inv").removesuffix("_scale")
+            rows = rows_of.get(weight)
+            if rows is None or tensor.dim() != 2 or tensor.shape[0] != -(-rows // block):
+                raise ValueError(f"{name}: expected [{-(-(rows or 0) // block)}, K / {block}] "
+                                 f"block scales for a quantized weight, got "
+                                 f"{tuple(tensor.shape)}")
+            scale = tensor.float().repeat_interleave(block, dim=0)[:rows].contiguous()
+            yield weight + "_scale", scale
         elif name.endswith(".weight_scale"):
             rows = rows_of.get(name.removesuffix("_scale"))
             if rows is None:

@@ -60,3 +60,28 @@ def test_pack_unpack_and_reference():
     perm = torch.randperm(64, generator=gen)
     torch.testing.assert_close(w4a16_ref(x, words, scale, zero, None, perm),
                                x[:, perm] @ w.view(24, 64).t())
+
+
+def test_llm_serves_a_gptq_checkpoint(tmp_path):
+    """The whole engine (LLM, CPU) on an act-order GPTQ checkpoint: transformers' tokens on the
+    dequantized weights, and the report names the layers loaded in 4 bits."""
+    from transformers import AutoModelForCausalLM
+
+    from conveyor import LLM, SamplingParams
+
+    src = make_tiny_model("llama", tmp_path / "src", hidden_size=128, intermediate_size=256,
+                          head_dim=32)
+    write_int4(src, tmp_path / "q", tmp_path / "ref", "gptq", 64, act_order=True)
+    llm = LLM(model=str(tmp_path / "q"), device="cpu", skip_tokenizer_init=True,
+              kv_cache_memory_bytes=16 << 20, max_model_len=128)
+    assert "loaded 8 layers in gptq from the checkpoint" in llm.quantization_report.summary()
+    prompts = [[5, 17, 99, 3, 250, 41, 8], [7] * 20]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=10))
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path / "ref", dtype=torch.float32).eval()
+    for p, out in zip(prompts, outs):
+        with torch.no_grad():
+            want = ref.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False,
+                                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                pad_token_id=0)[0, len(p):].tolist()
+        assert out.outputs[0].token_ids == want

@@ -62,6 +62,12 @@ def linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, bias: torch.Tensor |
         x = silu_and_mul(x)
     if scale is None:
         return F.linear(x, weight, bias)
+    if weight.dtype == torch.float8_e4m3fn and scale.shape[1] > 1:
+        # block-scaled fp8 checkpoints, run W8A16: the weight dequantized for this product
+        from conveyor.kernels import dequantize
+
+        w = (dequantize.dequantize if gpu else dequantize.dequantize_ref)(weight, scale, x.dtype)
+        return F.linear(x, w, bias)
     if weight.dtype == torch.int8:
         from conveyor.kernels import int8_gemm
 
