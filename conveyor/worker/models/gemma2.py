@@ -66,12 +66,13 @@ class GemmaDecoderLayer(nn.Module):
         self.post_feedforward_layernorm = GemmaRMSNorm(h, eps, dtype)
 
     def forward(self, x, residual, cos, sin, ctx):
-        """As LlamaDecoderLayer.forward: x in and out is still to be added to the residual (and,
-        under tensor parallelism, a partial sum except the embedding's)."""
+        """As LlamaDecoderLayer.forward, x in and out is still to be added to the residual; but
+        it is whole under tensor parallelism: the attention's and the MLP's partial sums are
+        reduced by the norms right after them (post_attention, post_feedforward)."""
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
-            x, residual = self.input_layernorm(x, residual, reduce=True)
+            x, residual = self.input_layernorm(x, residual)
         x = self.post_attention_layernorm(self.self_attn(x, cos, sin, ctx), reduce=True)
         x, residual = self.pre_feedforward_layernorm(x, residual)
         return self.post_feedforward_layernorm(self.mlp(x), reduce=True), residual
@@ -99,7 +100,7 @@ class GemmaModel(nn.Module):
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, *rope[layer.sliding], ctx)
-        return self.norm(x, residual, reduce=True)[0]
+        return self.norm(x, residual)[0]
 
 
 class Gemma2ForCausalLM(LlamaForCausalLM):
