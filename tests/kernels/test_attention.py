@@ -158,6 +158,25 @@ def test_paged_attention_window_softcap(window, softcap, case):
         torch.testing.assert_close(got.float(), want, **TOL[torch.bfloat16])
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("window,softcap,prefills", [(20, 0.0, []), (37, 4.0, [(20, 150)]),
+                                                     (0, 3.0, [])])
+def test_paged_attention_window_softcap_small(window, softcap, prefills, device):
+    """The window's skipped blocks and the soft cap, also under Triton's interpreter."""
+    from conveyor.kernels.paged_attention import paged_attention
+
+    ctx = make_batch(random.Random(window), [200, 5, 129], prefills, 16, 1, 32, torch.bfloat16,
+                     device)
+    q = torch.randn(sum(ctx.query_lens_cpu), 2, 32, device=device).to(torch.bfloat16) * 3
+    want = TorchAttentionBackend().forward(q.float(), ctx.kv_caches[0].float(), ctx, 0.2,
+                                           window=window, softcap=softcap)
+    for n, order in _variants(ctx, prefills, (1, 2)):
+        got = paged_attention(q, ctx.kv_caches[0], ctx.block_tables, ctx.seq_lens,
+                              ctx.query_start_loc, 0.2, max(ctx.query_lens_cpu), num_splits=n,
+                              seq_order=order, window=window, softcap=softcap)
+        torch.testing.assert_close(got.float(), want, atol=1.5e-2, rtol=1.5e-2)
+
+
 @pytest.mark.parametrize("splits", [1, 2, 16])
 def test_paged_attention_split_kv_long_context(splits):
     from conveyor.kernels.paged_attention import paged_attention

@@ -47,3 +47,20 @@ def test_fused_moe_under_cuda_graph():
     graph.replay()
     want = fused_moe_ref(x.float(), w13.float(), w2.float(), weights.float(), ids)
     torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("t,top_k", [(3, 2), (40, 3)])
+def test_fused_moe_small(t, top_k, device):
+    """Small shapes, also under Triton's interpreter on the CPU: both tile classes."""
+    gen = torch.Generator(device=device).manual_seed(t)
+    h, inter, experts = 48, 40, 6
+    x = torch.randn(t, h, device=device, generator=gen).to(torch.bfloat16)
+    w13 = (torch.randn(experts, 2 * inter, h, device=device, generator=gen) / 7).bfloat16()
+    w2 = (torch.randn(experts, h, inter, device=device, generator=gen) / 6).bfloat16()
+    weights, ids = route(torch.randn(t, experts, device=device, generator=gen), top_k, False,
+                         torch.bfloat16)
+    want = fused_moe_ref(x.float(), w13.float(), w2.float(), weights.float(), ids)
+    for tiles in (None, (64, 128, 64, 4)):
+        got = fused_moe(x, w13, w2, weights, ids, tiles)
+        torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)

@@ -28,3 +28,20 @@ def test_w4a16_matches_reference(dtype, m, n, k, group, bias, act_order):
     got = w4a16_gemm(x, words, scale, zero, b, perm)
     tol = 3e-2 if dtype == torch.bfloat16 else 1e-2
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("m,group,act_order", [(1, 32, False), (5, 64, True), (70, 0, False)])
+def test_w4a16_small(m, group, act_order, device):
+    """Small shapes, also under Triton's interpreter on the CPU."""
+    gen = torch.Generator(device=device).manual_seed(m)
+    n, k = 40, 128
+    groups = k // group if group else 1
+    q = torch.randint(0, 16, (n, k), device=device, generator=gen, dtype=torch.uint8)
+    scale = torch.rand(n, groups, device=device, generator=gen) / 20
+    zero = torch.randint(0, 16, (n, groups), device=device, generator=gen).float()
+    x = torch.randn(m, k, device=device, generator=gen).to(torch.bfloat16)
+    perm = torch.randperm(k, device=device, generator=gen) if act_order else None
+    want = w4a16_ref(x.float(), pack_int4(q), scale, zero, None, perm)
+    got = w4a16_gemm(x, pack_int4(q), scale, zero, None, perm)
+    torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
