@@ -201,6 +201,10 @@ def test_w4a16_and_fused_moe_kernels(compiled, m):
     weights, ids = route(torch.randn(m, experts), 8, True, BF)
     fused_moe(torch.zeros(m, h, dtype=BF), torch.zeros(experts, 2 * inter, h, dtype=BF),
               torch.zeros(experts, h, inter, dtype=BF), weights, ids)
+    for dtype in (torch.float8_e4m3fn, torch.int8):          # quantized experts
+        fused_moe(torch.zeros(m, h, dtype=BF), torch.zeros(experts, 2 * inter, h, dtype=dtype),
+                  torch.zeros(experts, h, inter, dtype=dtype), weights, ids, None,
+                  torch.ones(experts, 2 * inter), torch.ones(experts, h))
     check(compiled, "_w4a16_kernel", "_moe_gemm_kernel", "_silu_and_mul_kernel")
 
 

@@ -64,3 +64,26 @@ def test_fused_moe_small(t, top_k, device):
     for tiles in (None, (64, 128, 64, 4)):
         got = fused_moe(x, w13, w2, weights, ids, tiles)
         torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("mode", ["int8", "fp8"])
+def test_fused_moe_quantized_experts(mode, device):
+    """1-byte experts with row scales: the kernel converts them as it loads and scales the
+    columns; the reference dequantizes first."""
+    from conveyor.worker.layers.quantization import quantize_weight
+
+    gen = torch.Generator(device=device).manual_seed(5)
+    t, h, inter, experts, top_k = 21, 64, 48, 5, 2
+    x = torch.randn(t, h, device=device, generator=gen).to(torch.bfloat16)
+    w13, s13 = quantize_weight(torch.randn(experts * 2 * inter, h, device=device,
+                                           generator=gen) / 8, mode)
+    w2, s2 = quantize_weight(torch.randn(experts * h, inter, device=device, generator=gen) / 7,
+                             mode)
+    w13, w2 = w13.view(experts, 2 * inter, h), w2.view(experts, h, inter)
+    s13, s2 = s13.view(experts, 2 * inter), s2.view(experts, h)
+    weights, ids = route(torch.randn(t, experts, device=device, generator=gen), top_k, True,
+                         torch.bfloat16)
+    want = fused_moe_ref(x.float(), w13, w2, weights.float(), ids, s13, s2)
+    got = fused_moe(x, w13, w2, weights, ids, None, s13, s2)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)

@@ -17,12 +17,8 @@ CASES = [("awq", 32, False), ("awq", 128, False), ("gptq", 64, False), ("gptq", 
 @pytest.mark.parametrize("fmt,group,act_order", CASES)
 def test_int4_checkpoint_matches_transformers_on_dequantized_weights(tmp_path, fmt, group,
                                                                      act_order):
-    import sys
-
-    from transformers import AutoModelForCausalLM
-
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
     from test_models import greedy, hf_greedy, pool_for, run_step
+    from transformers import AutoModelForCausalLM
 
     src = make_tiny_model("qwen3", tmp_path / "src", hidden_size=128, intermediate_size=256,
                           head_dim=32)

@@ -37,6 +37,25 @@ class FusedMoE(nn.Module):
         for param, parts in ((self.w13, (0, 1)), (self.w2, (2,))):
             param.weight_loader = self.weight_loader
             param.expected_shards = {(e, p) for e in range(num_experts) for p in parts}
+        self.register_buffer("w13_scale", None)      # [E, 2I] float32 once quantized
+        self.register_buffer("w2_scale", None)       # [E, H]
+
+    def quantize(self, mode: str, device: torch.device) -> tuple[int, int]:
+        """--quantization int8 / fp8: every expert's rows quantized (one scale a row, as
+        layers/quantization.py does for linear layers), on `device`. Returns the bytes before
+        and after."""
+        from conveyor.worker.layers.quantization import quantize_weight
+
+        before = after = 0
+        for name in ("w13", "w2"):
+            w = getattr(self, name).data.to(device)
+            e, n, k = w.shape
+            q, scale = quantize_weight(w.reshape(e * n, k), mode)
+            before += w.numel() * w.element_size()
+            after += q.numel() * q.element_size() + scale.numel() * 4
+            setattr(self, name, nn.Parameter(q.view(e, n, k), requires_grad=False))
+            setattr(self, f"{name}_scale", scale.view(e, n))
+        return before, after
 
     def weight_loader(self, param, loaded_weight, shard_id) -> None:
         expert, part = shard_id
@@ -52,9 +71,10 @@ class FusedMoE(nn.Module):
         from conveyor.kernels.fused_moe import fused_moe, fused_moe_ref, route
 
         weights, ids = route(router_logits, self.top_k, self.renormalize, x.dtype)
+        scales = (self.w13_scale, self.w2_scale)
         if x.is_cuda and triton_available() and x.dtype != torch.float32:
-            return fused_moe(x, self.w13, self.w2, weights, ids)
-        return fused_moe_ref(x, self.w13, self.w2, weights, ids)
+            return fused_moe(x, self.w13, self.w2, weights, ids, None, *scales)
+        return fused_moe_ref(x, self.w13, self.w2, weights, ids, *scales)
 
 
 class SparseMoeBlock(nn.Module):
@@ -64,6 +84,9 @@ class SparseMoeBlock(nn.Module):
                  renormalize: bool, dtype: torch.dtype):
         super().__init__()
         self.gate = ReplicatedLinear(hidden_size, num_experts, dtype=dtype)
+        # NOTE: the router stays in the model dtype under --quantization: its weights are a
+        # sliver of the layer's, and a rounded logit flips an expert choice (a different MLP)
+        self.gate.keep_precision = True
         self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size, renormalize,
                                 dtype)
 

@@ -114,6 +114,15 @@ def quantize_model(model: nn.Module, mode: str | None, keep: tuple[re.Pattern, .
                          from_checkpoint=from_checkpoint)
     done: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}    # id(original weight) -> result
     for name, module in model.named_modules():
+        if hasattr(module, "quantize") and hasattr(module, "w13"):   # experts (layers/moe.py)
+            if from_checkpoint or keep_matches(name, keep):
+                report.kept.append(name)
+                continue
+            before, after = module.quantize(mode, device)
+            report.bytes_before += before
+            report.bytes_after += after
+            report.quantized.append(name)
+            continue
         if not quantizable(module):
             continue
         weight = module.weight
@@ -125,7 +134,8 @@ def quantize_model(model: nn.Module, mode: str | None, keep: tuple[re.Pattern, .
                                                            module.weight_zero) if t is not None)
             module.to(device)
             continue
-        if from_checkpoint or keep_matches(name, keep):
+        if from_checkpoint or keep_matches(name, keep) or getattr(module, "keep_precision",
+                                                                   False):
             report.kept.append(name)
             continue
         if id(weight) not in done:
