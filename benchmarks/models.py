@@ -39,6 +39,13 @@ SHAPES = {
                                         num_attention_heads=32, intermediate_size=14336)),
     "llama3.1-70b": ("LlamaConfig", dict(_LLAMA31, num_hidden_layers=80, hidden_size=8192,
                                          num_attention_heads=64, intermediate_size=28672)),
+    # 128 experts of width 768, 8 a token: 3.3 B of its 30.5 B parameters active a token
+    "qwen3-30b-a3b": ("Qwen3MoeConfig", dict(
+        num_hidden_layers=48, hidden_size=2048, num_attention_heads=32, num_key_value_heads=4,
+        head_dim=128, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+        num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        vocab_size=151936, tie_word_embeddings=False, rope_theta=1e6,
+        max_position_embeddings=40960, rms_norm_eps=1e-6)),
 }
 
 
@@ -91,10 +98,64 @@ def build_random_model(shape: str, folder: str | Path | None = None, seed: int =
     return folder
 
 
+def build_random_int4(shape: str, fmt: str, folder: str | Path | None = None, group: int = 128,
+                      seed: int = 0, **overrides) -> Path:
+    """Save a random 4-bit checkpoint of `shape` in the published layout of `fmt` ("awq" or
+    "gptq", group size `group`; docs/QUANTIZATION.md), with a synthetic tokenizer: random 4-bit
+    values, zero points 8, scales about initializer_range / 4, the other tensors (embedding, LM
+    head, norms) drawn in bf16. Only the bytes and shapes matter (for timing): written tensor by
+    tensor, without building the model."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from conveyor.shared.config import ModelConfig
+    from conveyor.worker.dummy_weights import checkpoint_shapes
+
+    config = hf_config(shape, **overrides)
+    folder = Path(folder or tempfile.mkdtemp(prefix=f"conveyor-{shape}-{fmt}-"))
+    save_tokenizer(folder, config.vocab_size, config.max_position_embeddings)
+    config.save_pretrained(folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": fmt, "bits": 4, "group_size": group,
+                                  **({"version": "gemm", "zero_point": True} if fmt == "awq"
+                                     else {"desc_act": False, "sym": True})}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    gen = torch.Generator().manual_seed(seed)
+    std = config.initializer_range
+    eights = torch.tensor(0x88888888 - 2 ** 32, dtype=torch.int32)   # zero point 8, 8 nibbles
+    tensors, part = {}, 0
+
+    def flush():
+        nonlocal tensors, part
+        if tensors:
+            save_file(tensors, folder / f"model-{part:05d}.safetensors", metadata={"format": "pt"})
+            tensors, part = {}, part + 1
+
+    for name, shp in checkpoint_shapes(ModelConfig.from_hf(cfg)).items():
+        if len(shp) == 2 and name.startswith("model.layers.") and ".mlp.gate.weight" not in name:
+            n, k = shp
+            stem = name.removesuffix(".weight")
+            words = torch.randint(-2 ** 31, 2 ** 31 - 1, (k, n // 8) if fmt == "awq"
+                                  else (k // 8, n), generator=gen, dtype=torch.int32)
+            tensors[stem + ".qweight"] = words
+            tensors[stem + ".qzeros"] = eights.expand(k // group, n // 8).clone()
+            tensors[stem + ".scales"] = torch.full((k // group, n), std / 4, dtype=torch.float16)
+            if fmt == "gptq":
+                tensors[stem + ".g_idx"] = (torch.arange(k) // group).int()
+        else:
+            t = torch.randn(shp, generator=gen) * std
+            tensors[name] = (t + 1 if name.endswith("norm.weight") else t).bfloat16()
+        if sum(t.numel() * t.element_size() for t in tensors.values()) > 2 << 30:
+            flush()
+    flush()
+    return folder
+
+
 def add_model_args(ap) -> None:
-    """--model, or --shape with --random-weights; plus --num-layers to shorten a shape, and
-    --load-format, and --quantization / --keep-precision / --kv-cache-dtype for the engine (see
-    quant_args)."""
+    """--model, or --shape with --random-weights (--int4 for a random AWQ/GPTQ checkpoint);
+    plus --num-layers to shorten a shape, and --load-format, and --quantization /
+    --keep-precision / --kv-cache-dtype for the engine (see quant_args)."""
     ap.add_argument("--model", help="a Hugging Face folder")
     ap.add_argument("--shape", choices=sorted(SHAPES))
     ap.add_argument("--random-weights", action="store_true",
@@ -106,6 +167,9 @@ def add_model_args(ap) -> None:
                          "fit the free disk, else a saved checkpoint)")
     ap.add_argument("--quantization", choices=["int8", "fp8"], default=None,
                     help="quantize the weights at load (docs/QUANTIZATION.md)")
+    ap.add_argument("--int4", choices=["awq", "gptq"], default=None,
+                    help="with --shape --random-weights: a random 4-bit checkpoint in this "
+                         "format (group 128), loaded as published")
     ap.add_argument("--keep-precision", default="lm_head,embed_tokens", metavar="PATTERNS",
                     help="layers left unquantized (comma-separated regexes)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
@@ -125,6 +189,10 @@ def model_path(args, ap) -> str:
         return args.model
     if not (args.shape and args.random_weights):
         ap.error("give --model, or --shape with --random-weights")
+    if getattr(args, "int4", None):
+        extra = {"num_hidden_layers": args.num_layers} if args.num_layers else {}
+        args.load_format = "auto"
+        return str(build_random_int4(args.shape, args.int4, **extra))
     path, args.load_format = random_model(args.shape, args.num_layers, args.load_format)
     return path
 

@@ -21,6 +21,32 @@ PRESETS = {
     "llama-tied": ("LlamaConfig", {"tie_word_embeddings": True}),
     "qwen2": ("Qwen2Config", {"tie_word_embeddings": False, "rope_theta": 1e6}),
     "qwen3": ("Qwen3Config", {"tie_word_embeddings": True}),
+    "mistral": ("MistralConfig", {"sliding_window": 8, "tie_word_embeddings": False}),
+    # every other layer slides (window 8); soft-capped attention and final logits
+    "gemma2": ("Gemma2Config", {"sliding_window": 8, "query_pre_attn_scalar": 24,
+                                "attn_logit_softcapping": 3.0, "final_logit_softcapping": 5.0,
+                                "num_hidden_layers": 3}),
+    # layers 0-1 slide with the local rope base, layer 2 global with linear rope scaling
+    "gemma3": ("Gemma3TextConfig", {"sliding_window": 8, "sliding_window_pattern": 3,
+                                    "num_hidden_layers": 3, "query_pre_attn_scalar": 16,
+                                    "rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+    # LongRoPE (short factors below position 64, long from there) over half of each head
+    "phi3": ("Phi3Config", {"max_position_embeddings": 256, "original_max_position_embeddings": 64,
+                            "partial_rotary_factor": 0.5, "tie_word_embeddings": False,
+                            "pad_token_id": 0,
+                            "rope_scaling": {"type": "longrope",
+                                             "short_factor": [1.0, 1.3, 1.7, 2.5],
+                                             "long_factor": [2.0, 3.1, 4.7, 9.0]}}),
+    # 6 experts of width 24, 2 a token, renormalised; layer 1 of 3 dense (mlp_only_layers)
+    "qwen3-moe": ("Qwen3MoeConfig", {"num_experts": 6, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 24, "norm_topk_prob": True,
+                                     "num_hidden_layers": 3, "mlp_only_layers": [1],
+                                     "tie_word_embeddings": False}),
+    "qwen3-moe-unnormed": ("Qwen3MoeConfig", {"num_experts": 5, "num_experts_per_tok": 3,
+                                              "moe_intermediate_size": 24,
+                                              "norm_topk_prob": False}),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2,
+                                  "sliding_window": 8, "intermediate_size": 40}),
 }
 
 
@@ -37,7 +63,8 @@ def make_tiny_model(arch: str, path, seed: int = 0, weights: bool = True, **over
     config_class, extra = PRESETS[arch]
     config = getattr(transformers, config_class)(**{**_COMMON, **extra, **overrides})
     if not weights:
-        config.architectures = [config_class.replace("Config", "ForCausalLM")]
+        config.architectures = [config_class.replace("TextConfig", "Config")
+                                .replace("Config", "ForCausalLM")]
         config.save_pretrained(path)
         return Path(path)
     torch.manual_seed(seed)

@@ -7,6 +7,8 @@ pool is [num_blocks, 2, block_size, kv_heads, head_dim], in q's dtype or float8 
 takes one KV head over a tile of one sequence's query tokens, a row per (token, query head of
 the group); sequence i owns tiles query_start_loc[i] // TQ + i onwards (no host-side tile map).
 Split-KV programs write partial outputs and base-2 log-sum-exps, which a second kernel merges.
+Per layer, a sliding window (a query sees its last `window` positions; the KV blocks before the
+tile's first query's window are not read at all) and logit soft-capping (Gemma 2).
 Design and figures: docs/ARCHITECTURE.md, "Paged attention" and "fp8 KV cache".
 """
 import functools
@@ -45,18 +47,19 @@ def _find_seq(query_start_loc_ptr, num_seqs, tile, TQ: tl.constexpr):
 
 # Counts that change every step are not specialised (Triton would compile a variant for a value of
 # 1 and for multiples of 16): one variant per tile class, so a warm-up covers them all.
-@jit(do_not_specialize=["num_seqs", "num_splits"])
+@jit(do_not_specialize=["num_seqs", "num_splits", "window"])
 def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
         block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, seq_order_ptr,
-        num_seqs, num_splits, scale_log2, v_scale,
+        num_seqs, num_splits, scale_log2, v_scale, window, softcap_log2,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_cb, stride_cs, stride_ch, stride_bt,
         stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TQ: tl.constexpr,
         PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr, ORDERED: tl.constexpr,
-        V_ASM: tl.constexpr, USE_PDL: tl.constexpr):
+        V_ASM: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
+        USE_PDL: tl.constexpr):
     grid_sync(USE_PDL)
     split = tl.program_id(2)
     if ORDERED:                                        # decodes: one tile a sequence
@@ -95,11 +98,14 @@ def _paged_attention_kernel(
     kv_len = prefix + tl.minimum(tq0 + TQ, q_len)      # keys any row of this tile may see
 
     num_kb = tl.cdiv(kv_len, BLOCK_N)
-    kb_lo = 0
+    kb_first = 0
+    if SLIDING:                                        # blocks before every row's window
+        kb_first = tl.maximum(prefix + tq0 - window + 1, 0) // BLOCK_N
+    kb_lo = kb_first
     kb_hi = num_kb
     if SPLIT:
-        per = tl.cdiv(num_kb, num_splits)
-        kb_lo = split * per
+        per = tl.cdiv(num_kb - kb_first, num_splits)
+        kb_lo = kb_first + split * per
         kb_hi = tl.minimum(kb_lo + per, num_kb)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -115,7 +121,12 @@ def _paged_attention_kernel(
         k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         k = k.to(q.dtype)                              # fp8 pool: dequantized (scale folded)
         s = tl.dot(q, tl.trans(k)) * scale_log2        # [M, N], log2 domain
-        s = tl.where(pos_ok[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        if SOFTCAP:   # log2e * cap * tanh(x / cap), as cap' tanh(s / cap') with cap' = log2e cap
+            s = softcap_log2 * (2.0 * tl.sigmoid(2.0 * s / softcap_log2) - 1.0)
+        seen = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
+        if SLIDING:
+            seen = seen & (pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])
@@ -202,7 +213,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
                     max_query_len: int, out: torch.Tensor | None = None,
                     num_splits: int = 1, tile: tuple[int, int, int, int] | None = None,
                     k_scale: float = 1.0, v_scale: float = 1.0,
-                    seq_order: torch.Tensor | None = None) -> torch.Tensor:
+                    seq_order: torch.Tensor | None = None, window: int = 0,
+                    softcap: float = 0.0) -> torch.Tensor:
     """Attend q [T, heads, head_dim] over the pool; returns out [T, heads, head_dim].
 
     kv_cache is q's dtype or float8_e4m3fn; K and V are read times k_scale and v_scale.
@@ -212,6 +224,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     tile: (BLOCK_M, BLOCK_N, num_warps, num_stages), to override the choice when tuning.
     seq_order: int32 [B], a permutation of the sequences (decode-only batches, max_query_len
     1): the order the grid takes them in.
+    window: each query sees only its last `window` positions (itself included); 0: all.
+    softcap: scores (after the scale) become softcap * tanh(score / softcap); 0: off.
     """
     require_triton()
     t, heads, d = q.shape
@@ -233,6 +247,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
           "seq_lens, query_start_loc and block_tables must be int32")
     check(block_tables.stride(1) == 1, "block_tables rows must be contiguous")
     check(num_splits >= 1, f"num_splits must be at least 1, got {num_splits}")
+    check(window >= 0 and softcap >= 0, f"window {window} and softcap {softcap} must be >= 0")
     check(seq_order is None or (max_query_len == 1 and seq_order.shape == (b,)
                                 and seq_order.dtype == torch.int32),
           "seq_order is an int32 [B] permutation, for decode-only batches (max_query_len 1)")
@@ -262,7 +277,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         q, k_cache, v_cache, out, part_out, part_lse,
         block_tables, seq_lens, query_start_loc,
         seq_lens if seq_order is None else seq_order,     # unused without an order
-        b, num_splits, scale * k_scale * _LOG2E, v_scale,
+        b, num_splits, scale * k_scale * _LOG2E, v_scale, window, softcap * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
@@ -270,6 +285,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         GROUP=group, HEAD_DIM=d, HEAD_DIM_PAD=next_pow2(d), BLOCK_M=block_m,
         BLOCK_N=block_n, TQ=tq, PAGE_SIZE=kv_cache.shape[2], SPLIT=split,
         ORDERED=seq_order is not None, V_ASM=fp8 and _has_cvt_e4m3x2(q.device),
+        SLIDING=window > 0, SOFTCAP=softcap > 0,
         num_warps=warps, num_stages=stages, **pdl_args())
     if split:
         _merge_splits_kernel[(t, heads)](

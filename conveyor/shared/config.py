@@ -178,7 +178,14 @@ class ModelConfig:
     # "fp8" / "int8": the checkpoint stores its linear weights in float8 e4m3 / int8 with scales
     # (config.json's quantization_config; checkpoint_quantization below); None: full precision
     quantization: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    # per layer: how many keys (the query's own included) its attention sees; 0 = all of them
+    # (Mistral's sliding_window on every layer; Gemma's on the "sliding_attention" layers)
+    layer_windows: tuple[int, ...] = ()
+    extra: dict[str, Any] = field(default_factory=dict)   # config.json as read: family keys
+
+    def window(self, layer: int) -> int:
+        """The attention window of `layer` (0: full causal attention)."""
+        return self.layer_windows[layer] if self.layer_windows else 0
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -215,12 +222,39 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             initializer_range=float(cfg.get("initializer_range") or 0.02),
             quantization=checkpoint_quantization(cfg.get("quantization_config")),
+            layer_windows=layer_windows(cfg, arch),
+            extra=dict(cfg),
         )
+
+
+# Sliding and full attention layers of the families that interleave them, for config.json files
+# without `layer_types`: every layer whose (index + 1) is not a multiple of the period slides.
+_WINDOW_PERIODS = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6}
+
+
+def layer_windows(cfg: dict[str, Any], arch: str) -> tuple[int, ...]:
+    """Each layer's attention window (0: full), from `sliding_window` and `layer_types` (or the
+    family's pattern); Qwen2's `use_sliding_window: false` turns the window off."""
+    window = cfg.get("sliding_window")
+    layers = cfg["num_hidden_layers"]
+    if not window or cfg.get("use_sliding_window", True) is False:
+        return ()
+    types = cfg.get("layer_types")
+    if types is None and arch in _WINDOW_PERIODS:
+        period = cfg.get("sliding_window_pattern") or _WINDOW_PERIODS[arch]
+        types = ["full_attention" if (i + 1) % period == 0 else "sliding_attention"
+                 for i in range(layers)]
+    if types is None:
+        return (int(window),) * layers
+    if len(types) != layers:
+        raise ValueError(f"layer_types has {len(types)} entries for {layers} layers")
+    return tuple(int(window) if t == "sliding_attention" else 0 for t in types)
 
 
 def checkpoint_quantization(qc: dict[str, Any] | None) -> str | None:
     """The quantization a checkpoint's config.json declares, where conveyor loads it as it is:
-    1-byte weights with per-tensor or per-channel scales, in the formats vLLM calls "fp8"
+    1-byte weights with per-tensor, per-channel or (fp8) square block scales, and 4-bit AWQ and
+    GPTQ weights (int4_format), in the formats vLLM calls "fp8"
     (AutoFP8, `quant_method: fp8`) and "compressed-tensors" (llm-compressor's float 8-bit
     weights, or symmetric int 8-bit ones stored as int8: its "int-quantized" W8A8 models, run
     here as W8A16). Other formats raise ValueError."""
@@ -228,25 +262,51 @@ def checkpoint_quantization(qc: dict[str, Any] | None) -> str | None:
         return None
     method = qc.get("quant_method")
     if method == "fp8":
-        if qc.get("weight_block_size"):
-            raise ValueError("fp8 checkpoints with block-wise scales (weight_block_size) are not "
-                             "supported; per-tensor and per-channel scales are")
+        block = qc.get("weight_block_size")
+        if block and (len(block) != 2 or block[0] != block[1]):
+            raise ValueError(f"fp8 checkpoints with block-wise scales load with square blocks "
+                             f"(weight_block_size [B, B]), got {block}")
         return "fp8"
     if method == "compressed-tensors":
         groups = list((qc.get("config_groups") or {}).values())
         weights = [g.get("weights") or {} for g in groups]
         kinds = {w.get("type") for w in weights}
         if (len(kinds) == 1 and all(w.get("num_bits") == 8 and w.get("symmetric", True)
-                                    and w.get("strategy") in ("tensor", "channel")
+                                    and w.get("strategy") in ("tensor", "channel", "block")
                                     for w in weights)
-                and (kinds == {"float"} or qc.get("format") == "int-quantized")):
+                and (kinds == {"float"} or qc.get("format") == "int-quantized")
+                and all(w.get("strategy") != "block" or (
+                    kinds == {"float"} and len(w.get("block_structure") or []) == 2
+                    and len(set(w["block_structure"])) == 1) for w in weights)):
             return "fp8" if kinds == {"float"} else "int8"
         raise ValueError("of compressed-tensors checkpoints, conveyor loads 8-bit weights with "
-                         "tensor or channel scales only: float, or symmetric int stored as int8 "
-                         "(format int-quantized)")
-    raise ValueError(f"checkpoint quantization {method!r} is not supported (conveyor loads fp8 "
-                     f"and int8 checkpoints, and quantizes full-precision ones with "
+                         "tensor, channel or (float, square) block scales only: float, or "
+                         "symmetric int stored as int8 (format int-quantized)")
+    if method in ("awq", "gptq"):
+        int4_format(qc)
+        return method
+    raise ValueError(f"checkpoint quantization {method!r} is not supported (conveyor loads fp8, "
+                     f"int8, AWQ and GPTQ checkpoints, and quantizes full-precision ones with "
                      f"--quantization)")
+
+
+def int4_format(qc: dict[str, Any]) -> tuple[int, int, bool]:
+    """An AWQ or GPTQ quantization_config -> (group size, 0 for the whole row; the zero offset,
+    1 for GPTQ's "gptq" format, which stores zero - 1; act-order). Refuses what conveyor does
+    not load: other bit widths, AWQ other than its GEMM layout with zero points."""
+    method = qc.get("quant_method")
+    bits = qc.get("bits", qc.get("w_bit"))
+    if bits != 4:
+        raise ValueError(f"{method} checkpoints load with 4-bit weights only, got bits {bits}")
+    group = qc.get("group_size", qc.get("q_group_size", 128))
+    if method == "awq":
+        if str(qc.get("version", "gemm")).lower() != "gemm" or not qc.get("zero_point", True):
+            raise ValueError("AWQ checkpoints load in the GEMM layout with zero points only, "
+                             f"got version {qc.get('version')!r}, zero_point "
+                             f"{qc.get('zero_point')!r}")
+        return (0 if group == -1 else group), 0, False
+    offset = 0 if qc.get("checkpoint_format") == "gptq_v2" else 1
+    return (0 if group == -1 else group), offset, bool(qc.get("desc_act"))
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,10 @@ chunks, whose queries are the last q_len positions of their context, one sequenc
 An fp8 pool (float8 e4m3) holds K / k_scale and V / v_scale, clamped to +-448 (a saturating
 cast); reads multiply by the scales: k_scale folds into the softmax scale, v_scale into the
 output. A model-dtype pool has scales 1.0 (worker/kv_scales.py).
+
+Two per-layer options: a sliding window (a query sees its last `window` positions, itself
+included; 0 = all) and logit soft-capping (scores become softcap * tanh(scores / softcap) before
+the softmax; 0 = off), as Mistral's and Gemma's layers ask.
 """
 from __future__ import annotations
 
@@ -57,7 +61,8 @@ class TorchAttentionBackend:
         flat.index_copy_(0, rows + bs, v.to(flat.dtype))
 
     def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, ctx: StepContext,
-                scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                scale: float, k_scale: float = 1.0, v_scale: float = 1.0, window: int = 0,
+                softcap: float = 0.0) -> torch.Tensor:
         """Attend q [T, heads, head_dim] to the pool (K and V times their scales); returns
         [T, heads, head_dim]. Rows past the last sequence (padding) come back as zeros.
         """
@@ -66,13 +71,15 @@ class TorchAttentionBackend:
         nd = ctx.num_decodes if ctx.num_decodes > 1 else 0   # a lone decode: the plain path
         if nd:
             out[:nd] = self._decode(q[:nd], kv_cache, ctx.block_tables[:nd], ctx.seq_lens[:nd],
-                                    max(ctx.seq_lens_cpu[:nd]), scale)
+                                    max(ctx.seq_lens_cpu[:nd]), scale, window, softcap)
         start = nd
         for i in range(nd, len(ctx.query_lens_cpu)):
             q_len, seq_len = ctx.query_lens_cpu[i], ctx.seq_lens_cpu[i]
+            # keys before first are outside every query's window
+            first = max(0, seq_len - q_len - window + 1) if window else 0
             k, v = self._gather(kv_cache, ctx.block_tables[i:i + 1], seq_len)
-            out[start:start + q_len] = self._prefill(q[start:start + q_len], k[0, :seq_len],
-                                                     v[0, :seq_len], scale)
+            out[start:start + q_len] = self._prefill(q[start:start + q_len], k[0, first:seq_len],
+                                                     v[0, first:seq_len], scale, window, softcap)
             start += q_len
         return out if v_scale == 1.0 else out.mul_(v_scale)
 
@@ -95,11 +102,14 @@ class TorchAttentionBackend:
             k, v = k.view(FP8_DTYPE), v.view(FP8_DTYPE)
         return k.view(b, -1, kvh, d), v.view(b, -1, kvh, d)
 
-    def _decode(self, q, kv_cache, block_tables, seq_lens, max_len, scale):
+    def _decode(self, q, kv_cache, block_tables, seq_lens, max_len, scale, window=0, softcap=0.0):
         k, v = self._gather(kv_cache, block_tables, max_len)  # [B, S, kvh, d]
         b, s, kvh, d = k.shape
-        pad = torch.arange(s, device=q.device) >= seq_lens.unsqueeze(1)   # [B, S]
-        if b <= _SDPA_MAX_DECODES:   # few sequences: one fused call is cheapest
+        pos = torch.arange(s, device=q.device)
+        pad = pos >= seq_lens.unsqueeze(1)                     # [B, S]
+        if window:
+            pad |= pos <= (seq_lens - 1 - window).unsqueeze(1)
+        if b <= _SDPA_MAX_DECODES and not softcap:   # few sequences: one fused call is cheapest
             # one query per sequence: the heads sharing a KV head are the rows of one query
             out = F.scaled_dot_product_attention(
                 q.reshape(b, kvh, -1, d), k.transpose(1, 2).to(q.dtype),
@@ -109,26 +119,57 @@ class TorchAttentionBackend:
         out = torch.empty_like(qg)                             # [B, kvh, group, d]
         # One kv head at a time: k[:, :, h] is a strided view that bmm reads without a copy.
         for h in range(kvh):
-            scores = torch.bmm(qg[:, h], k[:, :, h].float().transpose(1, 2)) * scale
+            scores = _capped(torch.bmm(qg[:, h], k[:, :, h].float().transpose(1, 2)) * scale,
+                             softcap)
             scores.masked_fill_(pad.unsqueeze(1), float("-inf"))   # [B, group, S]
             out[:, h] = torch.bmm(scores.softmax(dim=-1), v[:, :, h].float())
         return out.view(b, -1, d).to(q.dtype)                  # [B, heads, d]
 
     @staticmethod
-    def _prefill(q, k, v, scale):
-        """q [L, heads, d] are the last L positions of a context k, v [S, kv_heads, d]."""
+    def _prefill(q, k, v, scale, window=0, softcap=0.0):
+        """q [L, heads, d] are the last L positions of a context k, v [S, kv_heads, d] (with a
+        window, S may start later than the sequence: no query sees the keys cut off)."""
         q_len, seq_len = q.shape[0], k.shape[0]
         kvh, d = k.shape[1], k.shape[2]
         k = k.transpose(0, 1).unsqueeze(0).to(q.dtype)        # [1, kv_heads, S, d]
         v = v.transpose(0, 1).unsqueeze(0).to(q.dtype)
+        if softcap:
+            return _capped_attention(q, k[0], v[0], scale, softcap, window)
         if q_len == 1:   # the last position sees everything; group rows share their KV head
             out = F.scaled_dot_product_attention(q.reshape(1, kvh, -1, d), k, v, scale=scale)
             return out.reshape(1, -1, d)                       # [1, heads, d]
         mask = None      # L == S: plain causal
-        if q_len < seq_len:
-            q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-            mask = torch.arange(seq_len, device=q.device) <= q_pos.unsqueeze(1)   # [L, S]
+        if q_len < seq_len or window:
+            mask = _causal_mask(q_len, seq_len, window, q.device)
         # NOTE: SDPA's CPU kernels are several times faster on 4-D inputs than on 3-D ones.
         out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k, v, attn_mask=mask,
                                              is_causal=mask is None, scale=scale, enable_gqa=True)
         return out[0].transpose(0, 1)                          # [L, heads, d]
+
+
+def _causal_mask(q_len: int, seq_len: int, window: int, device) -> torch.Tensor:
+    """[L, S] bool: query i (position S - L + i of the S keys) sees key j."""
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=device).unsqueeze(1)
+    j = torch.arange(seq_len, device=device)
+    mask = j <= q_pos
+    if window:
+        mask &= j > q_pos - window
+    return mask
+
+
+def _capped(scores: torch.Tensor, softcap: float) -> torch.Tensor:
+    return torch.tanh(scores / softcap) * softcap if softcap else scores
+
+
+def _capped_attention(q, k, v, scale, softcap, window):
+    """Soft-capped attention in float32 (SDPA has no cap): q [L, heads, d], k, v
+    [kv_heads, S, d] -> [L, heads, d]."""
+    q_len, heads, d = q.shape
+    kvh, seq_len = k.shape[0], k.shape[1]
+    qg = q.float().reshape(q_len, kvh, heads // kvh, d).permute(1, 0, 2, 3)   # [kvh, L, g, d]
+    scores = torch.einsum("hlgd,hsd->hlgs", qg, k.float()) * scale
+    scores = _capped(scores, softcap)
+    mask = _causal_mask(q_len, seq_len, window, q.device)                      # [L, S]
+    scores.masked_fill_(~mask[None, :, None, :], float("-inf"))
+    out = torch.einsum("hlgs,hsd->hlgd", scores.softmax(-1), v.float())
+    return out.permute(1, 0, 2, 3).reshape(q_len, heads, d).to(q.dtype)

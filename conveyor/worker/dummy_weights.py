@@ -16,8 +16,15 @@ from conveyor.worker.models import get_model_class
 
 
 def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """name -> shape of each tensor in a Hugging Face checkpoint of this (Llama-family) model."""
-    opts = get_model_class(config.architecture).attention_options(config)
+    """name -> shape of each tensor in a Hugging Face checkpoint of this (Llama-family) model:
+    a mixture-of-experts layer has a router and each expert's projections in place of the MLP
+    (the model class's make_mlp, built on the meta device, says which layers), and a family's
+    extra tensors come from its `extra_layer_shapes` (Gemma's feed-forward norms)."""
+    from conveyor.worker.layers.moe import SparseMoeBlock
+
+    model_class = get_model_class(config.architecture)
+    opts = model_class.attention_options(config)
+    extra = getattr(model_class, "extra_layer_shapes", lambda c: {})(config)
     h, d, inter = config.hidden_size, config.head_dim, config.intermediate_size
     q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
     shapes = {"model.embed_tokens.weight": (config.vocab_size, h), "model.norm.weight": (h,)}
@@ -36,6 +43,19 @@ def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             layer["self_attn.o_proj.bias"] = (h,)
         if opts.get("qk_norm"):
             layer.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
+        with torch.device("meta"):
+            mlp = model_class.make_mlp(config, i, torch.float32)
+        if isinstance(mlp, SparseMoeBlock):
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                del layer[f"mlp.{name}.weight"]
+            moe = mlp.experts
+            layer["mlp.gate.weight"] = (moe.num_experts, h)
+            for e in range(moe.num_experts):
+                inter_e = moe.intermediate_size
+                layer.update({f"mlp.experts.{e}.gate_proj.weight": (inter_e, h),
+                              f"mlp.experts.{e}.up_proj.weight": (inter_e, h),
+                              f"mlp.experts.{e}.down_proj.weight": (h, inter_e)})
+        layer.update(extra)
         shapes.update({f"model.layers.{i}.{name}": shape for name, shape in layer.items()})
     return shapes
 

@@ -60,10 +60,14 @@ def load_model(config: ModelConfig, files: ModelFiles, dtype: torch.dtype,
         reader = open_gguf(files.path)
         int8_names = _keep_q8_0(model, reader, keep) if quantization == "int8" else set()
         load_weights(model, gguf_weights(reader, int8_names))
+    elif config.quantization in ("awq", "gptq"):
+        load_weights(model, _take_int4(model, files.path, config))
     else:
-        rows = _take_quantized(model, files.path, config.quantization)
+        block = _block_size(config)
+        rows = _take_quantized(model, files.path, config.quantization, block)
         kv_scales: dict[tuple[int, str], float] = {}
-        load_weights(model, _with_scales(safetensors_weights(files.path), rows, kv_scales))
+        load_weights(model, _with_scales(safetensors_weights(files.path), rows, kv_scales,
+                                         block))
         model.checkpoint_kv_scales = _per_layer(kv_scales, config.num_hidden_layers)
     from_checkpoint = config.quantization is not None and load_format != "dummy"
     model.quant_report = quantize_model(model, quantization, keep, device, from_checkpoint)
@@ -73,10 +77,25 @@ def load_model(config: ModelConfig, files: ModelFiles, dtype: torch.dtype,
 _STORED = {"fp8": ("F8_E4M3", torch.float8_e4m3fn), "int8": ("I8", torch.int8)}
 
 
-def _take_quantized(model: nn.Module, folder: Path, mode: str | None) -> dict[str, int]:
+def _block_size(config: ModelConfig) -> int:
+    """The side of an fp8 checkpoint's square scale blocks (0: per tensor or per channel):
+    `weight_block_size` ("fp8", DeepSeek's layout), or compressed-tensors' block strategy."""
+    qc = config.extra.get("quantization_config") or {}
+    if qc.get("weight_block_size"):
+        return int(qc["weight_block_size"][0])
+    for group in (qc.get("config_groups") or {}).values():
+        weights = group.get("weights") or {}
+        if weights.get("strategy") == "block":
+            return int(weights["block_structure"][0])
+    return 0
+
+
+def _take_quantized(model: nn.Module, folder: Path, mode: str | None, block: int = 0
+                    ) -> dict[str, int]:
     """For a checkpoint quantized in `mode` ("fp8" or "int8"): make the linear layers whose
-    checkpoint weights are stored in it take 1-byte weights and one scale per row; returns
-    {checkpoint weight name: its rows} of those weights ({} for other checkpoints)."""
+    checkpoint weights are stored in it take 1-byte weights and one scale per row (with
+    `block`-square scales: one per row and block of columns); returns {checkpoint weight name:
+    its rows} of those weights ({} for other checkpoints)."""
     from safetensors import safe_open
 
     if mode is None:
@@ -96,9 +115,43 @@ def _take_quantized(model: nn.Module, folder: Path, mode: str | None) -> dict[st
         if not (isinstance(module, LinearBase) and all(parts.values())):
             raise ValueError(f"{module_name}: {mode} checkpoint weights load only into linear "
                              f"layers whose every part is {mode}")
-        module.make_quantized(dtype, 1)
+        k = module.weight.shape[1]
+        if block and k % block:
+            raise ValueError(f"{module_name}: {k} inputs (on this rank) are not whole scale "
+                             f"blocks of {block}")
+        module.make_quantized(dtype, k // block if block else 1)
         taken.update({name: rows[name] for name in parts})
     return taken
+
+
+def _take_int4(model: nn.Module, folder: Path, config: ModelConfig) -> Weights:
+    """For an AWQ or GPTQ checkpoint: make the linear layers with a `qweight` take 4-bit
+    weights (LinearBase.make_int4), and return the checkpoint's tensors with those layers'
+    parts converted to the W4A16 layout (worker/int4_checkpoint.py)."""
+    from safetensors import safe_open
+
+    from conveyor.shared.config import int4_format
+    from conveyor.worker.int4_checkpoint import int4_weights
+
+    group, zero_offset, act_order = int4_format(config.extra["quantization_config"])
+    names = []
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            names += list(f.keys())
+    has_g_idx = any(n.endswith(".g_idx") for n in names)
+    layers = {n.removesuffix(".qweight") + ".weight": True for n in names
+              if n.endswith(".qweight")}
+    for module_name, (module, _) in _by_module(model, layers).items():
+        if not isinstance(module, LinearBase):
+            raise ValueError(f"{module_name}: 4-bit checkpoint weights load only into linear "
+                             f"layers")
+        k = module.weight.shape[1]
+        module.make_int4(k // group if group else 1, act_order)
+    weights = int4_weights(safetensors_weights(folder), config.quantization, zero_offset,
+                           has_g_idx)
+    if not act_order:      # GPTQ's g_idx then only repeats the groups: no column order
+        weights = ((n, t) for n, t in weights if not n.endswith(".weight_perm"))
+    return weights
 
 
 def _by_module(model: nn.Module, flags: dict[str, bool]
@@ -118,10 +171,12 @@ _KV_SCALE = re.compile(r"model\.layers\.(\d+)\.self_attn\."
 
 
 def _with_scales(weights: Weights, rows_of: dict[str, int],
-                 kv_scales: dict[tuple[int, str], float]) -> Weights:
+                 kv_scales: dict[tuple[int, str], float], block: int = 0) -> Weights:
     """A quantized checkpoint's tensors as load_weights takes them: each weight_scale (one per
-    tensor, or one per channel) as float32 [rows, 1]; input_scale dropped; the KV cache scales
-    put in kv_scales[(layer, "k" or "v")]. Other checkpoints' tensors pass unchanged."""
+    tensor, or one per channel) as float32 [rows, 1], or with `block`-square scales
+    ([ceil(rows / block), columns / block], also named weight_scale_inv) each block row's
+    scales repeated for its rows, [rows, columns / block]; input_scale dropped; the KV cache
+    scales put in kv_scales[(layer, "k" or "v")]. Other checkpoints' tensors pass unchanged."""
     for name, tensor in weights:
         if not rows_of:
             yield name, tensor
@@ -129,6 +184,15 @@ def _with_scales(weights: Weights, rows_of: dict[str, int],
             continue
         elif m := _KV_SCALE.match(name):
             kv_scales[int(m.group(1)), m.group(2) or m.group(3)] = float(tensor.float().max())
+        elif block and name.endswith((".weight_scale", ".weight_scale_inv")):
+            weight = name.removesuffix("_inv").removesuffix("_scale")
+            rows = rows_of.get(weight)
+            if rows is None or tensor.dim() != 2 or tensor.shape[0] != -(-rows // block):
+                raise ValueError(f"{name}: expected [{-(-(rows or 0) // block)}, K / {block}] "
+                                 f"block scales for a quantized weight, got "
+                                 f"{tuple(tensor.shape)}")
+            scale = tensor.float().repeat_interleave(block, dim=0)[:rows].contiguous()
+            yield weight + "_scale", scale
         elif name.endswith(".weight_scale"):
             rows = rows_of.get(name.removesuffix("_scale"))
             if rows is None:
@@ -162,8 +226,18 @@ def _keep_q8_0(model: nn.Module, reader, keep: tuple[re.Pattern, ...]) -> set[st
     return names
 
 
+_EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
 def _packed_name(name: str, packed: dict) -> tuple[str, object]:
-    """A checkpoint name in our fused modules, and its shard id (None if not fused)."""
+    """A checkpoint name in our fused modules, and its shard id (None if not fused): an MoE
+    expert's projection goes into its layer's stacked w13 (gate, up) or w2 (down) with shard
+    id (expert, part) (layers/moe.py)."""
+    if m := _EXPERT.match(name):
+        from conveyor.worker.layers.moe import EXPERT_PARTS
+
+        part = EXPERT_PARTS[m.group(3)]
+        return f"{m.group(1)}.{'w2' if part == 2 else 'w13'}", (int(m.group(2)), part)
     for part, (fused, shard) in packed.items():
         if f".{part}." in name:
             return name.replace(f".{part}.", f".{fused}."), shard
@@ -171,6 +245,10 @@ def _packed_name(name: str, packed: dict) -> tuple[str, object]:
 
 
 def load_weights(model: nn.Module, weights: Weights) -> None:
+    """Fill the model from (checkpoint name, tensor) pairs; a model whose checkpoint lays
+    tensors out otherwise (Phi-3's fused qkv) maps them first (`convert_weights`)."""
+    if hasattr(model, "convert_weights"):
+        weights = model.convert_weights(weights)
     packed = model.packed_modules
     params = dict(model.named_parameters())
     tied = model.config.tie_word_embeddings
@@ -194,9 +272,10 @@ def load_weights(model: nn.Module, weights: Weights) -> None:
             raise ValueError(f"cannot load {name} (shard {shard_id}): {e}") from None
         loaded.setdefault(name, set()).add(shard_id)
     missing = []
-    for name in params:
+    for name, param in params.items():
         fused = name.split(".")[-2]
-        want = {s for f, s in packed.values() if f == fused} or {None}
+        want = (getattr(param, "expected_shards", None)
+                or {s for f, s in packed.values() if f == fused} or {None})
         missing += [f"{name} (shard {s})" if s is not None else name
                     for s in sorted(want - loaded.get(name, set()), key=str)]
     if missing or unexpected:

@@ -19,7 +19,8 @@ class TritonAttentionBackend:
         store_kv(k, v, kv_cache, slot_mapping, k_scale, v_scale)
 
     def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, ctx: StepContext,
-                scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                scale: float, k_scale: float = 1.0, v_scale: float = 1.0, window: int = 0,
+                softcap: float = 0.0) -> torch.Tensor:
         """Attend q [T, heads, head_dim] to the pool; rows past the last sequence are zeros."""
         from conveyor.kernels.paged_attention import default_num_splits, paged_attention
 
@@ -31,7 +32,8 @@ class TritonAttentionBackend:
         out = paged_attention(q, kv_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
                               scale, 1 if decode_only else max(ctx.query_lens_cpu),
                               num_splits=splits, k_scale=k_scale, v_scale=v_scale,
-                              seq_order=ctx.decode_order if decode_only else None)
+                              seq_order=ctx.decode_order if decode_only else None,
+                              window=window, softcap=softcap)
         used = num_seqs if decode_only else sum(ctx.query_lens_cpu)
         if used < q.shape[0]:
             out[used:].zero_()

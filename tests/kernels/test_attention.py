@@ -136,6 +136,47 @@ def test_paged_attention_whole_blocks_small(pool, head_dim, splits, device):
         torch.testing.assert_close(got.float(), want, atol=1.5e-2 * scales[1], rtol=1.5e-2)
 
 
+@pytest.mark.parametrize("window,softcap", [(1, 0.0), (7, 0.0), (40, 0.0), (129, 0.0),
+                                            (33, 5.0), (0, 2.5)])
+@pytest.mark.parametrize("case", [0, 2, 4])
+def test_paged_attention_window_softcap(window, softcap, case):
+    """A sliding window (keys older than the window masked, whole blocks before it skipped) and
+    logit soft-capping, on odd shapes: GQA group 3, head_dim 80, blocks of 16, split or not."""
+    from conveyor.kernels.paged_attention import paged_attention
+
+    rng = random.Random(window * 13 + case)
+    decodes, prefills = CASES[case]
+    ctx = make_batch(rng, decodes, prefills, 16, 2, 80, torch.bfloat16)
+    q = torch.randn(sum(ctx.query_lens_cpu), 6, 80, device="cuda").to(torch.bfloat16) * 3
+    cache = ctx.kv_caches[0]
+    want = TorchAttentionBackend().forward(q.float(), cache.float(), ctx, 0.11,
+                                           window=window, softcap=softcap)
+    for splits, order in _variants(ctx, prefills, (1, 4)):
+        got = paged_attention(q, cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
+                              0.11, max(ctx.query_lens_cpu), num_splits=splits,
+                              seq_order=order, window=window, softcap=softcap)
+        torch.testing.assert_close(got.float(), want, **TOL[torch.bfloat16])
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("window,softcap,prefills", [(20, 0.0, []), (37, 4.0, [(20, 150)]),
+                                                     (0, 3.0, [])])
+def test_paged_attention_window_softcap_small(window, softcap, prefills, device):
+    """The window's skipped blocks and the soft cap, also under Triton's interpreter."""
+    from conveyor.kernels.paged_attention import paged_attention
+
+    ctx = make_batch(random.Random(window), [200, 5, 129], prefills, 16, 1, 32, torch.bfloat16,
+                     device)
+    q = torch.randn(sum(ctx.query_lens_cpu), 2, 32, device=device).to(torch.bfloat16) * 3
+    want = TorchAttentionBackend().forward(q.float(), ctx.kv_caches[0].float(), ctx, 0.2,
+                                           window=window, softcap=softcap)
+    for n, order in _variants(ctx, prefills, (1, 2)):
+        got = paged_attention(q, ctx.kv_caches[0], ctx.block_tables, ctx.seq_lens,
+                              ctx.query_start_loc, 0.2, max(ctx.query_lens_cpu), num_splits=n,
+                              seq_order=order, window=window, softcap=softcap)
+        torch.testing.assert_close(got.float(), want, atol=1.5e-2, rtol=1.5e-2)
+
+
 @pytest.mark.parametrize("splits", [1, 2, 16])
 def test_paged_attention_split_kv_long_context(splits):
     from conveyor.kernels.paged_attention import paged_attention

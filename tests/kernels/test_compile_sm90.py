@@ -172,6 +172,42 @@ def test_attention_kernels(compiled, cache_dtype):
           "_rotary_kernel")
 
 
+def test_window_softcap_attention(compiled):
+    """Sliding window and soft-capping (Mistral, Gemma): mixed and decode-only launches."""
+    from conveyor.kernels.paged_attention import paged_attention
+
+    cache = torch.zeros(64, 2, 16, 4, 256, dtype=BF)
+    tables = torch.zeros(2, 8, dtype=torch.int32)
+    seq_lens = torch.tensor([100, 40], dtype=torch.int32)
+    q = torch.zeros(31, 8, 256, dtype=BF)
+    starts = torch.tensor([0, 1, 31], dtype=torch.int32)
+    paged_attention(q, cache, tables, seq_lens, starts, 0.0625, 30, window=4096, softcap=50.0)
+    paged_attention(q[:2], cache, tables, seq_lens, torch.arange(3, dtype=torch.int32), 0.0625,
+                    1, num_splits=3, window=33)
+    check(compiled, "_paged_attention_kernel", "_merge_splits_kernel")
+
+
+@pytest.mark.parametrize("m", [1, 40, 300])
+def test_w4a16_and_fused_moe_kernels(compiled, m):
+    from conveyor.kernels.fused_moe import fused_moe, route
+    from conveyor.kernels.w4a16_gemm import w4a16_gemm
+
+    n, k = 4096, 4096
+    words = torch.zeros(n, k // 8, dtype=torch.int32)
+    scale = torch.ones(n, k // 128)
+    w4a16_gemm(torch.zeros(m, k, dtype=BF), words, scale, scale, torch.zeros(n, dtype=BF),
+               torch.arange(k))
+    h, inter, experts = 2048, 768, 128
+    weights, ids = route(torch.randn(m, experts), 8, True, BF)
+    fused_moe(torch.zeros(m, h, dtype=BF), torch.zeros(experts, 2 * inter, h, dtype=BF),
+              torch.zeros(experts, h, inter, dtype=BF), weights, ids)
+    for dtype in (torch.float8_e4m3fn, torch.int8):          # quantized experts
+        fused_moe(torch.zeros(m, h, dtype=BF), torch.zeros(experts, 2 * inter, h, dtype=dtype),
+                  torch.zeros(experts, h, inter, dtype=dtype), weights, ids, None,
+                  torch.ones(experts, 2 * inter), torch.ones(experts, h))
+    check(compiled, "_w4a16_kernel", "_moe_gemm_kernel", "_silu_and_mul_kernel")
+
+
 def test_sampling_kernels(compiled):
     from conveyor.kernels.sample import sample
     from conveyor.kernels.sample_nucleus import sample_nucleus

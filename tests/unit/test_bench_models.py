@@ -17,3 +17,33 @@ def test_unset_engine_arguments_take_serve_defaults():
     flags = engine_flags(dict(quantization=None, max_num_seqs=4))
     assert flags == ["--max-num-seqs=4"]
     assert build_parser().parse_args(["serve", *flags]).quantization is None
+
+
+def test_qwen3_30b_a3b_shape_has_its_published_size():
+    """30.5 B parameters (128 experts of width 768 in each of 48 layers), 3.3 B active a token."""
+    from benchmarks.models import checkpoint_bytes, hf_config
+
+    params = checkpoint_bytes("qwen3-30b-a3b") / 2
+    assert 30.4e9 < params < 30.6e9
+    c = hf_config("qwen3-30b-a3b").to_dict()
+    experts = c.get("num_experts") or c["num_local_experts"]     # transformers 5 renames it
+    expert = 3 * c["hidden_size"] * c["moe_intermediate_size"]
+    active = params - c["num_hidden_layers"] * (experts - c["num_experts_per_tok"]) * expert
+    assert 3.2e9 < active < 3.4e9
+
+
+def test_random_int4_checkpoint_loads_and_runs(tmp_path):
+    """benchmarks' random 4-bit checkpoints (a shortened qwen3-0.6b shape) load through the
+    published-format path and generate."""
+    from benchmarks.models import build_random_int4
+    from conveyor import LLM, SamplingParams
+
+    for fmt in ("awq", "gptq"):
+        path = build_random_int4("qwen3-0.6b", fmt, tmp_path / fmt, num_hidden_layers=1,
+                                 vocab_size=512)
+        llm = LLM(model=str(path), device="cpu", skip_tokenizer_init=True,
+                  kv_cache_memory_bytes=16 << 20, max_model_len=64)
+        assert llm.quantization_report.mode == fmt
+        out = llm.generate([{"prompt_token_ids": [3, 4, 5]}],
+                           SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        assert len(out[0].outputs[0].token_ids) == 4

@@ -78,12 +78,16 @@ def run_step(model, pool, tokens, work, num_decodes):
     return {sid: logits[end - n:end] for (sid, n), end in zip(work, rows)}
 
 
+ARCHS = ["llama", "llama-tied", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3",
+         "qwen3-moe", "qwen3-moe-unnormed", "mixtral"]
+
+
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     built = {}
-    for arch in ("llama", "llama-tied", "qwen2", "qwen3"):
+    for arch in ARCHS:
         path = make_tiny_model(arch, tmp_path_factory.mktemp(arch))
         files = resolve_model(str(path))
         ours = load_model(read_model_config(files), files, torch.float32, "cpu")
@@ -92,7 +96,7 @@ def tiny_models(tmp_path_factory):
     return built
 
 
-@pytest.mark.parametrize("arch", ["llama", "llama-tied", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_model_matches_transformers(tiny_models, arch):
     ours, ref = tiny_models[arch]
     gen = torch.Generator().manual_seed(1)
@@ -133,7 +137,56 @@ def test_model_matches_transformers(tiny_models, arch):
     print(f"{arch}: max |logit diff| {worst:.2e}")
 
 
-def naive_attention(q, kv_cache, tables, q_lens, seq_lens, scale):
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_tokens_match_transformers(tiny_models, arch):
+    """Prompts of 41 tokens (past Mistral's window of 8) prefilled in chunks of 16 beside the
+    other sequences' decodes, then 12 greedy tokens each: the same tokens as transformers'
+    generate (which stops at the end-of-sequence token: ours are cut there)."""
+    ours, ref = tiny_models[arch]
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, ours.config.vocab_size, (41,), generator=gen).tolist()
+               for _ in range(3)]
+    eos = ours.config.eos_token_ids[0]
+    got = [t[:t.index(eos) + 1] if eos in t else t for t in greedy(ours, prompts, 12)]
+    assert got == hf_greedy(ref, prompts, 12)
+
+
+def greedy(model, prompts, new_tokens, chunk=16, block_size=4):
+    """Greedy tokens through the paged path: prefills in chunks of `chunk` while the sequences
+    already decoding take one token each (mixed steps)."""
+    pool = pool_for(model, num_blocks=sum(-(-(len(p) + new_tokens) // block_size)
+                                          for p in prompts) + 4, block_size=block_size)
+    tokens = {sid: [] for sid in range(len(prompts))}
+    fed = {sid: 0 for sid in tokens}
+    while any(len(tokens[s]) < len(prompts[s]) + new_tokens for s in tokens):
+        decodes = [s for s in tokens if fed[s] >= len(prompts[s])
+                   and len(tokens[s]) < len(prompts[s]) + new_tokens]
+        prefills = [s for s in tokens if fed[s] < len(prompts[s])][:1]
+        work = [(s, 1) for s in decodes]
+        for s in prefills:
+            n = min(chunk, len(prompts[s]) - fed[s])
+            tokens[s] = prompts[s][:fed[s] + n]
+            fed[s] += n
+            work.append((s, n))
+        out = run_step(model, pool, tokens, work, num_decodes=len(decodes))
+        for s, _ in work:
+            if fed[s] >= len(prompts[s]):
+                tokens[s].append(int(out[s][-1].argmax()))
+    return [tokens[s][len(prompts[s]):] for s in sorted(tokens)]
+
+
+def hf_greedy(ref, prompts, new_tokens):
+    out = []
+    for p in prompts:
+        with torch.no_grad():
+            ids = ref.generate(torch.tensor([p]), max_new_tokens=new_tokens, do_sample=False,
+                               attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                               pad_token_id=0)
+        out.append(ids[0, len(p):].tolist())
+    return out
+
+
+def naive_attention(q, kv_cache, tables, q_lens, seq_lens, scale, window=0, softcap=0.0):
     """Per sequence, per query: gather its keys position by position; float64 softmax."""
     bs = kv_cache.shape[2]
     heads, kv_heads = q.shape[1], kv_cache.shape[3]
@@ -144,8 +197,12 @@ def naive_attention(q, kv_cache, tables, q_lens, seq_lens, scale):
         v = kv[:, 1].double().repeat_interleave(heads // kv_heads, dim=1)
         for j in range(q_len):
             pos = seq_len - q_len + j
-            scores = torch.einsum("hd,shd->hs", q[start + j].double(), k[:pos + 1]) * scale
-            out[start + j] = torch.einsum("hs,shd->hd", scores.softmax(-1), v[:pos + 1]).float()
+            first = max(0, pos + 1 - window) if window else 0
+            scores = torch.einsum("hd,shd->hs", q[start + j].double(), k[first:pos + 1]) * scale
+            if softcap:
+                scores = torch.tanh(scores / softcap) * softcap
+            out[start + j] = torch.einsum("hs,shd->hd", scores.softmax(-1),
+                                          v[first:pos + 1]).float()
         start += q_len
     return out
 
@@ -153,8 +210,9 @@ def naive_attention(q, kv_cache, tables, q_lens, seq_lens, scale):
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 8), (3, 1, 12), (5, 5, 16)])
 @pytest.mark.parametrize("num_decodes,num_prefills", [(3, 2), (0, 3), (5, 0), (1, 1), (11, 1)])
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (5, 0.0), (1, 0.0), (6, 1.5), (0, 0.7)])
 def test_attention_backend_matches_naive(block_size, heads, kv_heads, head_dim, num_decodes,
-                                         num_prefills):
+                                         num_prefills, window, softcap):
     rng = random.Random(block_size * 1000 + heads * 10 + num_decodes * 3 + num_prefills)
     decodes = [(1, rng.randint(1, 37)) for _ in range(num_decodes)]
     # prefill chunks: (query length, cached prefix), prefix not necessarily block-aligned
@@ -183,9 +241,9 @@ def test_attention_backend_matches_naive(block_size, heads, kv_heads, head_dim, 
     untouched = (~touched).view(num_blocks, block_size)
     assert torch.equal(cache.transpose(1, 2)[untouched], before.transpose(1, 2)[untouched])
 
-    out = backend.forward(q, cache, ctx, scale)
+    out = backend.forward(q, cache, ctx, scale, window=window, softcap=softcap)
     tables = [pool.tables[sid] for sid in range(len(q_lens))]
-    expected = naive_attention(q[:t], cache, tables, q_lens, seq_lens, scale)
+    expected = naive_attention(q[:t], cache, tables, q_lens, seq_lens, scale, window, softcap)
     torch.testing.assert_close(out[:t], expected, atol=1e-5, rtol=1e-5)
     assert not out[t:].any()
 

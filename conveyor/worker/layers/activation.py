@@ -1,4 +1,4 @@
-"""SiLU-gated activation of a fused gate/up projection."""
+"""Gated activations of a fused gate/up projection: SiLU (Llama, Qwen), GELU-tanh (Gemma)."""
 from __future__ import annotations
 
 import torch
@@ -16,3 +16,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
 
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2 * intermediate] (gate, then up) -> gelu_tanh(gate) * up (Gemma's MLP)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

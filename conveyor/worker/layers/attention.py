@@ -6,6 +6,9 @@ q, k, v arrive flat ([T, heads * head_dim], this rank's heads only); the pool of
 
 k_scale and v_scale (Python floats, so CUDA graphs capture them) are the fp8 pool's per-layer
 scales: K/V are stored divided by them and read back multiplied; 1.0 for a model-dtype pool.
+`window` (a sliding window: each query sees its last `window` positions; 0 = all) and
+`softcap` (scores -> softcap * tanh(scores / softcap); 0 = off) are fixed per layer, so a CUDA
+graph captures them too.
 """
 from __future__ import annotations
 
@@ -19,8 +22,10 @@ from conveyor.worker.context import StepContext
 
 class Attention(nn.Module):
     def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 scale: float, backend=None):
+                 scale: float, backend=None, window: int = 0, softcap: float = 0.0):
         super().__init__()
+        self.window = window
+        self.softcap = softcap
         self.layer_idx = layer_idx
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -43,7 +48,8 @@ class Attention(nn.Module):
                              v.view(t, self.num_kv_heads, self.head_dim), ctx.slot_mapping,
                              self.k_scale, self.v_scale)
         out = backend.forward(q.view(t, self.num_heads, self.head_dim), kv_cache, ctx,
-                              self.scale, self.k_scale, self.v_scale)   # [T, heads, head_dim]
+                              self.scale, self.k_scale, self.v_scale, self.window,
+                              self.softcap)                        # [T, heads, head_dim]
         return out.reshape(t, self.num_heads * self.head_dim)
 
     def fused_store(self, v: torch.Tensor, ctx: StepContext) -> dict:

@@ -18,7 +18,8 @@ from conveyor.worker.layers.parallel import all_reduce, divide, tp_rank, tp_size
 
 
 def linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           silu_mul: bool = False, scale: torch.Tensor | None = None) -> torch.Tensor:
+           silu_mul: bool = False, scale: torch.Tensor | None = None,
+           zero: torch.Tensor | None = None, perm: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(silu_and_mul(x) if silu_mul else x, W, bias), W = weight, or weight * scale
     where the layer is quantized (weight int8 or float8_e4m3fn [N, K], scale float32 [N, G]).
 
@@ -30,8 +31,18 @@ def linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, bias: torch.Tensor |
     (fp8_gemm: Triton tiles for decode batches on Hopper, torch._scaled_mm for prefill; the
     quantization applies silu_mul as it reads x; x may also arrive quantized, as Fp8Rows, where
     LinearBase.takes_fp8_rows said it may). On the CPU the quantized layers run the torch
-    references.
+    references. 4-bit weights (int32 words of 8 values, from an AWQ or GPTQ checkpoint) come with
+    a zero point per group, and act-order GPTQ with the column order `perm`: the W4A16 Triton
+    kernel on CUDA, dequantize-then-matmul elsewhere (kernels/w4a16_gemm.py).
     """
+    if weight.dtype == torch.int32:
+        from conveyor.kernels import w4a16_gemm
+
+        if silu_mul:
+            x = silu_and_mul(x)
+        if x.is_cuda and triton_available() and x.dtype != torch.float32:
+            return w4a16_gemm.w4a16_gemm(x, weight, scale, zero, bias, perm)
+        return w4a16_gemm.w4a16_ref(x, weight, scale, zero, bias, perm)
     if isinstance(x, Fp8Rows):
         from conveyor.kernels import fp8_gemm
 
@@ -51,6 +62,12 @@ def linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, bias: torch.Tensor |
         x = silu_and_mul(x)
     if scale is None:
         return F.linear(x, weight, bias)
+    if weight.dtype == torch.float8_e4m3fn and scale.shape[1] > 1:
+        # block-scaled fp8 checkpoints, run W8A16: the weight dequantized for this product
+        from conveyor.kernels import dequantize
+
+        w = (dequantize.dequantize if gpu else dequantize.dequantize_ref)(weight, scale, x.dtype)
+        return F.linear(x, w, bias)
     if weight.dtype == torch.int8:
         from conveyor.kernels import int8_gemm
 
@@ -66,7 +83,7 @@ def linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, bias: torch.Tensor |
     return fp8_gemm_ref(x, weight, scale, bias)
 
 
-_ONE_BYTE = (torch.int8, torch.float8_e4m3fn)
+_ONE_BYTE = (torch.int8, torch.float8_e4m3fn, torch.int32)   # and 4-bit words: never cast
 
 
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
@@ -95,6 +112,8 @@ class LinearBase(nn.Module):
         self.weight = _parameter((out_local, in_local), dtype, self.weight_loader)
         self.bias = _parameter((out_local,), dtype, self.weight_loader) if bias else None
         self.register_parameter("weight_scale", None)   # [N, G] when quantized (quantization.py)
+        self.register_parameter("weight_zero", None)    # [N, G]: 4-bit checkpoints' zero points
+        self.register_parameter("weight_perm", None)    # [K]: GPTQ act-order's column order
 
     def weight_loader(self, param, loaded_weight, shard_id=None) -> None:
         default_weight_loader(param, loaded_weight)
@@ -109,6 +128,27 @@ class LinearBase(nn.Module):
         self.weight = _parameter((n, k), dtype, self.weight_loader, device)
         self.weight_scale = _parameter((n, groups), torch.float32, self.weight_loader, device)
 
+    def make_int4(self, groups: int, act_order: bool) -> None:
+        """Load a 4-bit checkpoint's weights (worker/int4_checkpoint.py): int32 words of 8
+        values [out_local, in_local / 8], float32 scales and zero points [out_local, groups],
+        and with act_order the column order [in_local]. Sliced like the weight by the same
+        loaders; the column order is one for the whole layer (q, k and v of a GPTQ checkpoint
+        share it, their inputs being the same)."""
+        n, k = self.weight.shape
+        device = self.weight.device
+        if k % 8 or k % groups:
+            raise ValueError(f"a 4-bit layer needs its {k} inputs in whole words of 8 and "
+                             f"{groups} groups")
+        self.weight = _parameter((n, k // 8), torch.int32, self.weight_loader, device)
+        self.weight_scale = _parameter((n, groups), torch.float32, self.weight_loader, device)
+        self.weight_zero = _parameter((n, groups), torch.float32, self.weight_loader, device)
+        if act_order:
+            if isinstance(self, RowParallelLinear) and tp_size() > 1:
+                raise ValueError("GPTQ act-order (desc_act) checkpoints are not supported with "
+                                 "tensor parallelism: their row-parallel layers' groups span "
+                                 "the ranks")
+            self.weight_perm = _parameter((k,), torch.int64, _load_perm, device)
+
     def takes_fp8_rows(self, x: torch.Tensor) -> bool:
         """Whether forward(x) quantizes x per row for the fp8 tensor cores (an fp8 layer on the
         GPU, more than one row), so that the kernel before it may hand x over quantized, as
@@ -121,7 +161,16 @@ class LinearBase(nn.Module):
                 and fp8_gemm.takes(x, self.weight, self.weight_scale))
 
     def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, scale=self.weight_scale)
+        return linear(x, self.weight, self.bias, scale=self.weight_scale, zero=self.weight_zero,
+                      perm=self.weight_perm)
+
+
+def _load_perm(param, loaded_weight, shard_id=None) -> None:
+    """Act-order's column order: the same for every part of a fused layer (same input)."""
+    if getattr(param, "loaded", False) and not torch.equal(param.data, loaded_weight):
+        raise ValueError("the parts of a fused layer have different act-order column orders")
+    default_weight_loader(param, loaded_weight)
+    param.loaded = True
 
 
 class ReplicatedLinear(LinearBase):
@@ -211,7 +260,7 @@ class RowParallelLinear(LinearBase):
         self.reduce_results = reduce_results
 
     def weight_loader(self, param, loaded_weight, shard_id=None) -> None:
-        if param.dim() == 1 or (param is self.weight_scale and loaded_weight.shape[1] == 1):
+        if param.dim() == 1 or (param is not self.weight and loaded_weight.shape[1] == 1):
             default_weight_loader(param, loaded_weight)      # the bias; one scale per row
             return
         size = param.shape[1]
@@ -221,5 +270,6 @@ class RowParallelLinear(LinearBase):
         """silu_mul: x is a fused gate/up output [T, 2 * input_local]; the layer's input is
         silu(gate) * up (fused into the kernel's loads at decode sizes)."""
         bias = self.bias if tp_rank() == 0 else None
-        y = linear(x, self.weight, bias, silu_mul, self.weight_scale)
+        y = linear(x, self.weight, bias, silu_mul, self.weight_scale, self.weight_zero,
+                   self.weight_perm)
         return all_reduce(y) if self.reduce_results else y

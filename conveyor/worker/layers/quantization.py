@@ -57,7 +57,7 @@ def quantizable(module: nn.Module) -> bool:
 @dataclass
 class QuantReport:
     """What load-time quantization did, for the log line and LLM.quantization_report."""
-    mode: str                                   # "int8" | "fp8"
+    mode: str                                   # "int8" | "fp8" | "awq" | "gptq" (checkpoints)
     dtype: str                                  # the model's (activation) dtype
     quantized: list[str] = field(default_factory=list)     # per-row scales, quantized here
     # loaded quantized: GGUF Q8_0 blocks kept in int8, or a quantized checkpoint's layers
@@ -114,16 +114,28 @@ def quantize_model(model: nn.Module, mode: str | None, keep: tuple[re.Pattern, .
                          from_checkpoint=from_checkpoint)
     done: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}    # id(original weight) -> result
     for name, module in model.named_modules():
+        if hasattr(module, "quantize") and hasattr(module, "w13"):   # experts (layers/moe.py)
+            if from_checkpoint or keep_matches(name, keep):
+                report.kept.append(name)
+                continue
+            before, after = module.quantize(mode, device)
+            report.bytes_before += before
+            report.bytes_after += after
+            report.quantized.append(name)
+            continue
         if not quantizable(module):
             continue
         weight = module.weight
         if module.weight_scale is not None:                      # loaded quantized (Q8_0)
             report.prequantized.append(name)
-            report.bytes_before += weight.numel() * getattr(torch, report.dtype).itemsize
-            report.bytes_after += _nbytes(weight) + _nbytes(module.weight_scale)
+            values = weight.numel() * (8 if weight.dtype == torch.int32 else 1)   # 4-bit words
+            report.bytes_before += values * getattr(torch, report.dtype).itemsize
+            report.bytes_after += sum(_nbytes(t) for t in (weight, module.weight_scale,
+                                                           module.weight_zero) if t is not None)
             module.to(device)
             continue
-        if from_checkpoint or keep_matches(name, keep):
+        if from_checkpoint or keep_matches(name, keep) or getattr(module, "keep_precision",
+                                                                   False):
             report.kept.append(name)
             continue
         if id(weight) not in done:

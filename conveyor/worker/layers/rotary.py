@@ -2,7 +2,12 @@
 
 cos/sin are precomputed in float32 for every position up to max_position and looked up once
 per step; `apply_rotary` then rotates q or k of every layer. Supports the default schedule,
-"linear" and Llama 3.x "llama3" frequency scaling.
+"linear" and Llama 3.x "llama3" frequency scaling, and Phi-3's "longrope" (alias "su"): the
+short factors below original_max_position_embeddings and the long ones from there on, chosen
+per position, with cos/sin times the attention factor. (transformers re-encodes a whole
+sequence with the long factors once it passes that length; a paged cache keeps the keys it
+has, so positions before it keep the short factors here.) With a partial rotary embedding
+(Phi-4-mini), only the first `rotary_dim` features of each head turn.
 """
 from __future__ import annotations
 
@@ -13,16 +18,21 @@ import torch
 from torch import nn
 
 
+def _kind(scaling: dict[str, Any] | None) -> str:
+    return (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+
+
 def _inv_freq(head_dim: int, base: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    kind = _kind(scaling)
     if kind == "default":
         return inv_freq
     if kind == "linear":
         return inv_freq / scaling["factor"]
     if kind == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
-    raise ValueError(f"rope scaling {kind!r} is not supported (supported: default, linear, llama3)")
+    raise ValueError(f"rope scaling {kind!r} is not supported "
+                     f"(supported: default, linear, llama3, longrope)")
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
@@ -38,20 +48,47 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
     return torch.where(medium, blended, scaled)
 
 
+def _longrope_freqs(positions: torch.Tensor, dim: int, base: float, scaling: dict[str, Any],
+                    max_position: int) -> tuple[torch.Tensor, float]:
+    """Angles [P, dim / 2] (short factors before original_max_position_embeddings, long from
+    there) and the attention factor that scales cos and sin."""
+    orig = scaling["original_max_position_embeddings"]
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    short, long = (1.0 / (torch.tensor(scaling[k], dtype=torch.float32) * base ** exponents)
+                   for k in ("short_factor", "long_factor"))
+    freqs = torch.where((positions < orig)[:, None], torch.outer(positions, short),
+                        torch.outer(positions, long))
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        factor = scaling.get("factor") or max_position / orig
+        attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    return freqs, attention
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, base: float,
                  scaling: dict[str, Any] | None = None):
+        """head_dim: the features that turn (the rotary dim, where only part of a head turns)."""
         super().__init__()
-        freqs = torch.outer(torch.arange(max_position).float(), _inv_freq(head_dim, base, scaling))
-        self.register_buffer("cos", freqs.cos(), persistent=False)   # [max_position, head_dim / 2]
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        positions = torch.arange(max_position).float()
+        attention = 1.0
+        if _kind(scaling) in ("longrope", "su"):
+            freqs, attention = _longrope_freqs(positions, head_dim, base, scaling, max_position)
+        else:
+            freqs = torch.outer(positions, _inv_freq(head_dim, base, scaling))
+        self.register_buffer("cos", freqs.cos() * attention, persistent=False)   # [P, dim / 2]
+        self.register_buffer("sin", freqs.sin() * attention, persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos[positions], self.sin[positions]              # [T, head_dim / 2] each
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, heads, head_dim] by cos/sin [T, head_dim / 2], in x's dtype."""
+    """Rotate x [T, heads, head_dim] by cos/sin [T, rotary_dim / 2], in x's dtype; features past
+    rotary_dim pass unchanged."""
+    rotary_dim = 2 * cos.shape[-1]
+    if rotary_dim < x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]), -1)
     cos = cos.unsqueeze(1).to(x.dtype)
     sin = sin.unsqueeze(1).to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)

@@ -1,5 +1,6 @@
-"""Llama (also Mistral-shaped models, without sliding windows): the decoder the other models
-reuse. Qwen2 and Qwen3 subclass LlamaForCausalLM and change only `attention_options`.
+"""Llama, and Mistral (the same decoder with a sliding window, config.json's `sliding_window`,
+on every layer): the decoder the other models reuse. Qwen2 and Qwen3 subclass LlamaForCausalLM
+and change only `attention_options`.
 
 Module names follow Hugging Face's, except the fused qkv_proj and gate_up_proj, which the
 loader fills through `packed_modules`.
@@ -25,8 +26,12 @@ from conveyor.worker.layers.rotary import RotaryEmbedding, apply_rotary
 
 
 class LlamaAttention(nn.Module):
+    """Options beyond Llama's, for the families built on it: `scale` (default head_dim^-0.5),
+    `softcap` of the attention logits, `norm` (the class of q_norm / k_norm)."""
+
     def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype,
-                 qkv_bias: bool, o_bias: bool, qk_norm: bool = False):
+                 qkv_bias: bool, o_bias: bool, qk_norm: bool = False, scale: float | None = None,
+                 softcap: float = 0.0, norm: type[RMSNorm] = RMSNorm):
         super().__init__()
         d = config.head_dim
         self.qkv_proj = QKVParallelLinear(config.hidden_size, d, config.num_attention_heads,
@@ -37,9 +42,10 @@ class LlamaAttention(nn.Module):
         self.q_size, self.kv_size = heads * d, kv_heads * d
         self.head_dim = d
         # Qwen3: RMSNorm over each head of q and k, before the rotary embedding.
-        self.q_norm = RMSNorm(d, config.rms_norm_eps, dtype) if qk_norm else None
-        self.k_norm = RMSNorm(d, config.rms_norm_eps, dtype) if qk_norm else None
-        self.attn = Attention(layer_idx, heads, kv_heads, d, scale=d ** -0.5)
+        self.q_norm = norm(d, config.rms_norm_eps, dtype) if qk_norm else None
+        self.k_norm = norm(d, config.rms_norm_eps, dtype) if qk_norm else None
+        self.attn = Attention(layer_idx, heads, kv_heads, d, scale=scale or d ** -0.5,
+                              window=config.window(layer_idx), softcap=softcap)
 
     def forward(self, x: torch.Tensor | Fp8Rows, cos: torch.Tensor, sin: torch.Tensor,
                 ctx: StepContext) -> torch.Tensor:
@@ -47,7 +53,7 @@ class LlamaAttention(nn.Module):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, -1, self.head_dim)                  # [T, heads, head_dim]
         k = k.reshape(t, -1, self.head_dim)                  # [T, kv_heads, head_dim]
-        if q.is_cuda and triton_available():
+        if q.is_cuda and triton_available() and 2 * cos.shape[-1] == self.head_dim:
             # one kernel: q/k norm and rotary in place, k and v stored into the KV pool as well
             from conveyor.kernels.rotary import rotary_qk
 
@@ -82,10 +88,10 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype,
-                 attention_options: dict):
+                 attention_options: dict, mlp: nn.Module):
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_idx, dtype, **attention_options)
-        self.mlp = LlamaMLP(config, dtype)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -104,19 +110,19 @@ class LlamaDecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(x, residual, reduce=True, fp8=fp8)
         x = self.self_attn(x, cos, sin, ctx)
-        fp8 = self.mlp.gate_up_proj.takes_fp8_rows(x)
+        fp8 = isinstance(self.mlp, LlamaMLP) and self.mlp.gate_up_proj.takes_fp8_rows(x)
         x, residual = self.post_attention_layernorm(x, residual, reduce=True, fp8=fp8)
         return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, attention_options: dict):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, attention_options: dict,
+                 rotary_emb: RotaryEmbedding, make_mlp):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
-                                          config.rope_theta, config.rope_scaling)
+        self.rotary_emb = rotary_emb
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, dtype, attention_options)
+            LlamaDecoderLayer(config, i, dtype, attention_options, make_mlp(config, i, dtype))
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -144,10 +150,21 @@ class LlamaForCausalLM(nn.Module):
         """Keyword arguments of LlamaAttention that vary by model family."""
         return {"qkv_bias": config.attention_bias, "o_bias": config.attention_bias}
 
+    @staticmethod
+    def make_mlp(config: ModelConfig, layer_idx: int, dtype: torch.dtype) -> nn.Module:
+        """Layer layer_idx's MLP (a mixture of experts in the MoE families)."""
+        return LlamaMLP(config, dtype)
+
+    @staticmethod
+    def rotary_embedding(config: ModelConfig) -> RotaryEmbedding:
+        return RotaryEmbedding(config.head_dim, config.max_position_embeddings,
+                               config.rope_theta, config.rope_scaling)
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, dtype, self.attention_options(config))
+        self.model = LlamaModel(config, dtype, self.attention_options(config),
+                                self.rotary_embedding(config), self.make_mlp)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

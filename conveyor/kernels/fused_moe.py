@@ -1,0 +1,191 @@
+"""Fused mixture-of-experts MLP: every (token, chosen expert) pair through its expert's gate/up
+projection, SiLU-and-mul, and down projection, weighted by the router and summed per token.
+
+w13 [E, 2I, H] holds each expert's gate rows then up rows, w2 [E, H, I]; x [T, H]; topk_ids
+and topk_weights [T, K] come from `route`. The pairs are sorted by expert and each expert's run
+padded to whole BLOCK_M tiles (`align`, on the device without a host sync, so it runs inside
+a CUDA graph; the grid is sized for the worst case, and tiles past the padded total return at
+once); then one grouped-GEMM launch computes gate/up for all experts (each tile reads its
+expert's weights and gathers its tokens' rows of x), one SiLU-and-mul, and one launch the down
+projection, which multiplies each row by its router weight. The K rows of a token are summed
+last. `fused_moe_ref` is the torch reference (and the CPU path): one expert at a time.
+
+Quantized experts (--quantization fp8 or int8): w13 and w2 in float8 e4m3 or int8 with one
+float32 scale per expert and output row ([E, 2I] and [E, H]); the tiles convert the 1-byte
+weights to x's dtype as they load them (exact: e4m3 and |int8| <= 127 fit bf16 and fp16) and
+scale the product's columns, so the activations stay in x's dtype (W8A16 math).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from conveyor.kernels._triton import jit, require_triton, tl
+from conveyor.kernels._util import check
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (weights [T, K] in dtype, expert ids [T, K] int32): softmax in
+    float32, the top K, renormalised to sum to 1 where the model does (Mixtral; Qwen3-MoE's
+    norm_topk_prob)."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(dtype), ids.to(torch.int32)
+
+
+def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None
+                  ) -> torch.Tensor:
+    """The reference: for each expert with tokens, its MLP over them, times their weights,
+    added into out [T, H] (in x's dtype, as transformers does). Quantized experts are
+    dequantized (times their row scales) to x's dtype first."""
+    if w13_scale is not None:
+        w13 = (w13.float() * w13_scale[:, :, None]).to(x.dtype)
+        w2 = (w2.float() * w2_scale[:, :, None]).to(x.dtype)
+    out = torch.zeros_like(x)
+    flat = topk_ids.reshape(-1).long()
+    for e in flat.unique().tolist():
+        pairs = (flat == e).nonzero()[:, 0]                  # [n] (token, k) pair indices
+        tokens = pairs // topk_ids.shape[1]
+        gate, up = F.linear(x[tokens], w13[e]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[e]) * topk_weights.reshape(-1)[pairs, None]
+        out.index_add_(0, tokens, y.to(out.dtype))
+    return out
+
+
+def align(topk_ids: torch.Tensor, num_experts: int, block_m: int
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sort the T * K (token, k) pairs by expert, each expert's run padded to a multiple of
+    block_m. Returns sorted_ids [P] int32 (pair index, or T * K in padding), expert_ids
+    [P / block_m] int32 (the expert of each tile) and the padded total [1] int32, where
+    P = T * K + E * (block_m - 1) rounded up to block_m is the most it can be.
+    Only device ops with static shapes: no host sync."""
+    flat = topk_ids.reshape(-1).long()
+    n = flat.numel()
+    dev = flat.device
+    counts = torch.zeros(num_experts, dtype=torch.long, device=dev)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = padded.cumsum(0)
+    order = torch.sort(flat, stable=True).indices                    # pairs by expert
+    experts_sorted = flat[order]
+    first = (counts.cumsum(0) - counts)[experts_sorted]              # unpadded run starts
+    dest = (padded_end - padded)[experts_sorted] + torch.arange(n, device=dev) - first
+    size = -(-(n + num_experts * (block_m - 1)) // block_m) * block_m
+    sorted_ids = torch.full((size,), n, dtype=torch.int32, device=dev)
+    sorted_ids.scatter_(0, dest, order.to(torch.int32))
+    tile_starts = torch.arange(0, size, block_m, device=dev)
+    expert_ids = torch.searchsorted(padded_end, tile_starts, right=True)
+    expert_ids = expert_ids.clamp_(max=num_experts - 1).to(torch.int32)
+    return sorted_ids, expert_ids, padded_end[-1:].to(torch.int32)
+
+
+@jit(do_not_specialize=["num_pairs"])
+def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr,
+                     total_ptr, scale_ptr, num_pairs, N, K, stride_am, stride_we, stride_wn,
+                     stride_cm, stride_se, TOP_K: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+                     HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+    """c[pair] = a[pair // TOP_K] @ w[expert]^T (times the pair's router weight), for the
+    pairs of one tile of sorted_ids; a [rows, K], w [E, N, K] (1-byte with HAS_SCALE, times
+    scale [E, N]), c [pairs, N]."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(total_ptr):
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_ids_ptr + offs_m)
+    row_ok = pairs < num_pairs
+    rows = (pairs // TOP_K).to(tl.int64)
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
+    w_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn \
+        + offs_k[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = offs_k + k0 < K
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(a, w.to(a.dtype), acc)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if HAS_SCALE:
+        acc = acc * tl.load(scale_ptr + expert * stride_se + offs_n, mask=n_ok, other=0.0)[None, :]
+    if MUL_WEIGHT:
+        acc = acc * tl.load(weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    c_ptrs = c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+def _tiles(num_pairs: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps): small M tiles for decode batches (few pairs per
+    expert, so less padding), larger ones for prefill."""
+    if num_pairs <= 512:
+        return 16, 64, 128, 4
+    return 64, 128, 64, 4
+
+
+def _gemm(a, w, scale, c, weights, sorted_ids, expert_ids, total, num_pairs, top_k, mul_weight,
+          tiles):
+    block_m, block_n, block_k, warps = tiles
+    n, k = w.shape[1], w.shape[2]
+    grid = (sorted_ids.shape[0] // block_m, -(-n // block_n))
+    _moe_gemm_kernel[grid](a, w, c, weights, sorted_ids, expert_ids, total,
+                           w if scale is None else scale, num_pairs, n, k,
+                           a.stride(0), w.stride(0), w.stride(1), c.stride(0),
+                           0 if scale is None else scale.stride(0),
+                           TOP_K=top_k, MUL_WEIGHT=mul_weight, HAS_SCALE=scale is not None,
+                           BLOCK_M=block_m,
+                           BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=3)
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, tiles: tuple[int, int, int, int] | None = None,
+              w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None
+              ) -> torch.Tensor:
+    """The MoE MLP of x [T, H] (see the module docstring) -> [T, H] in x's dtype."""
+    from conveyor.kernels.silu_and_mul import silu_and_mul
+
+    require_triton()
+    t, h = x.shape
+    e, two_i, h13 = w13.shape
+    check(h13 == h and w2.shape == (e, h, two_i // 2) and two_i % 2 == 0,
+          f"w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} for x {tuple(x.shape)}")
+    quantized = w13_scale is not None
+    one_byte = w13.dtype in (torch.float8_e4m3fn, torch.int8)
+    check(x.dtype in (torch.float16, torch.bfloat16) and w13.dtype == w2.dtype
+          and (one_byte if quantized else w13.dtype == x.dtype),
+          f"x must be fp16 or bf16 and w13, w2 the same, or 1-byte with scales: {x.dtype}, "
+          f"{w13.dtype}, {w2.dtype}")
+    check(not quantized or (w13_scale.shape == (e, two_i) and w2_scale.shape == (e, h)
+                            and w13_scale.dtype == w2_scale.dtype == torch.float32
+                            and w13_scale.is_contiguous() and w2_scale.is_contiguous()),
+          "w13_scale and w2_scale must be float32 [E, 2I] and [E, H]")
+    check(x.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1
+          and w13.stride(1) == h and w2.stride(1) == two_i // 2,
+          "x rows and the experts' weights must be contiguous")
+    top_k = topk_ids.shape[1]
+    check(topk_ids.shape == topk_weights.shape == (t, top_k),
+          f"topk_ids {tuple(topk_ids.shape)}, topk_weights {tuple(topk_weights.shape)}")
+    out = torch.empty_like(x)
+    if t == 0:
+        return out
+    pairs = t * top_k
+    tiles = tiles or _tiles(pairs)
+    sorted_ids, expert_ids, total = align(topk_ids, e, tiles[0])
+    weights = topk_weights.reshape(-1).contiguous()
+    gate_up = torch.empty((pairs, two_i), dtype=x.dtype, device=x.device)
+    _gemm(x, w13, w13_scale, gate_up, weights, sorted_ids, expert_ids, total, pairs, top_k,
+          False, tiles)
+    act = silu_and_mul(gate_up)                                      # [pairs, I]
+    down = torch.empty((pairs, h), dtype=x.dtype, device=x.device)
+    _gemm(act, w2, w2_scale, down, weights, sorted_ids, expert_ids, total, pairs, 1, True,
+          tiles)
+    return down.view(t, top_k, h).sum(dim=1, dtype=torch.float32).to(x.dtype)

@@ -1,0 +1,86 @@
+"""4-bit checkpoints as published: AutoAWQ's GEMM format and GPTQ, read into the one layout the
+W4A16 kernels take (kernels/w4a16_gemm.py: qweight [N, K / 8] packed along K, float32 scale and
+zero [N, G], and for GPTQ act-order the column order `perm`).
+
+The formats, per linear layer `P` (K inputs, N outputs, groups of g inputs, G = K / g):
+- AWQ: P.qweight int32 [K, N / 8] packed along N, nibble i of word c holding output column
+  8c + (0, 2, 4, 6, 1, 3, 5, 7)[i]; P.qzeros int32 [G, N / 8] packed the same way; P.scales
+  [G, N]; W[n, k] = (q - zero) * scale.
+- GPTQ: P.qweight int32 [K / 8, N] packed along K, nibble i of word r holding input row 8r + i;
+  P.qzeros int32 [G, N / 8] packed along N in order, storing zero - 1 (checkpoint_format
+  "gptq"; "gptq_v2" stores the zero itself); P.scales [G, N]; P.g_idx int32 [K], the group of
+  each input (act-order, desc_act, permutes them). The columns are sorted by group here, so the
+  kernel reads contiguous groups, and the layer gathers its input the same way (x[:, perm]).
+"""
+from __future__ import annotations
+
+import torch
+
+from conveyor.kernels.w4a16_gemm import pack_int4
+
+_AWQ_REVERSE = torch.tensor([0, 4, 1, 5, 2, 6, 3, 7])
+_PARTS = ("qweight", "qzeros", "scales", "g_idx")
+
+
+def _nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """int32 [R, C] -> [R, 8 C] uint8: nibble i of word c at column 8c + i."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    return ((packed[:, :, None] >> shifts) & 15).to(torch.uint8).reshape(packed.shape[0], -1)
+
+
+def _awq_columns(packed: torch.Tensor) -> torch.Tensor:
+    """AWQ's packing along N -> [R, N] in column order."""
+    q = _nibbles(packed)
+    order = (torch.arange(q.shape[1]).view(-1, 8)[:, _AWQ_REVERSE]).reshape(-1)
+    return q[:, order]
+
+
+def convert_layer(fmt: str, tensors: dict[str, torch.Tensor], zero_offset: int
+                  ) -> dict[str, torch.Tensor]:
+    """One layer's checkpoint tensors (qweight, qzeros, scales, and g_idx for GPTQ) -> weight
+    [N, K / 8] int32, weight_scale and weight_zero [N, G] float32, and for GPTQ weight_perm
+    [K] int64 (identity without act-order). zero_offset: 1 for GPTQ's "gptq" format."""
+    scales = tensors["scales"].float()                         # [G, N]
+    g, n = scales.shape
+    if fmt == "awq":
+        q = _awq_columns(tensors["qweight"])                   # [K, N]
+        zeros = _awq_columns(tensors["qzeros"])                # [G, N]
+        out = {}
+    else:
+        packed = tensors["qweight"]                            # [K / 8, N]
+        q = _nibbles(packed.t().contiguous()).t()              # [K, N]
+        zeros = _nibbles(tensors["qzeros"])                    # [G, N]
+        k = q.shape[0]
+        g_idx = tensors.get("g_idx")
+        g_idx = (torch.arange(k) // (k // g)) if g_idx is None else g_idx.long()
+        perm = torch.sort(g_idx, stable=True).indices
+        if not torch.equal(g_idx[perm], torch.arange(k) // (k // g)):
+            raise ValueError(f"g_idx does not make {g} groups of {k // g} inputs")
+        q = q[perm]
+        out = {"weight_perm": perm}
+    k = q.shape[0]
+    if q.shape[1] != n or zeros.shape != (g, n) or k % g:
+        raise ValueError(f"{fmt} tensors do not agree: qweight gives {tuple(q.shape)}, "
+                         f"scales {tuple(scales.shape)}, qzeros {tuple(zeros.shape)}")
+    out.update(weight=pack_int4(q.t().contiguous()), weight_scale=scales.t().contiguous(),
+               weight_zero=(zeros.float() + zero_offset).t().contiguous())
+    return out
+
+
+def int4_weights(weights, fmt: str, zero_offset: int, has_g_idx: bool):
+    """Checkpoint tensors with every 4-bit layer's parts (buffered until all have come) turned
+    into `convert_layer`'s tensors under that layer's name; other tensors pass unchanged."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    want = {"qweight", "qzeros", "scales"} | ({"g_idx"} if has_g_idx else set())
+    for name, tensor in weights:
+        prefix, _, part = name.rpartition(".")
+        if part not in _PARTS:
+            yield name, tensor
+            continue
+        layer = pending.setdefault(prefix, {})
+        layer[part] = tensor
+        if want <= layer.keys():
+            for key, t in convert_layer(fmt, pending.pop(prefix), zero_offset).items():
+                yield f"{prefix}.{key}", t
+    if pending:
+        raise ValueError(f"incomplete 4-bit layers in the checkpoint: {', '.join(pending)}")

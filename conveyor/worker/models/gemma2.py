@@ -1,0 +1,141 @@
+"""Gemma 2: Llama's attention and gated MLP with Gemma's differences.
+
+- RMSNorm scales by (1 + weight): the weight is stored here as 1 + the checkpoint's, so the
+  plain RMSNorm (and its fused kernels) compute it;
+- four norms a layer: the attention and MLP outputs are normalised too, before each joins the
+  residual stream (post_attention / pre_feedforward / post_feedforward layernorms);
+- embeddings times sqrt(hidden_size) (in the model dtype, as transformers rounds it);
+- GELU (tanh approximation) gating instead of SiLU;
+- attention scale query_pre_attn_scalar^-0.5, attention logits soft-capped
+  (attn_logit_softcapping), and so are the final logits (final_logit_softcapping);
+- sliding-window attention on every other layer (config.layer_windows).
+Gemma 3 (gemma3.py) builds on this.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from conveyor.shared.config import ModelConfig
+from conveyor.worker.context import StepContext
+from conveyor.worker.layers.activation import gelu_tanh_and_mul
+from conveyor.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from conveyor.worker.layers.linear import (
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+    default_weight_loader,
+)
+from conveyor.worker.layers.norm import RMSNorm
+from conveyor.worker.layers.rotary import RotaryEmbedding
+from conveyor.worker.models.llama import LlamaAttention, LlamaForCausalLM
+
+
+class GemmaRMSNorm(RMSNorm):
+    """x / rms(x) * (1 + w) for the checkpoint's w: loads 1 + w into the plain RMSNorm."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype = torch.float32):
+        super().__init__(hidden_size, eps, dtype)
+        self.weight.weight_loader = lambda param, w, shard_id=None: default_weight_loader(
+            param, w.float() + 1)
+
+
+class GemmaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter],
+                                                       dtype=dtype)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, dtype=dtype,
+                                           reduce_results=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x)))
+
+
+class GemmaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype,
+                 attention_options: dict):
+        super().__init__()
+        self.sliding = config.window(layer_idx) > 0
+        self.self_attn = LlamaAttention(config, layer_idx, dtype, **attention_options)
+        self.mlp = GemmaMLP(config, dtype)
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(h, eps, dtype)
+        self.post_attention_layernorm = GemmaRMSNorm(h, eps, dtype)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps, dtype)
+        self.post_feedforward_layernorm = GemmaRMSNorm(h, eps, dtype)
+
+    def forward(self, x, residual, cos, sin, ctx):
+        """As LlamaDecoderLayer.forward, x in and out is still to be added to the residual; but
+        it is whole under tensor parallelism: the attention's and the MLP's partial sums are
+        reduced by the norms right after them (post_attention, post_feedforward)."""
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.post_attention_layernorm(self.self_attn(x, cos, sin, ctx), reduce=True)
+        x, residual = self.pre_feedforward_layernorm(x, residual)
+        return self.post_feedforward_layernorm(self.mlp(x), reduce=True), residual
+
+
+class GemmaModel(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, attention_options: dict,
+                 ropes: tuple[RotaryEmbedding, RotaryEmbedding]):
+        """ropes: the rotary embeddings of the global and of the sliding-window layers."""
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
+        self.rotary_emb, self.rotary_emb_local = ropes
+        self.layers = nn.ModuleList(
+            GemmaDecoderLayer(config, i, dtype, attention_options)
+            for i in range(config.num_hidden_layers))
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        # NOTE: a Python float rounded to the model dtype, as transformers' embed_scale buffer
+        self.normalizer = float(torch.tensor(config.hidden_size ** 0.5, dtype=dtype, device="cpu"))
+
+    def forward(self, input_ids, positions, ctx: StepContext):
+        x = self.embed_tokens(input_ids) * self.normalizer               # [T, hidden]
+        rope = {False: self.rotary_emb(positions)}                      # [T, head_dim / 2] each
+        rope[True] = (self.rotary_emb_local(positions)
+                      if self.rotary_emb_local is not self.rotary_emb else rope[False])
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, *rope[layer.sliding], ctx)
+        return self.norm(x, residual)[0]
+
+
+class Gemma2ForCausalLM(LlamaForCausalLM):
+    @staticmethod
+    def attention_options(config: ModelConfig) -> dict:
+        e = config.extra
+        return {"qkv_bias": config.attention_bias, "o_bias": config.attention_bias,
+                "scale": (e.get("query_pre_attn_scalar") or config.head_dim) ** -0.5,
+                "softcap": float(e.get("attn_logit_softcapping") or 0.0)}
+
+    @staticmethod
+    def extra_layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+        """Checkpoint tensors of a layer beyond Llama's (for load_format="dummy")."""
+        h = config.hidden_size
+        return {"pre_feedforward_layernorm.weight": (h,), "post_feedforward_layernorm.weight": (h,)}
+
+    @staticmethod
+    def rotary_embeddings(config: ModelConfig) -> tuple[RotaryEmbedding, RotaryEmbedding]:
+        """(global layers', sliding layers') rotary embeddings: one and the same for Gemma 2."""
+        rope = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
+                               config.rope_theta, config.rope_scaling)
+        return rope, rope
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32):
+        nn.Module.__init__(self)
+        self.config = config
+        self.model = GemmaModel(config, dtype, self.attention_options(config),
+                                self.rotary_embeddings(config))
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.final_softcap = float(config.extra.get("final_logit_softcapping") or 0.0)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)
+        if self.final_softcap:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits

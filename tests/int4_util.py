@@ -1,0 +1,89 @@
+"""Write a tiny model's linear layers as a published 4-bit checkpoint (AutoAWQ's GEMM format or
+GPTQ's, with act-order optionally), packed here by the formats' documented layouts (as
+transformers', AutoAWQ's and AutoGPTQ's unpacking code reads them), and the same model with the
+dequantized weights in float32, for transformers to run as the reference."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
+
+
+def _pack(values: torch.Tensor, order=range(8)) -> torch.Tensor:
+    """[R, 8 C] 4-bit values -> int32 [R, C], nibble i of word c = value 8c + order[i]."""
+    r, n = values.shape
+    v = values.long().view(r, n // 8, 8)[:, :, list(order)]
+    words = sum(v[:, :, i] << (4 * i) for i in range(8))
+    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+
+
+def quantize(w: torch.Tensor, group: int, perm: torch.Tensor):
+    """Asymmetric 4-bit per group of the inputs perm[j * group:(j + 1) * group]: -> q [N, K],
+    zero [N, G] (1..15), scale fp16 [N, G], and the dequantized weight [N, K] float32."""
+    n, k = w.shape
+    groups = perm.view(-1, group)                               # [G, group] input indices
+    wg = w[:, groups]                                           # [N, G, group]
+    lo, hi = wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0)
+    scale = ((hi - lo) / 15).clamp(min=1e-6).half()
+    s = scale.float()
+    zero = (-lo / s).round().clamp(1, 15)
+    q = ((wg / s[..., None]).round() + zero[..., None]).clamp(0, 15)
+    deq = torch.empty_like(w)
+    deq[:, groups] = (q - zero[..., None]) * s[..., None]
+    qk = torch.empty(n, k, dtype=torch.long)
+    qk[:, groups] = q.long()
+    return qk, zero.long(), scale, deq
+
+
+def write_int4(src: Path, dst: Path, ref: Path, fmt: str, group: int, act_order: bool = False,
+               seed: int = 0) -> None:
+    """src: a float32 HF folder -> dst: its 4-bit checkpoint; ref: the dequantized float model."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors = load_file(src / "model.safetensors")
+    out, deq_all = {}, dict(tensors)
+    perms = {}    # act-order follows the input's statistics: q/k/v (gate/up) share one order
+    for name, w in tensors.items():
+        if not (name.endswith(".weight") and name.split(".")[-2] in _LINEAR):
+            out[name] = w
+            continue
+        n, k = w.shape
+        proj = name.split(".")[-2]
+        shared_input = name.rsplit(".", 2)[0] + {"k_proj": ".q_proj", "v_proj": ".q_proj",
+                                                   "up_proj": ".gate_proj"}.get(proj, "." + proj)
+        if shared_input not in perms:
+            perms[shared_input] = (torch.randperm(k, generator=gen) if act_order
+                                   else torch.arange(k))
+        perm = perms[shared_input]
+        q, zero, scale, deq = quantize(w.float(), group, perm)
+        deq_all[name] = deq
+        prefix = name.removesuffix(".weight")
+        if fmt == "awq":
+            out[f"{prefix}.qweight"] = _pack(q.t().contiguous(), _AWQ_ORDER)     # [K, N / 8]
+            out[f"{prefix}.qzeros"] = _pack(zero.t().contiguous(), _AWQ_ORDER)   # [G, N / 8]
+        else:
+            out[f"{prefix}.qweight"] = _pack(q.contiguous()).t().contiguous()   # [K / 8, N]
+            out[f"{prefix}.qzeros"] = _pack((zero - 1).t().contiguous())        # [G, N / 8]
+            g_idx = torch.empty(k, dtype=torch.int32)
+            g_idx[perm] = (torch.arange(k) // group).int()
+            out[f"{prefix}.g_idx"] = g_idx
+        out[f"{prefix}.scales"] = scale.t().contiguous()                       # [G, N]
+    for folder, data in ((dst, out), (ref, deq_all)):
+        folder.mkdir(parents=True, exist_ok=True)
+        for f in src.iterdir():
+            if f.name != "model.safetensors":
+                shutil.copy(f, folder / f.name)
+        save_file({k: v.contiguous() for k, v in data.items()}, folder / "model.safetensors",
+                  metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = (
+        {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
+         "version": "gemm"} if fmt == "awq" else
+        {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": act_order,
+         "sym": False, "checkpoint_format": "gptq"})
+    (dst / "config.json").write_text(json.dumps(config))

@@ -1,0 +1,47 @@
+"""The W4A16 Triton kernel against the torch reference (dequantize, then matmul): one row
+(decode) to prefill sizes, N and K off the tiles, group sizes 32, 64, 128 and whole rows, with
+a bias and with an act-order column order, bf16 and fp16."""
+import pytest
+import torch
+
+from conveyor.kernels.w4a16_gemm import pack_int4, w4a16_gemm, w4a16_ref
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m,n,k,group", [(1, 4096, 4096, 128), (1, 1000, 384, 32),
+                                         (7, 333, 256, 64), (64, 2048, 1024, 128),
+                                         (300, 520, 640, 0), (1500, 256, 512, 32)])
+@pytest.mark.parametrize("bias,act_order", [(False, False), (True, True)])
+def test_w4a16_matches_reference(dtype, m, n, k, group, bias, act_order):
+    gen = torch.Generator(device="cuda").manual_seed(m + n + k)
+    groups = k // group if group else 1
+    q = torch.randint(0, 16, (n, k), device="cuda", generator=gen, dtype=torch.uint8)
+    words = pack_int4(q)
+    scale = torch.rand(n, groups, device="cuda", generator=gen) / 50
+    zero = torch.randint(0, 16, (n, groups), device="cuda", generator=gen).float()
+    x = torch.randn(m, k, device="cuda", generator=gen).to(dtype)
+    b = torch.randn(n, device="cuda", generator=gen).to(dtype) if bias else None
+    perm = torch.randperm(k, device="cuda", generator=gen) if act_order else None
+    want = w4a16_ref(x.float(), words, scale, zero, None if b is None else b.float(), perm)
+    got = w4a16_gemm(x, words, scale, zero, b, perm)
+    tol = 3e-2 if dtype == torch.bfloat16 else 1e-2
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("m,group,act_order", [(1, 32, False), (5, 64, True), (70, 0, False)])
+def test_w4a16_small(m, group, act_order, device):
+    """Small shapes, also under Triton's interpreter on the CPU."""
+    gen = torch.Generator(device=device).manual_seed(m)
+    n, k = 40, 128
+    groups = k // group if group else 1
+    q = torch.randint(0, 16, (n, k), device=device, generator=gen, dtype=torch.uint8)
+    scale = torch.rand(n, groups, device=device, generator=gen) / 20
+    zero = torch.randint(0, 16, (n, groups), device=device, generator=gen).float()
+    x = torch.randn(m, k, device=device, generator=gen).to(torch.bfloat16)
+    perm = torch.randperm(k, device=device, generator=gen) if act_order else None
+    want = w4a16_ref(x.float(), pack_int4(q), scale, zero, None, perm)
+    got = w4a16_gemm(x, pack_int4(q), scale, zero, None, perm)
+    torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)

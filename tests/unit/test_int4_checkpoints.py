@@ -1,0 +1,83 @@
+"""AWQ and GPTQ checkpoints (packed by tests/int4_util.py in the published layouts; group sizes
+32, 64 and 128; GPTQ with and without act-order) load as they are and give transformers' greedy
+tokens and logits on the dequantized weights (the CPU path: dequantize, then matmul)."""
+import pytest
+import torch
+from int4_util import write_int4
+from models_util import make_tiny_model
+
+from conveyor.kernels.w4a16_gemm import dequantize_int4, pack_int4, unpack_int4, w4a16_ref
+from conveyor.shared.model_files import read_model_config, resolve_model
+from conveyor.worker.loader import load_model
+
+CASES = [("awq", 32, False), ("awq", 128, False), ("gptq", 64, False), ("gptq", 128, True),
+         ("gptq", 32, True)]
+
+
+@pytest.mark.parametrize("fmt,group,act_order", CASES)
+def test_int4_checkpoint_matches_transformers_on_dequantized_weights(tmp_path, fmt, group,
+                                                                     act_order):
+    from test_models import greedy, hf_greedy, pool_for, run_step
+    from transformers import AutoModelForCausalLM
+
+    src = make_tiny_model("qwen3", tmp_path / "src", hidden_size=128, intermediate_size=256,
+                          head_dim=32)
+    write_int4(src, tmp_path / "q", tmp_path / "ref", fmt, group, act_order)
+    files = resolve_model(str(tmp_path / "q"))
+    config = read_model_config(files)
+    assert config.quantization == fmt
+    ours = load_model(config, files, torch.float32, "cpu", quantization=fmt)
+    qkv = ours.model.layers[0].self_attn.qkv_proj
+    assert qkv.weight.dtype == torch.int32 and qkv.weight_scale.shape[1] == 128 // group
+    assert (qkv.weight_perm is not None) == act_order
+    assert ours.quant_report.prequantized
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path / "ref", dtype=torch.float32).eval()
+
+    prompt = torch.randint(3, 256, (23,), generator=torch.Generator().manual_seed(1)).tolist()
+    logits = run_step(ours, pool_for(ours), {0: prompt}, [(0, len(prompt))], 0)[0]
+    with torch.no_grad():
+        want = ref(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(logits, want, atol=1e-4, rtol=1e-4)
+    eos = config.eos_token_ids[0]
+    got = [t[:t.index(eos) + 1] if eos in t else t for t in greedy(ours, [prompt], 10)]
+    assert got == hf_greedy(ref, [prompt], 10)
+
+
+def test_pack_unpack_and_reference():
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (24, 64), generator=gen, dtype=torch.uint8)
+    words = pack_int4(q)
+    assert words.dtype == torch.int32 and words.shape == (24, 8)
+    assert torch.equal(unpack_int4(words), q)
+    scale, zero = torch.rand(24, 2, generator=gen), torch.randint(0, 16, (24, 2)).float()
+    w = (q.float().view(24, 2, 32) - zero[..., None]) * scale[..., None]
+    assert torch.equal(dequantize_int4(words, scale, zero, torch.float32), w.view(24, 64))
+    x = torch.randn(3, 64, generator=gen)
+    perm = torch.randperm(64, generator=gen)
+    torch.testing.assert_close(w4a16_ref(x, words, scale, zero, None, perm),
+                               x[:, perm] @ w.view(24, 64).t())
+
+
+def test_llm_serves_a_gptq_checkpoint(tmp_path):
+    """The whole engine (LLM, CPU) on an act-order GPTQ checkpoint: transformers' tokens on the
+    dequantized weights, and the report names the layers loaded in 4 bits."""
+    from transformers import AutoModelForCausalLM
+
+    from conveyor import LLM, SamplingParams
+
+    src = make_tiny_model("llama", tmp_path / "src", hidden_size=128, intermediate_size=256,
+                          head_dim=32)
+    write_int4(src, tmp_path / "q", tmp_path / "ref", "gptq", 64, act_order=True)
+    llm = LLM(model=str(tmp_path / "q"), device="cpu", skip_tokenizer_init=True,
+              kv_cache_memory_bytes=16 << 20, max_model_len=128)
+    assert "loaded 8 layers in gptq from the checkpoint" in llm.quantization_report.summary()
+    prompts = [[5, 17, 99, 3, 250, 41, 8], [7] * 20]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=10))
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path / "ref", dtype=torch.float32).eval()
+    for p, out in zip(prompts, outs):
+        with torch.no_grad():
+            want = ref.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False,
+                                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                pad_token_id=0)[0, len(p):].tolist()
+        assert out.outputs[0].token_ids == want
