@@ -31,6 +31,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         if kind is bool:
             parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default)
             continue
+        if typing.get_origin(kind) is tuple:                 # a list: --flag a b c
+            parser.add_argument(*flags, type=typing.get_args(kind)[0], nargs="*",
+                                default=f.default, metavar=f.name.upper())
+            continue
         base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
         parser.add_argument(*flags, type=base, default=f.default, metavar=f.name.upper())
 

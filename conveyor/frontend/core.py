@@ -23,6 +23,7 @@ import msgspec
 from conveyor.frontend.detokenizer import IncrementalDetokenizer, backend_of
 from conveyor.frontend.tokenizer import apply_chat_template, check_token_ids
 from conveyor.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from conveyor.shared.lora import LoRARegistry, LoRARequest
 from conveyor.shared.messages.client import GenerateRequest
 from conveyor.shared.messages.engine import (
     Abort,
@@ -73,6 +74,7 @@ class FrontendCore:
     timeout_s: float | None = None           # a request open longer than this fails (408)
     metrics: object | None = None            # ServerMetrics, or None
     max_n: int | None = None                 # a request's n beyond this is refused (400)
+    loras: LoRARegistry | None = None        # the adapters requests may name (None: LoRA off)
     state: str = STARTING
     open: dict[str, _Request] = field(default_factory=dict)
     _stats_waiters: deque = field(default_factory=deque)
@@ -95,6 +97,7 @@ class FrontendCore:
         if self.max_open is not None and len(self.open) >= self.max_open:
             raise RequestError(f"the server is at its cap of {self.max_open} open requests", 429)
         try:
+            lora = self.resolve_lora(req.options.lora)
             text, token_ids, params = self.prepare(req, fit_context)
         except ValueError as e:
             raise RequestError(str(e)) from None
@@ -117,8 +120,17 @@ class FrontendCore:
         for i in range(params.n):
             self.send(AddRequest(id=f"{rid}/{i}", token_ids=token_ids,
                                  sampling=_sample_params(params, i), options=req.options,
-                                 arrival=arrival))
+                                 arrival=arrival, lora=lora))
         return rid
+
+    def resolve_lora(self, name: str | None) -> LoRARequest | None:
+        """The adapter a request names (None: the base model), or ValueError."""
+        if name is None:
+            return None
+        if self.loras is None:
+            raise ValueError(f"lora {name!r}: LoRA adapters are not enabled on this engine "
+                             f"(--enable-lora)")
+        return self.loras.resolve(name)
 
     def prepare(self, req: GenerateRequest, fit_context: bool
                 ) -> tuple[str | None, list[int], SamplingParams]:

@@ -1,0 +1,148 @@
+"""Multi-LoRA against transformers + peft: adapters made and saved by peft (random A, non-zero
+B) on a tiny random Llama; greedy tokens through conveyor equal peft's for each adapter alone,
+for one batch mixing several adapters and the base model, with fewer device slots than adapters
+(LRU swapping), and with the prefix cache on (an adapter never reuses another's KV).
+"""
+import pytest
+import torch
+from models_util import make_tiny_adapter, make_tiny_model, peft_model
+
+from conveyor import LLM, LoRARequest, SamplingParams
+
+NEW = 8
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+PROMPTS = [[5, 17, 200, 31, 9, 9, 40], list(range(40, 77)), [249, 0, 1], [3] * 20]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """(base folder, {name: adapter folder}): four adapters of different ranks, scales and
+    targets (one rsLoRA, one on attention only, one on the MLP only)."""
+    root = tmp_path_factory.mktemp("lora")
+    base = make_tiny_model("llama", root / "base", vocab_size=256)
+    specs = {"all": dict(r=8, alpha=16), "attn": dict(r=4, alpha=8, targets=("q_proj",
+                                                                             "v_proj", "o_proj")),
+             "mlp": dict(r=16, alpha=8, targets=("gate_proj", "up_proj", "down_proj")),
+             "rs": dict(r=2, alpha=4, use_rslora=True, targets=("k_proj", "q_proj", "down_proj"))}
+    adapters = {name: make_tiny_adapter(base, root / name, seed=i, **spec)
+                for i, (name, spec) in enumerate(specs.items())}
+    return base, adapters
+
+
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+                             attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def expected(models):
+    """{adapter name or None: greedy tokens of each prompt} from transformers (+ peft)."""
+    from transformers import AutoModelForCausalLM
+
+    base, adapters = models
+    hf = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    out = {None: [hf_greedy(hf, p, NEW) for p in PROMPTS]}
+    for name, path in adapters.items():
+        model = peft_model(base, path)
+        out[name] = [hf_greedy(model, p, NEW) for p in PROMPTS]
+        assert out[name] != out[None]          # the adapter changes the output
+    return out
+
+
+def lora_requests(adapters) -> dict[str, LoRARequest]:
+    return {name: LoRARequest(name, i + 1, str(path)) for i, (name, path) in
+            enumerate(adapters.items())}
+
+
+def make_llm(base, **kw) -> LLM:
+    return LLM(str(base), skip_tokenizer_init=True, block_size=4, enable_lora=True,
+               **{"max_lora_rank": 16, **kw})
+
+
+def test_each_adapter_alone_matches_peft(models, expected):
+    base, adapters = models
+    llm = make_llm(base, max_loras=1)
+    for name, lora in lora_requests(adapters).items():
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=lora)
+        assert [o.outputs[0].token_ids for o in outs] == expected[name], name
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected[None]
+
+
+@pytest.mark.parametrize("max_loras,async_scheduling", [(4, True), (2, True), (2, False)])
+def test_mixed_batch_matches_peft(models, expected, max_loras, async_scheduling):
+    """Every prompt under every adapter and the base, interleaved, in one generate call: with
+    4 slots one step holds all of them; with 2, requests wait for a slot and adapters are
+    swapped in and out (LRU, on the device and in the host cache alike)."""
+    base, adapters = models
+    llm = make_llm(base, max_loras=max_loras, max_cpu_loras=max_loras,
+                   async_scheduling=async_scheduling, max_num_seqs=4)
+    loras = [None, *lora_requests(adapters).values()]
+    pairs = [(p, i, lora) for i, p in enumerate(PROMPTS) for lora in loras]
+    outs = llm.generate([p for p, _, _ in pairs], GREEDY, use_tqdm=False,
+                        lora_request=[lora for _, _, lora in pairs])
+    got = [o.outputs[0].token_ids for o in outs]
+    want = [expected[None if lora is None else lora.lora_name][i] for _, i, lora in pairs]
+    assert got == want
+    manager = llm.runner.lora
+    if max_loras < len(adapters):
+        assert manager.num_loads > len(adapters)     # adapters were evicted and loaded again
+    else:
+        assert manager.num_loads == len(adapters)
+    assert len(manager.resident) <= max_loras and len(manager.host) <= max_loras
+
+
+def test_prefix_cache_is_per_adapter(models, expected):
+    """The same prompt under two adapters and the base, one after the other with the prefix
+    cache on: each run computes its own KV (a shared block would change the tokens)."""
+    base, adapters = models
+    llm = make_llm(base, max_loras=2, enable_prefix_caching=True)
+    loras = lora_requests(adapters)
+    for lora in (None, loras["all"], loras["mlp"], None, loras["all"]):
+        [out] = llm.generate([PROMPTS[3]], GREEDY, use_tqdm=False, lora_request=lora)
+        assert out.outputs[0].token_ids == expected[
+            None if lora is None else lora.lora_name][3]
+    # the repeats hit the cache of their own adapter
+    assert out.metrics.num_cached_tokens > 0
+
+
+def test_bad_adapters_are_refused_and_lose_nothing(models, expected, tmp_path):
+    base, adapters = models
+    llm = make_llm(base, max_lora_rank=8, max_loras=1)
+    loras = lora_requests(adapters)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=loras["all"])
+    assert [o.outputs[0].token_ids for o in outs] == expected["all"]
+    too_big = LoRARequest("mlp", 3, str(adapters["mlp"]))                 # rank 16 > 8
+    with pytest.raises(ValueError, match="rank 16 exceeds max_lora_rank 8"):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=too_big)
+    other = make_tiny_model("llama", tmp_path / "other", hidden_size=32, head_dim=8)
+    wrong = make_tiny_adapter(other, tmp_path / "wrong", r=4)
+    with pytest.raises(ValueError, match="shape"):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=LoRARequest("w", 9,
+                                                                                str(wrong)))
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "adapter_config.json").write_text("{")
+    (tmp_path / "broken" / "adapter_model.safetensors").write_bytes(b"junk")
+    with pytest.raises(ValueError, match="unreadable"):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False,
+                     lora_request=LoRARequest("b", 10, str(tmp_path / "broken")))
+    with pytest.raises(ValueError, match="already used"):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False,
+                     lora_request=LoRARequest("again", 1, str(adapters["attn"])))
+    # the engine is intact: the base and a good adapter still give the right tokens
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=loras["all"])
+    assert [o.outputs[0].token_ids for o in outs] == expected["all"]
+    assert llm.engine.stats().integrity_ok
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected[None]
+
+
+def test_lora_needs_enable_lora(models):
+    base, adapters = models
+    llm = LLM(str(base), skip_tokenizer_init=True)
+    with pytest.raises(ValueError, match="enable_lora"):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False,
+                     lora_request=LoRARequest("all", 1, str(adapters["all"])))
