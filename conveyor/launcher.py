@@ -26,6 +26,7 @@ from conveyor.frontend.server import frontend_main
 from conveyor.scheduler.policy import make_policy
 from conveyor.scheduler.process import scheduler_main
 from conveyor.shared.config import EngineConfig, HttpConfig, ModelConfig, ServeConfig
+from conveyor.shared.lora import lora_registry
 from conveyor.shared.messages.control import Drain, Drained, EngineDead, FrontendDead, Ready
 from conveyor.shared.model_files import DEFAULT_MODEL_NAME, read_model_config, resolve_model
 from conveyor.shared.process import child_main
@@ -74,12 +75,15 @@ def serve(engine: EngineConfig, http: HttpConfig, *, host: str = "127.0.0.1", zm
     choose (device "auto", the token budget) is chosen by EngineConfig.with_defaults in the
     workers, which import torch anyway, and in the scheduler from worker 0's device: this
     long-lived process never imports torch."""
-    num_frontends = num_frontends or default_frontends()
+    # NOTE: runtime adapter loading keeps one table of adapters: one frontend
+    num_frontends = num_frontends or (1 if engine.allow_runtime_lora_updating
+                                      else default_frontends())
     model = read_model_config(resolve_model(engine.model))
     check_tensor_parallel(model, engine.tensor_parallel_size)
     max_model_len(engine, model)
     try:
         make_policy(engine.scheduling_policy)    # the scheduler process loads it again
+        lora_registry(engine, model)             # --lora-modules checked before anything starts
     except ValueError as e:
         raise LaunchError(str(e)) from None
     reserved = None

@@ -21,6 +21,7 @@ from conveyor.frontend.core import DEAD, DRAINING, READY, FrontendCore, RequestE
 from conveyor.frontend.tokenizer import load_tokenizer
 from conveyor.outputs import RequestOutput
 from conveyor.shared.config import ServeConfig
+from conveyor.shared.lora import lora_registry
 from conveyor.shared.messages.client import CancelRequest, ErrorReply, GenerateRequest
 from conveyor.shared.messages.control import Drain, Drained, EngineDead, Ready, Shutdown
 from conveyor.shared.messages.engine import Stats, StatsRequest, TokenOutputs
@@ -52,9 +53,15 @@ def frontend_main(ctx: zmq.Context, control: Socket, cfg: ServeConfig, index: in
     core = FrontendCore(tokenizer, model.vocab_size, max_model_len(cfg.engine, model),
                         f"f{index}-", lambda msg: None,
                         None if share is None else -(-share // cfg.num_frontends),
-                        cfg.http.request_timeout, metrics, cfg.http.max_n)
+                        cfg.http.request_timeout, metrics, cfg.http.max_n,
+                        loras=lora_registry(cfg.engine, model, model_names(cfg)))
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(Frontend(cfg, index, core, metrics).run(ctx, control))
+
+
+def model_names(cfg: ServeConfig) -> tuple[str, ...]:
+    """The names clients may call the base model by."""
+    return cfg.http.served_model_names or (cfg.engine.model or DEFAULT_MODEL_NAME,)
 
 
 class Frontend:
@@ -152,8 +159,9 @@ class Frontend:
         from conveyor.frontend.routes import build_app
 
         h = self.cfg.http
-        names = h.served_model_names or (self.cfg.engine.model or DEFAULT_MODEL_NAME,)
-        app = Guard(build_app(self.core, names, h.max_n, self.metrics, h.cache_salt_per_api_key),
+        app = Guard(build_app(self.core, model_names(self.cfg), h.max_n, self.metrics,
+                              h.cache_salt_per_api_key,
+                              self.cfg.engine.allow_runtime_lora_updating),
                     h.api_keys,
                     None if h.rate_limit is None else h.rate_limit / self.cfg.num_frontends,
                     h.rate_limit_burst, h.max_body_bytes, self.metrics)

@@ -19,7 +19,7 @@ def models(tmp_path_factory):
     """(base folder, {name: adapter folder}): four adapters of different ranks, scales and
     targets (one rsLoRA, one on attention only, one on the MLP only)."""
     root = tmp_path_factory.mktemp("lora")
-    base = make_tiny_model("llama", root / "base", vocab_size=256)
+    base = make_tiny_model("llama", root / "base", max_position_embeddings=512)
     specs = {"all": dict(r=8, alpha=16), "attn": dict(r=4, alpha=8, targets=("q_proj",
                                                                              "v_proj", "o_proj")),
              "mlp": dict(r=16, alpha=8, targets=("gate_proj", "up_proj", "down_proj")),
@@ -146,3 +146,89 @@ def test_lora_needs_enable_lora(models):
     with pytest.raises(ValueError, match="enable_lora"):
         llm.generate(PROMPTS, GREEDY, use_tqdm=False,
                      lora_request=LoRARequest("all", 1, str(adapters["all"])))
+
+
+# --- served: HTTP, the ZMQ client, runtime loading, tensor parallel -------------------------
+
+def _completion(server, model: str, prompt: list[int]):
+    import httpx
+
+    return httpx.post(server.http + "/v1/completions", timeout=60, json={
+        "model": model, "prompt": prompt, "max_tokens": NEW, "temperature": 0,
+        "ignore_eos": True})
+
+
+@pytest.mark.slow
+def test_served_adapters_over_http_and_zmq(models, expected, tmp_path):
+    """/v1/models lists the adapters under the base; a completion names its adapter as its
+    model; adapters load and unload at run time; bad ones get a 400 and the server goes on."""
+    import httpx
+    from serve_util import start_server
+
+    from conveyor.client import Client
+
+    base, adapters = models
+    server = start_server("--model", str(base), "--skip-tokenizer-init", "--enable-lora",
+                          "--max-loras", "2", "--lora-modules", f"all={adapters['all']}",
+                          f"attn={adapters['attn']}", "--allow-runtime-lora-updating",
+                          "--served-model-name", "tiny")
+    try:
+        listed = httpx.get(server.http + "/v1/models", timeout=30).json()["data"]
+        assert [(m["id"], m["parent"]) for m in listed] == [
+            ("tiny", None), ("all", "tiny"), ("attn", "tiny")]
+        for model, name in (("tiny", None), ("all", "all"), ("attn", "attn")):
+            r = _completion(server, model, PROMPTS[0])
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["token_ids"] == expected[name][0]
+        r = _completion(server, "mlp", PROMPTS[0])
+        assert r.status_code == 400 and "does not exist" in r.json()["error"]["message"]
+
+        load, unload = server.http + "/v1/load_lora_adapter", server.http + "/v1/unload_lora_adapter"
+        r = httpx.post(load, json={"lora_name": "mlp", "lora_path": str(adapters["mlp"])})
+        assert r.status_code == 200, r.text
+        r = _completion(server, "mlp", PROMPTS[1])
+        assert r.json()["choices"][0]["token_ids"] == expected["mlp"][1]
+        for body, says in (({"lora_name": "mlp", "lora_path": str(adapters["rs"])}, "already"),
+                           ({"lora_name": "x", "lora_path": str(tmp_path)}, "not a PEFT"),
+                           ({"lora_name": "tiny", "lora_path": str(adapters["rs"])}, "base"),
+                           ({"lora_name": "x"}, "lora_path")):
+            r = httpx.post(load, json=body)
+            assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
+        assert httpx.post(unload, json={"lora_name": "mlp"}).status_code == 200
+        assert _completion(server, "mlp", PROMPTS[1]).status_code == 400
+        assert httpx.post(unload, json={"lora_name": "mlp"}).status_code == 404
+
+        with Client(server.addresses[0], timeout=60) as client:
+            [out] = client.generate([PROMPTS[2]], GREEDY, lora="attn")
+            assert out.outputs[0].token_ids == expected["attn"][2]
+            [out] = client.generate([PROMPTS[2]], GREEDY)
+            assert out.outputs[0].token_ids == expected[None][2]
+            with pytest.raises(Exception, match="unknown LoRA adapter 'mlp'"):
+                client.generate([PROMPTS[2]], GREEDY, lora="mlp")
+        r = _completion(server, "all", PROMPTS[3])            # still serving
+        assert r.json()["choices"][0]["token_ids"] == expected["all"][3]
+    finally:
+        server.kill_all()
+
+
+@pytest.mark.slow
+def test_tp2_shards_adapters_like_the_base(models, expected):
+    """--tp 2 on CPU (gloo): column-parallel layers keep B's rows of their heads (q, k, v) or
+    features (gate, up), row-parallel ones A's columns (o, down), added before the base's
+    all-reduce: the same greedy tokens as transformers + peft, base and adapters mixed."""
+    from serve_util import start_server
+
+    from conveyor.client import Client
+
+    base, adapters = models
+    server = start_server("--model", str(base), "--skip-tokenizer-init", "--tp", "2",
+                          "--port", "-1", "--enable-lora", "--max-loras", "2", "--lora-modules",
+                          *[f"{n}={p}" for n, p in adapters.items()])
+    try:
+        with Client(server.addresses[0], timeout=120) as client:
+            for name in ("all", None, "rs", "mlp", "attn"):
+                options = {} if name is None else {"lora": name}
+                outs = client.generate(PROMPTS, GREEDY, **options)
+                assert [o.outputs[0].token_ids for o in outs] == expected[name], name
+    finally:
+        server.kill_all()
