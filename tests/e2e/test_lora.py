@@ -232,3 +232,73 @@ def test_tp2_shards_adapters_like_the_base(models, expected):
                 assert [o.outputs[0].token_ids for o in outs] == expected[name], name
     finally:
         server.kill_all()
+
+
+def top5_tokens(model, ids: list[int], n: int) -> tuple[list[int], list[list[int]]]:
+    """Greedy tokens and each step's top 5, from transformers (+ peft)."""
+    with torch.no_grad():
+        out = model.generate(input_ids=torch.tensor([ids], device=model.device),
+                             max_new_tokens=n, do_sample=False, output_scores=True,
+                             return_dict_in_generate=True, eos_token_id=None, pad_token_id=0,
+                             attention_mask=torch.ones(1, len(ids), dtype=torch.long,
+                                                       device=model.device))
+    return (out.sequences[0, len(ids):].tolist(),
+            [s[0].float().topk(5).indices.tolist() for s in out.scores])
+
+
+def assert_close_to(reference: tuple[list[int], list[list[int]]], out) -> None:
+    """Greedy tokens equal, or at the first divergence each side's token in the other's top 5
+    (STYLE.md's rule, for runs whose arithmetic differs: quantized weights, bf16)."""
+    tokens, tops = reference
+    for i, (a, b) in enumerate(zip(tokens, out.token_ids, strict=True)):
+        if a != b:
+            assert a in out.logprobs[i] and b in tops[i], (i, a, b)
+            return
+
+
+def test_int8_base_with_adapters(models):
+    """Weights quantized to int8 (W8A16), adapters in full precision: close to peft on the
+    full-precision model, and each adapter still changes the output."""
+    base, adapters = models
+    loras = lora_requests(adapters)
+    llm = make_llm(base, max_loras=2, quantization="int8", keep_precision="")
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, logprobs=5)
+    plain = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    for name in ("all", "mlp"):
+        outs = llm.generate(PROMPTS, params, use_tqdm=False, lora_request=loras[name])
+        assert [o.outputs[0].token_ids for o in outs] != plain
+        model = peft_model(base, adapters[name])
+        for p, out in zip(PROMPTS, outs):
+            assert_close_to(top5_tokens(model, p, NEW), out.outputs[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_gpu_mixed_batch_with_cuda_graphs(models):
+    """bf16 on the GPU, the Triton kernels, decode and mixed steps replayed from CUDA graphs:
+    close to peft in bf16 on the same GPU for each adapter and the base in one batch, and
+    token for token what the same engine gives eagerly."""
+    base, adapters = models
+    loras = [None, *lora_requests(adapters).values()]
+    pairs = [(p, lora) for p in PROMPTS for lora in loras]
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, logprobs=5)
+    runs = {}
+    for eager in (False, True):
+        llm = LLM(str(base), skip_tokenizer_init=True, device="cuda", enable_lora=True,
+                  max_loras=4, max_lora_rank=16, enforce_eager=eager, max_model_len=256,
+                  gpu_memory_utilization=0.3)
+        runs[eager] = llm.generate([p for p, _ in pairs], params, use_tqdm=False,
+                                   lora_request=[lora for _, lora in pairs])
+        del llm
+        torch.cuda.empty_cache()
+    assert ([o.outputs[0].token_ids for o in runs[False]]
+            == [o.outputs[0].token_ids for o in runs[True]])
+    from transformers import AutoModelForCausalLM
+
+    hf = {None: AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16).cuda().eval()}
+    for lora in loras[1:]:
+        hf[lora.lora_name] = peft_model(base, adapters[lora.lora_name]).to(
+            "cuda", torch.bfloat16).eval()
+    for (p, lora), out in zip(pairs, runs[False]):
+        assert_close_to(top5_tokens(hf[None if lora is None else lora.lora_name], p, NEW),
+                        out.outputs[0])
