@@ -4,7 +4,8 @@ Blocks are handed out from a free queue; a full block whose KV is computed is re
 chained sha256 of (parent hash, its token ids), so a later request with the same prefix reuses
 it; a hit is confirmed by comparing the tokens. The chain starts at a root made from the
 instance's salt, the request's cache_salt and its LoRA adapter's id, so requests with different
-salts (tenants) or adapters never share a block. With a hash key the hashes are HMAC-SHA256 under it, unpredictable from outside.
+salts (tenants) or adapters never share a block. With a hash key the hashes are HMAC-SHA256
+under it, unpredictable from outside.
 Freed cached blocks stay findable until the free queue hands them out again (LRU).
 """
 from __future__ import annotations

@@ -87,12 +87,12 @@ def check_adapter(path: str | Path, model: ModelConfig, max_rank: int) -> Adapte
         raise ValueError(f"{config_file}: not a JSON object")
     if cfg.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{folder}: peft_type {cfg.get('peft_type')!r} is not LORA")
-    for key, ok in (("bias", lambda v: v in (None, "none")), ("use_dora", lambda v: not v),
-                    ("fan_in_fan_out", lambda v: not v), ("lora_bias", lambda v: not v), ("modules_to_save", lambda v: not v),
-                    ("rank_pattern", lambda v: not v), ("alpha_pattern", lambda v: not v),
-                    ("layers_to_transform", lambda v: v is None)):
-        if not ok(cfg.get(key)):
+    for key in ("use_dora", "fan_in_fan_out", "lora_bias", "modules_to_save", "rank_pattern",
+                "alpha_pattern", "layers_to_transform"):
+        if cfg.get(key):
             raise ValueError(f"{folder}: {key}={cfg[key]!r} is not supported")
+    if cfg.get("bias") not in (None, "none"):
+        raise ValueError(f"{folder}: bias={cfg['bias']!r} is not supported")
     rank, alpha = cfg.get("r"), cfg.get("lora_alpha", cfg.get("r"))
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
         raise ValueError(f"{folder}: r must be a positive integer, got {rank!r}")

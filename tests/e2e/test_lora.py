@@ -183,7 +183,8 @@ def test_served_adapters_over_http_and_zmq(models, expected, tmp_path):
         r = _completion(server, "mlp", PROMPTS[0])
         assert r.status_code == 400 and "does not exist" in r.json()["error"]["message"]
 
-        load, unload = server.http + "/v1/load_lora_adapter", server.http + "/v1/unload_lora_adapter"
+        load = server.http + "/v1/load_lora_adapter"
+        unload = server.http + "/v1/unload_lora_adapter"
         r = httpx.post(load, json={"lora_name": "mlp", "lora_path": str(adapters["mlp"])})
         assert r.status_code == 200, r.text
         r = _completion(server, "mlp", PROMPTS[1])

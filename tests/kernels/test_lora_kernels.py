@@ -5,7 +5,10 @@ import numpy as np
 import pytest
 import torch
 
-pytestmark = pytest.mark.gpu
+from conveyor.kernels import interpreting
+
+pytestmark = [pytest.mark.gpu, pytest.mark.interpreter]
+DEV = "cpu" if interpreting() and not torch.cuda.is_available() else "cuda"
 
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=2e-2, rtol=2e-2),
        torch.bfloat16: dict(atol=6e-2, rtol=6e-2)}
@@ -14,23 +17,23 @@ TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=2e-2,
 def run_both(dtype, num_tokens, slices, k, slots, rank, token_slots):
     from conveyor.kernels.lora import group_by_slot, lora_expand, lora_ref, lora_shrink
 
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(num_tokens, k, device="cuda", generator=g).to(dtype)
-    A = torch.zeros(slots, len(slices), 16 if rank <= 16 else 64, k, device="cuda", dtype=dtype)
-    A[:, :, :rank] = (torch.randn(slots, len(slices), rank, k, device="cuda", generator=g)
+    g = torch.Generator(device=DEV).manual_seed(0)
+    x = torch.randn(num_tokens, k, device=DEV, generator=g).to(dtype)
+    A = torch.zeros(slots, len(slices), 16 if rank <= 16 else 64, k, device=DEV, dtype=dtype)
+    A[:, :, :rank] = (torch.randn(slots, len(slices), rank, k, device=DEV, generator=g)
                       / k ** 0.5).to(dtype)
-    B = torch.zeros(slots, sum(slices), A.shape[2], device="cuda", dtype=dtype)
-    B[:, :, :rank] = torch.randn(slots, sum(slices), rank, device="cuda", generator=g).to(dtype)
-    y = torch.randn(num_tokens, sum(slices), device="cuda", generator=g).to(dtype)
+    B = torch.zeros(slots, sum(slices), A.shape[2], device=DEV, dtype=dtype)
+    B[:, :, :rank] = torch.randn(slots, sum(slices), rank, device=DEV, generator=g).to(dtype)
+    y = torch.randn(num_tokens, sum(slices), device=DEV, generator=g).to(dtype)
     ts = np.asarray(token_slots, dtype=np.int64)
     order, starts = group_by_slot(ts, slots)
-    order_d, starts_d = torch.from_numpy(order).cuda(), torch.from_numpy(starts).cuda()
+    order_d, starts_d = torch.from_numpy(order).to(DEV), torch.from_numpy(starts).to(DEV)
     offsets = torch.tensor(np.concatenate([[0], np.cumsum(slices)]), dtype=torch.int32,
-                           device="cuda")
+                           device=DEV)
     got = y.clone()
     h = lora_shrink(x, A, order_d, starts_d)
     lora_expand(got, h, B, offsets, max(slices), order_d, starts_d)
-    want = lora_ref(y.clone(), x, A, B, list(slices), torch.from_numpy(ts).cuda(),
+    want = lora_ref(y.clone(), x, A, B, list(slices), torch.from_numpy(ts).to(DEV),
                     sorted(set(token_slots) - {-1}))
     return got, want
 
@@ -65,16 +68,18 @@ def test_prefill_runs_and_base_only(dtype):
 def test_graph_replay_reads_new_slots():
     """Captured once with no adapter, replayed with new slot assignments copied into the same
     buffers: the replay follows the buffers (as StepGraphs does)."""
+    if DEV == "cpu":
+        pytest.skip("CUDA graphs need a GPU")
     from conveyor.kernels.lora import group_by_slot, lora_expand, lora_ref, lora_shrink
 
     t, k, slices, slots = 16, 64, [48], 2
-    x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
-    A = torch.randn(slots, 1, 16, k, device="cuda", dtype=torch.bfloat16) / 8
-    B = torch.randn(slots, 48, 16, device="cuda", dtype=torch.bfloat16)
-    offsets = torch.tensor([0, 48], dtype=torch.int32, device="cuda")
-    order = torch.zeros(t, dtype=torch.long, device="cuda")
-    starts = torch.zeros(slots + 1, dtype=torch.long, device="cuda")
-    y = torch.zeros(t, 48, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(t, k, device=DEV, dtype=torch.bfloat16)
+    A = torch.randn(slots, 1, 16, k, device=DEV, dtype=torch.bfloat16) / 8
+    B = torch.randn(slots, 48, 16, device=DEV, dtype=torch.bfloat16)
+    offsets = torch.tensor([0, 48], dtype=torch.int32, device=DEV)
+    order = torch.zeros(t, dtype=torch.long, device=DEV)
+    starts = torch.zeros(slots + 1, dtype=torch.long, device=DEV)
+    y = torch.zeros(t, 48, device=DEV, dtype=torch.bfloat16)
 
     def step():
         y.zero_()
@@ -89,5 +94,5 @@ def test_graph_replay_reads_new_slots():
     order.copy_(torch.from_numpy(o))
     starts.copy_(torch.from_numpy(s))
     graph.replay()
-    want = lora_ref(torch.zeros_like(y), x, A, B, slices, torch.from_numpy(ts).cuda(), [0, 1])
+    want = lora_ref(torch.zeros_like(y), x, A, B, slices, torch.from_numpy(ts).to(DEV), [0, 1])
     torch.testing.assert_close(y, want, **TOL[torch.bfloat16])
