@@ -74,7 +74,8 @@ class LLM:
             return None
         if self.core.loras is None:
             raise ValueError("lora_request needs an engine with enable_lora=True")
-        self.core.loras.add(lora)
+        # a path given as a Path travels as text
+        self.core.loras.add(LoRARequest(lora.lora_name, lora.lora_int_id, str(lora.lora_path)))
         return lora.lora_name
 
     def chat(self, messages: list[dict] | list[list[dict]],

@@ -303,3 +303,41 @@ def test_gpu_mixed_batch_with_cuda_graphs(models):
     for (p, lora), out in zip(pairs, runs[False]):
         assert_close_to(top5_tokens(hf[None if lora is None else lora.lora_name], p, NEW),
                         out.outputs[0])
+
+
+@pytest.mark.slow
+def test_default_model_from_gguf(tmp_path):
+    """SmolLM2-135M from its GGUF file (q and k rows un-permuted at load) with an adapter peft
+    made on transformers' load of the same file: the same greedy tokens."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from conveyor.shared.model_files import default_model_path
+
+    path = default_model_path()
+    if not path.is_file():
+        pytest.skip("default model not fetched (make model)")
+
+    def hf():
+        return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                    dtype=torch.float32).eval()
+
+    model = get_peft_model(hf(), LoraConfig(r=8, lora_alpha=16, target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(tmp_path / "adapter")
+    reference = PeftModel.from_pretrained(hf(), tmp_path / "adapter").eval()
+    llm = LLM(enable_lora=True, max_lora_rank=8)
+    lora = LoRARequest("smol", 1, str(tmp_path / "adapter"))
+    texts = ["The capital of France is", "def fibonacci(n):"]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = llm.generate(texts, params, use_tqdm=False, lora_request=lora)
+    plain = llm.generate(texts, params, use_tqdm=False)
+    for text, out, base in zip(texts, outs, plain):
+        ids = llm.tokenizer.encode(text)
+        assert out.outputs[0].token_ids == hf_greedy(reference, ids, 12)
+        assert out.outputs[0].token_ids != base.outputs[0].token_ids
