@@ -4,10 +4,11 @@
     llm = LLM()                       # the default model, SmolLM2-135M-Instruct
     print(llm.generate(["Hello"], SamplingParams(max_tokens=20))[0].outputs[0].text)
 """
+from conveyor.shared.lora import LoRARequest
 from conveyor.shared.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "Client", "AsyncClient", "__version__"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "Client", "AsyncClient", "__version__"]
 
 
 def __getattr__(name: str):

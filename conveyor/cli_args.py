@@ -99,6 +99,13 @@ ENGINE_FLAGS: dict[str, tuple[str, str, dict]] = {
     "max_wait_s": ("scheduler", "a request waiting longer than this many seconds goes first "
                                 "(fairness guard)", {"metavar": "SECONDS"}),
     "async_scheduling": ("scheduler", "plan step N+1 while step N runs", {}),
+    "enable_lora": ("lora", "serve LoRA adapters (PEFT folders) on the base model", {}),
+    "lora_modules": ("lora", "adapters served from the start, as NAME=PATH (several)", {}),
+    "max_loras": ("lora", "adapters resident on the device at once (one step's most)", {}),
+    "max_cpu_loras": ("lora", "adapters kept in host memory (default: --max-loras)", {}),
+    "max_lora_rank": ("lora", "adapters of a higher rank are refused", {}),
+    "allow_runtime_lora_updating": ("lora", "POST /v1/load_lora_adapter and "
+                                            "/v1/unload_lora_adapter (one frontend)", {}),
     "tensor_parallel_size": ("parallel", "devices (processes) that split each layer", {}),
     "disable_custom_all_reduce": ("parallel", "all-reduce with NCCL only, not conveyor's "
                                               "one-shot kernel for small messages", {}),
@@ -111,14 +118,12 @@ ENGINE_FLAGS: dict[str, tuple[str, str, dict]] = {
 _ALIASES = {"tensor_parallel_size": ["-tp", "--tp"]}
 GROUPS = {"server": "server", "model": "model", "cache": "KV cache",
           "scheduler": "scheduler", "parallel": "parallel", "quantization": "quantization",
-          "sampling": "sampling", "not built": "not built yet (refused)"}
+          "lora": "LoRA adapters", "sampling": "sampling", "not built": "not built yet (refused)"}
 
 # vLLM flags of features conveyor has not built: (flags, feature, whether it takes a value,
 # values that are what conveyor does anyway and so are accepted)
 NOT_BUILT = [
     (["--speculative-config"], "speculative decoding", True, ()),
-    (["--enable-lora"], "LoRA adapters", False, ()),
-    (["--lora-modules"], "LoRA adapters", True, ()),
     (["--data-parallel-size", "-dp"], "data parallelism (replicas behind one server)", True,
      ("1",)),
     (["--pipeline-parallel-size", "-pp"], "pipeline parallelism", True, ("1",)),
@@ -180,6 +185,10 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = True) ->
         if kind is bool:
             g.add_argument(*flags, action=argparse.BooleanOptionalAction, default=default,
                            help=help)
+            continue
+        if typing.get_origin(kind) is tuple:                 # a list: --flag a b c
+            g.add_argument(*flags, type=typing.get_args(kind)[0], nargs="*", default=default,
+                           metavar=f.name.upper(), help=help)
             continue
         base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
         kw = {"type": base, "metavar": f.name.upper(), **extra}

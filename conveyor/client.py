@@ -152,7 +152,8 @@ class Client:
 
     def generate(self, prompts, sampling_params: SamplingParams | None = None, **options):
         """One prompt -> RequestOutput; a list of prompts -> a list, run concurrently.
-        options: RequestOptions' fields (priority, ttft_slo, tpot_slo, cache_salt)."""
+        options: RequestOptions' fields (priority, ttft_slo, tpot_slo, cache_salt, lora: a
+        LoRA adapter's name)."""
         batch = prompts if is_batch(prompts) else [prompts]
         ids = []
         try:

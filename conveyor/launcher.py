@@ -32,6 +32,7 @@ from conveyor.scheduler.process import scheduler_main
 from conveyor.shared.config import EngineConfig, HttpConfig, ModelConfig, ServeConfig
 from conveyor.shared.engine_port import secure_engine_port
 from conveyor.shared.generation_config import default_sampling
+from conveyor.shared.lora import lora_registry
 from conveyor.shared.messages.control import Drain, Drained, EngineDead, FrontendDead, Ready
 from conveyor.shared.model_files import DEFAULT_MODEL_NAME, read_model_config, resolve_model
 from conveyor.shared.process import child_main, spawning_children
@@ -83,7 +84,9 @@ def serve(engine: EngineConfig, http: HttpConfig, *, host: str = "127.0.0.1", zm
     choose (device "auto", the token budget) is chosen by EngineConfig.with_defaults in the
     workers, which import torch anyway, and in the scheduler from worker 0's device: this
     long-lived process never imports torch."""
-    num_frontends = num_frontends or default_frontends()
+    # NOTE: runtime adapter loading keeps one table of adapters: one frontend
+    num_frontends = num_frontends or (1 if engine.allow_runtime_lora_updating
+                                      else default_frontends())
     files = resolve_model(engine.model, engine.revision)
     model = read_model_config(files)
     check_tensor_parallel(model, engine.tensor_parallel_size)
@@ -94,6 +97,7 @@ def serve(engine: EngineConfig, http: HttpConfig, *, host: str = "127.0.0.1", zm
         if engine.chat_template is not None:
             read_chat_template(engine.chat_template)
         defaults = default_sampling(files, engine.generation_config)
+        lora_registry(engine, model)             # --lora-modules checked before anything starts
     except ValueError as e:
         raise LaunchError(str(e)) from None
     try:

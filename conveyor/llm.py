@@ -17,6 +17,7 @@ from conveyor.frontend.tokenizer import load_tokenizer
 from conveyor.outputs import RequestOutput
 from conveyor.shared.config import EngineConfig
 from conveyor.shared.generation_config import default_sampling
+from conveyor.shared.lora import LoRARequest, lora_registry
 from conveyor.shared.messages import through_wire
 from conveyor.shared.messages.client import GenerateRequest
 from conveyor.shared.messages.engine import Abort, AddRequest
@@ -38,7 +39,8 @@ class LLM:
             self.runner.files, tokenizer, c.chat_template, c.revision)
         self.default_sampling = default_sampling(self.runner.files, c.generation_config)
         self.core = FrontendCore(self.tokenizer, self.runner.model_config.vocab_size,
-                                 self.runner.max_model_len, "", self._send, state=READY)
+                                 self.runner.max_model_len, "", self._send, state=READY,
+                                 loras=lora_registry(self.config, self.runner.model_config))
         self._from_engine: list = []         # outputs the engine gave outside step()
         self._ids = itertools.count()
 
@@ -58,16 +60,32 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: int | Sequence[int] | None = None
+                 use_tqdm: bool = True, priority: int | Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
                  ) -> list[RequestOutput]:
         """priority: one per prompt (or one for all); lower runs first under
-        `scheduling_policy="priority"` (docs/SCHEDULING.md), other policies ignore it."""
+        `scheduling_policy="priority"` (docs/SCHEDULING.md), other policies ignore it.
+        lora_request: the LoRA adapter to run with, one for all prompts or one per prompt (None:
+        the base model); needs enable_lora=True. An adapter is checked and registered under its
+        name the first time it is used."""
         prompts = _as_list(prompts)
         sampling_params = sampling_params or self.get_default_sampling_params()
-        requests = [_request(p, params, RequestOptions(priority=prio)) for p, params, prio in zip(
-            prompts, _per_prompt(sampling_params, len(prompts), "sampling params"),
-            _per_prompt(priority or 0, len(prompts), "priorities"))]
+        loras = _per_prompt(lora_request, len(prompts), "LoRA requests")
+        names = [self._lora_name(lora) for lora in loras]
+        requests = [_request(p, params, RequestOptions(priority=prio, lora=name))
+                    for p, params, prio, name in zip(
+                        prompts, _per_prompt(sampling_params, len(prompts), "sampling params"),
+                        _per_prompt(priority or 0, len(prompts), "priorities"), names)]
         return self._run(requests, use_tqdm)
+
+    def _lora_name(self, lora: LoRARequest | None) -> str | None:
+        if lora is None:
+            return None
+        if self.core.loras is None:
+            raise ValueError("lora_request needs an engine with enable_lora=True")
+        # a path given as a Path travels as text
+        self.core.loras.add(LoRARequest(lora.lora_name, lora.lora_int_id, str(lora.lora_path)))
+        return lora.lora_name
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -184,9 +202,10 @@ def _as_list(prompts) -> list[Prompt]:
 
 def _per_prompt(value, n: int, what: str) -> list:
     """One value for each of n prompts: one given for all, or a sequence of n."""
-    if value is None or isinstance(value, (SamplingParams, int)):
+    if value is None or isinstance(value, (SamplingParams, int, LoRARequest)):
         return [value] * n
     values = list(value)
     if len(values) != n:
         raise ValueError(f"got {len(values)} {what} for {n} prompts")
     return values
+

@@ -134,3 +134,36 @@ def make_tiny_gguf(path, quant: str = "Q8_0", seed: int = 0, **overrides) -> Pat
     writer.write_tensors_to_file()
     writer.close()
     return Path(path)
+
+
+ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def make_tiny_adapter(base, path, seed: int = 0, r: int = 8, alpha: float = 16,
+                      targets=ALL_PROJECTIONS, use_rslora: bool = False, std: float = 0.1) -> Path:
+    """Save a PEFT LoRA adapter for the model folder `base` into `path`: random A and B (peft
+    starts B at zero, which would change nothing), made and saved by peft itself."""
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    base_model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    config = LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets),
+                        use_rslora=use_rslora, lora_dropout=0.0, bias="none")
+    model = get_peft_model(base_model, config)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_A" in name or "lora_B" in name:
+                p.copy_(torch.randn_like(p) * std)
+    path = Path(path)
+    model.save_pretrained(path)
+    return path
+
+
+def peft_model(base, adapter):
+    """transformers + peft: the base model folder with the adapter folder applied, eval mode."""
+    import transformers
+    from peft import PeftModel
+
+    base_model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    return PeftModel.from_pretrained(base_model, adapter).eval()

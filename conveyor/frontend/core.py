@@ -32,6 +32,7 @@ from conveyor.frontend.detokenizer import IncrementalDetokenizer, backend_of
 from conveyor.frontend.tokenizer import apply_chat_template, check_token_ids
 from conveyor.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from conveyor.shared.grammar import check as check_grammar
+from conveyor.shared.lora import LoRARegistry, LoRARequest
 from conveyor.shared.messages.client import GenerateRequest
 from conveyor.shared.messages.engine import (
     Abort,
@@ -86,6 +87,7 @@ class FrontendCore:
     timeout_s: float | None = None           # a request open longer than this fails (408)
     metrics: object | None = None            # ServerMetrics, or None
     max_n: int | None = None                 # a request's n beyond this is refused (400)
+    loras: LoRARegistry | None = None        # the adapters requests may name (None: LoRA off)
     state: str = STARTING
     open: dict[str, _Request] = field(default_factory=dict)
     _stats_waiters: deque = field(default_factory=deque)
@@ -132,7 +134,8 @@ class FrontendCore:
         """prepare(), its refusals as RequestErrors: a ValueError is the client's mistake (400),
         anything else a failure of this request alone (500, logged)."""
         try:
-            return self.prepare(req, fit_context)
+            lora = self.resolve_lora(req.options.lora)
+            return (*self.prepare(req, fit_context), lora)
         except ValueError as e:
             raise RequestError(str(e)) from None
         except Exception as e:
@@ -141,7 +144,8 @@ class FrontendCore:
                                500) from None
 
     def _start(self, req: GenerateRequest, deliver: Callable[[RequestOutput], None],
-               text: str | None, token_ids: list[int], params: SamplingParams) -> str:
+               text: str | None, token_ids: list[int], params: SamplingParams,
+               lora: LoRARequest | None) -> str:
         rid = f"{self.id_prefix}{next(self._ids)}"
         arrival = time.time()
         want_logprobs = params.logprobs is not None
@@ -161,8 +165,17 @@ class FrontendCore:
         for i in range(params.n):
             self.send(AddRequest(id=f"{rid}/{i}", token_ids=token_ids,
                                  sampling=_sample_params(params, i), options=req.options,
-                                 arrival=arrival))
+                                 arrival=arrival, lora=lora))
         return rid
+
+    def resolve_lora(self, name: str | None) -> LoRARequest | None:
+        """The adapter a request names (None: the base model), or ValueError."""
+        if name is None:
+            return None
+        if self.loras is None:
+            raise ValueError(f"lora {name!r}: LoRA adapters are not enabled on this engine "
+                             f"(--enable-lora)")
+        return self.loras.resolve(name)
 
     def prepare(self, req: GenerateRequest, fit_context: bool
                 ) -> tuple[str | None, list[int], SamplingParams]:

@@ -2,7 +2,9 @@
 
 POST /v1/completions, /v1/chat/completions (streamed as server-sent events when asked),
 /tokenize, /detokenize; GET /v1/models, /tokenizer_info, /health, /ping (also POST), /metrics,
-/version. Every frontend process
+/version; with --allow-runtime-lora-updating POST /v1/load_lora_adapter and
+/v1/unload_lora_adapter. A request runs with a LoRA adapter by naming it as its `model`. Every
+frontend process
 serves this app on one shared port, behind `Guard` (auth, rate limit, body cap). Errors are
 OpenAI's error JSON with the right status. The generation routes turn a request into
 GenerateRequests for the FrontendCore; http.py sends back what it delivers.
@@ -62,6 +64,16 @@ class _DetokenizeRequest(msgspec.Struct, kw_only=True):
     tokens: list[int]
 
 
+class _LoadLoRA(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    lora_name: str
+    lora_path: str
+
+
+class _UnloadLoRA(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    lora_name: str
+    lora_int_id: int | None = None
+
+
 class Routes:
     def __init__(self, core: FrontendCore, model_names: tuple[str, ...], max_n: int,
                  metrics=None, salt_per_key: bool = False, defaults: dict | None = None,
@@ -74,15 +86,22 @@ class Routes:
         self.created = int(time.time())
 
     def check_model(self, name: str | None) -> str:
-        if name is not None and name not in self.model_names:
+        """The model a request names: the base (one of its names) or a LoRA adapter."""
+        loras = self.core.loras.adapters if self.core.loras is not None else {}
+        if name is not None and name not in self.model_names and name not in loras:
             raise ApiError(404, f"the model {name!r} does not exist; this server serves "
-                                f"{', '.join(self.model_names)}", "model_not_found", "model")
+                                f"{', '.join([*self.model_names, *loras])}", "model_not_found",
+                           "model")
         return name or self.model_names[0]
 
-    def options(self, request: Request, req) -> RequestOptions:
-        """The request's RequestOptions (the body has each of its fields at the top level); with
-        salt_per_key, its cache salt is inside its API key's own namespace."""
-        given = {name: getattr(req, name) for name in RequestOptions.__struct_fields__}
+    def options(self, request: Request, req, model: str | None = None) -> RequestOptions:
+        """The request's RequestOptions (the body has each of its fields at the top level, and
+        names a LoRA adapter as its model); with salt_per_key, its cache salt is inside its API
+        key's own namespace."""
+        given = {name: getattr(req, name) for name in RequestOptions.__struct_fields__
+                 if name != "lora"}
+        if model is not None and model not in self.model_names:
+            given["lora"] = model
         if self.salt_per_key:
             tenant = request.scope.get("state", {}).get("api_key_index", "none")
             salt = given["cache_salt"]
@@ -103,7 +122,7 @@ class Routes:
             if len(prompts) * params.n > self.max_n:
                 raise ValueError(f"n times the number of prompts must be at most {self.max_n} "
                                  f"(--max-n), got {params.n} x {len(prompts)}")
-            options = self.options(request, req)
+            options = self.options(request, req, model)
         gens = [GenerateRequest(id=str(i), sampling=params, stream=req.stream, options=options,
                                 **({"prompt": p} if isinstance(p, str) else
                                    {"prompt_token_ids": p})) for i, p in enumerate(prompts)]
@@ -121,7 +140,7 @@ class Routes:
             gen = GenerateRequest(id="0", messages=oai.chat_messages(req), tools=req.tools,
                                   chat_template_kwargs=req.chat_template_kwargs,
                                   sampling=params, stream=req.stream,
-                                  options=self.options(request, req))
+                                  options=self.options(request, req, model))
         reads = tools.choice != "none" or self.reasoning is not None
         shape = oai.ChatShape(f"chatcmpl-{uuid.uuid4().hex}", model, req.n,
                               req.top_logprobs or 0, req.prompt_logprobs,
@@ -135,8 +154,30 @@ class Routes:
 
     async def models(self):
         data = [{"id": name, "object": "model", "created": self.created, "owned_by": "conveyor",
-                 "max_model_len": self.core.max_model_len} for name in self.model_names]
+                 "max_model_len": self.core.max_model_len, "root": name, "parent": None}
+                for name in self.model_names]
+        if self.core.loras is not None:
+            data += [{"id": name, "object": "model", "created": self.created,
+                      "owned_by": "conveyor", "max_model_len": self.core.max_model_len,
+                      "root": lora.lora_path, "parent": self.model_names[0]}
+                     for name, lora in self.core.loras.adapters.items()]
         return {"object": "list", "data": data}
+
+    async def load_lora_adapter(self, request: Request):
+        req = _decode(await request.body(), _LoadLoRA)
+        with _bad_request():
+            self.core.loras.add_path(req.lora_name, req.lora_path)
+        return Response(f"Success: LoRA adapter '{req.lora_name}' added successfully.",
+                        media_type="text/plain")
+
+    async def unload_lora_adapter(self, request: Request):
+        req = _decode(await request.body(), _UnloadLoRA)
+        lora = self.core.loras.adapters.get(req.lora_name)
+        if lora is None or req.lora_int_id not in (None, lora.lora_int_id):
+            raise ApiError(404, f"no LoRA adapter {req.lora_name!r} is loaded")
+        self.core.loras.remove(req.lora_name)
+        return Response(f"Success: LoRA adapter '{req.lora_name}' removed successfully.",
+                        media_type="text/plain")
 
     async def health(self):
         if self.core.state != READY:
@@ -194,7 +235,9 @@ class Routes:
 
 def build_app(core: FrontendCore, model_names: tuple[str, ...], max_n: int,
               metrics=None, salt_per_key: bool = False, defaults: dict | None = None,
-              tool_parser: str | None = None, reasoning_parser: str | None = None) -> FastAPI:
+              tool_parser: str | None = None, reasoning_parser: str | None = None,
+              runtime_lora_updating: bool = False) -> FastAPI:
+    """runtime_lora_updating: serve the adapter load and unload routes (needs core.loras)."""
     app = FastAPI(title="conveyor", version=__version__, docs_url=None, redoc_url=None,
                   openapi_url=None)
     routes = Routes(core, model_names, max_n, metrics, salt_per_key, defaults, tool_parser,
@@ -208,6 +251,10 @@ def build_app(core: FrontendCore, model_names: tuple[str, ...], max_n: int,
             ("GET", "/version", routes.version), ("GET", "/metrics", routes.prometheus),
             ("POST", "/tokenize", routes.tokenize), ("POST", "/detokenize", routes.detokenize)):
         app.add_api_route(path, handler, methods=[method])
+    if runtime_lora_updating and core.loras is not None:
+        app.add_api_route("/v1/load_lora_adapter", routes.load_lora_adapter, methods=["POST"])
+        app.add_api_route("/v1/unload_lora_adapter", routes.unload_lora_adapter,
+                          methods=["POST"])
 
     @app.exception_handler(ApiError)
     async def _api_error(request, e: ApiError):

@@ -24,6 +24,7 @@ from conveyor.frontend.tokenizer import load_tokenizer
 from conveyor.frontend.zmq_endpoint import ZmqEndpoint
 from conveyor.shared.config import ServeConfig
 from conveyor.shared.generation_config import default_sampling
+from conveyor.shared.lora import lora_registry
 from conveyor.shared.messages.client import CancelRequest, GenerateRequest
 from conveyor.shared.messages.control import Drain, Drained, EngineDead, Ready, Shutdown
 from conveyor.shared.messages.engine import Stats, StatsRequest, TokenOutputs
@@ -57,7 +58,8 @@ def frontend_main(ctx: zmq.Context, control: Socket, cfg: ServeConfig, index: in
     core = FrontendCore(tokenizer, model.vocab_size, max_model_len(cfg.engine, model),
                         f"f{index}-", lambda msg: None,
                         None if share is None else -(-share // cfg.num_frontends),
-                        cfg.http.request_timeout, metrics, cfg.http.max_n)
+                        cfg.http.request_timeout, metrics, cfg.http.max_n,
+                        loras=lora_registry(cfg.engine, model, served_names(cfg)))
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(Frontend(cfg, index, core, metrics,
                             default_sampling(files, e.generation_config)).run(ctx, control))
@@ -168,7 +170,7 @@ class Frontend:
         app = Guard(build_app(self.core, served_names(self.cfg), h.max_n, self.metrics,
                               h.cache_salt_per_api_key, self.defaults,
                               h.tool_call_parser if h.enable_auto_tool_choice else None,
-                              h.reasoning_parser),
+                              h.reasoning_parser, self.cfg.engine.allow_runtime_lora_updating),
                     h.api_keys, h.rate_limit, h.rate_limit_burst, h.max_body_bytes, self.metrics,
                     buckets_file=str(Path(self.cfg.runtime_dir) / "rate-limit"),
                     metrics_need_api_key=h.metrics_need_api_key)

@@ -3,8 +3,9 @@
 Blocks are handed out from a free queue; a full block whose KV is computed is registered under a
 chained sha256 of (parent hash, its token ids), so a later request with the same prefix reuses
 it; a hit is confirmed by comparing the tokens. The chain starts at a root made from the
-instance's salt and the request's cache_salt, so requests with different salts (tenants) never
-share a block. With a hash key the hashes are HMAC-SHA256 under it, unpredictable from outside.
+instance's salt, the request's cache_salt and its LoRA adapter's id, so requests with different
+salts (tenants) or adapters never share a block. With a hash key the hashes are HMAC-SHA256
+under it, unpredictable from outside.
 Freed cached blocks stay findable until the free queue hands them out again (LRU).
 """
 from __future__ import annotations
@@ -55,7 +56,8 @@ class BlockManager:
         self.salt = salt
         self.hash_key = hash_key
         self._root = block_hash(b"conveyor-prefix-cache", (), salt, hash_key)
-        self._salted_roots: dict[str, bytes] = {}        # cache_salt -> its chain's root
+        # (cache_salt, adapter id) -> its chain's root
+        self._salted_roots: dict[tuple[str | None, int], bytes] = {}
         self.blocks = [Block(i) for i in range(num_blocks)]
         # NOTE: holds exactly the blocks with ref_count 0; the front is handed out first.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
@@ -216,18 +218,24 @@ class BlockManager:
         """Extend req.block_hashes to its first num_blocks full blocks."""
         hashes = req.block_hashes
         for i in range(len(hashes), num_blocks):
-            parent = hashes[i - 1] if i else self._root_of(req.options.cache_salt)
+            parent = hashes[i - 1] if i else self._root_of(
+                req.options.cache_salt, req.lora.lora_int_id if req.lora is not None else 0)
             hashes.append(block_hash(parent, self._tokens(req, i), key=self.hash_key))
 
-    def _root_of(self, cache_salt: str | None) -> bytes:
-        if cache_salt is None:
+    def _root_of(self, cache_salt: str | None, lora_id: int) -> bytes:
+        """The root of the chains of a salt and an adapter (0: the base model). NOTE: the
+        adapter's KV differs from the base's from the first layer on, so its id is part of
+        every hash of its blocks."""
+        if cache_salt is None and not lora_id:
             return self._root
-        root = self._salted_roots.get(cache_salt)
+        root = self._salted_roots.get((cache_salt, lora_id))
         if root is None:
             if len(self._salted_roots) >= 4096:         # a bounded memo, not a registry
                 self._salted_roots.clear()
-            root = block_hash(self._root, (), cache_salt.encode(), self.hash_key)
-            self._salted_roots[cache_salt] = root
+            salt = b"" if cache_salt is None else b"s" + cache_salt.encode()
+            extra = struct.pack("<q", lora_id) + salt
+            root = block_hash(self._root, (), extra, self.hash_key)
+            self._salted_roots[cache_salt, lora_id] = root
         return root
 
     def _tokens(self, req: Request, i: int) -> tuple[int, ...]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from conveyor.shared.lora import LoRARequest
 from conveyor.shared.messages.engine import AddRequest, RequestStats
 from conveyor.shared.request_options import RequestOptions
 from conveyor.shared.sampling_params import SamplingParams
@@ -27,6 +28,7 @@ class Request:
     sampling: SamplingParams
     options: RequestOptions = field(default_factory=RequestOptions)
     arrival: float = 0.0
+    lora: LoRARequest | None = None          # its adapter (None: the base model)
     arrival_index: int = 0                   # order of `add` calls, breaks ties between arrivals
     status: RequestStatus = RequestStatus.WAITING
     # NOTE: the first num_computed_tokens tokens have their KV in the blocks of block_table, or
@@ -48,7 +50,7 @@ class Request:
     def from_message(cls, msg: AddRequest, arrival_index: int = 0) -> Request:
         return cls(
             id=msg.id, token_ids=list(msg.token_ids), prompt_len=len(msg.token_ids),
-            sampling=msg.sampling, options=msg.options, arrival=msg.arrival,
+            sampling=msg.sampling, options=msg.options, arrival=msg.arrival, lora=msg.lora,
             arrival_index=arrival_index, stats=RequestStats(arrival=msg.arrival),
         )
 

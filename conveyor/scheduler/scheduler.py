@@ -303,6 +303,8 @@ class Scheduler:
                 break
             if req.arrival >= cutoff and not self.policy.admit(req, admitted, ctx):
                 continue
+            if not self._lora_fits(req):
+                continue
             use_cache = req.sampling.prompt_logprobs is None   # every position must be computed
             prefix = self.blocks.lookup(req) if use_cache else []
             start = len(prefix) * self.blocks.block_size
@@ -321,7 +323,7 @@ class Scheduler:
                 req.stats.num_cached_tokens = num_cached
             self.running.append(req)
             new.append(NewSeq(req.slot, list(req.token_ids), req.prompt_len, req.sampling,
-                              list(req.block_table), num_cached))
+                              list(req.block_table), num_cached, req.lora))
             batch.append(self._plan(req, num, []))
             budget -= num
             if growth is not None:
@@ -333,6 +335,15 @@ class Scheduler:
                 break
         if admitted:
             self.waiting = [r for r in self.waiting if r.status is WAITING]
+
+    def _lora_fits(self, req: Request) -> bool:
+        """Whether req's adapter can run beside the running requests: a step uses at most
+        max_loras adapters (the workers' device slots), so a request whose adapter would be one
+        too many waits (others behind it may go first) until one of them finishes."""
+        if req.lora is None:
+            return True
+        active = {r.lora.lora_int_id for r in self.running if r.lora is not None}
+        return req.lora.lora_int_id in active or len(active) < self.config.max_loras
 
     def _victims(self, req: Request, num: int, prefix: list[int], growth: int | None,
                  admitted: list[Request], ctx: SchedulingContext

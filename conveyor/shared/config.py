@@ -74,6 +74,14 @@ class EngineConfig:
     # one-shot kernel over symmetric memory (kernels/all_reduce.py); True: NCCL for all of them
     disable_custom_all_reduce: bool = False
     async_scheduling: bool = True            # plan step N+1 while step N runs (overlap)
+    # LoRA adapters (docs/LORA.md): requests pick one by name; the base serves the rest
+    enable_lora: bool = False
+    lora_modules: tuple[str, ...] = ()       # name=path of PEFT adapters served from the start
+    max_loras: int = 1                       # adapters resident on the device (one step's most)
+    max_cpu_loras: int | None = None         # adapters kept in host memory; None: max_loras
+    max_lora_rank: int = 16                  # adapters of higher rank are refused
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (one frontend only)
+    allow_runtime_lora_updating: bool = False
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, rule: str) -> None:
@@ -116,6 +124,18 @@ class EngineConfig:
         check(self.load_format in ("auto", "dummy"), "load_format", "must be 'auto' or 'dummy'")
         check(self.kv_cache_dtype in ("auto", "fp8", "fp8_e4m3"), "kv_cache_dtype",
               "must be 'auto', 'fp8' or 'fp8_e4m3'")
+        check(self.max_loras >= 1, "max_loras", "must be at least 1")
+        check(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
+              "max_cpu_loras", "must be at least max_loras")
+        check(1 <= self.max_lora_rank <= 512, "max_lora_rank", "must be in [1, 512]")
+        check(self.enable_lora or not (self.lora_modules or self.allow_runtime_lora_updating),
+              "enable_lora", "must be set for lora_modules and allow_runtime_lora_updating")
+        if not isinstance(self.lora_modules, tuple):     # a list, or one str
+            object.__setattr__(self, "lora_modules", tuple(
+                [self.lora_modules] if isinstance(self.lora_modules, str) else self.lora_modules))
+        from conveyor.shared.lora import parse_lora_modules
+
+        parse_lora_modules(self.lora_modules)
 
     @property
     def keep_patterns(self) -> tuple[re.Pattern, ...]:
@@ -127,6 +147,11 @@ class EngineConfig:
         if self.dtype != "auto":
             return self.dtype
         return "float32" if self.device == "cpu" else "bfloat16"
+
+    @property
+    def cpu_loras(self) -> int:
+        """Adapters kept in host memory (max_cpu_loras, at least max_loras)."""
+        return self.max_cpu_loras or self.max_loras
 
     @property
     def kv_cache_fp8(self) -> bool:
@@ -379,3 +404,7 @@ class ServeConfig:
             raise ValueError(f"frontends must be at least 1, got {self.num_frontends}")
         if not 0 <= self.zmq_port <= 65535 - self.num_frontends:
             raise ValueError(f"zmq_port must be a TCP port, got {self.zmq_port}")
+        if self.engine.allow_runtime_lora_updating and self.num_frontends > 1:
+            # NOTE: each frontend keeps its own table of adapters; one load reaches one of them
+            raise ValueError(f"allow_runtime_lora_updating needs one frontend (--frontends 1), "
+                             f"got {self.num_frontends}")

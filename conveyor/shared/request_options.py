@@ -14,6 +14,7 @@ class RequestOptions(msgspec.Struct, omit_defaults=True, kw_only=True, forbid_un
     ttft_slo: float | None = None            # objective: seconds from arrival to the first token
     tpot_slo: float | None = None            # objective: mean seconds per output token after it
     cache_salt: str | None = None            # prefix-cache blocks are shared only with this salt
+    lora: str | None = None                  # the name of a LoRA adapter to run with (HTTP: model)
 
     def __post_init__(self) -> None:
         if isinstance(self.priority, bool) or not isinstance(self.priority, int):

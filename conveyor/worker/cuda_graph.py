@@ -9,17 +9,22 @@ smallest graph that holds it:
   prefill chunks (attention's flat tile grid sizes itself from the token and sequence counts,
   so it needs no host-side numbers of the step).
 Padding tokens get slot -1 (no K/V written); padding sequences have no tokens and context length
-0, so attention does nothing for them; the outputs of padding rows are ignored. Steps larger than
+0, so attention does nothing for them; the outputs of padding rows are ignored. With LoRA the
+graphs also read each token's adapter slot and the tokens grouped by slot (static buffers too),
+and launch the LoRA kernels whatever the step's adapters: a slot with no tokens costs programs
+that return at once. Steps larger than
 the largest mixed graph, and the profiling step, run eagerly.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from conveyor.worker.context import StepContext
+from conveyor.worker.layers.lora import LoRABatch
 
 _DECODE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384,
                  448, 512)
@@ -42,15 +47,22 @@ class GraphShape:
 class StepGraphs:
     def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], max_decode_batch: int,
                  max_seqs: int, max_mixed_tokens: int, max_blocks_per_seq: int,
-                 device: torch.device):
+                 device: torch.device, lora=None):
+        """lora: the model's LoRAManager (worker/lora.py), or None."""
         self.model = model
         self.kv_caches = kv_caches
         self.decode_sizes = graph_sizes(_DECODE_SIZES, max_decode_batch)
         self.mixed_sizes = graph_sizes(_MIXED_SIZES, max_mixed_tokens) if max_mixed_tokens else []
         self.max_seqs = max(max_seqs, self.decode_sizes[-1])
         rows = max(self.decode_sizes[-1], max_mixed_tokens)
-        self.inputs = torch.zeros(3, rows, dtype=torch.long, device=device)  # ids, pos, slot
-        self.inputs[2].fill_(-1)
+        self.lora = lora
+        # ids, positions, KV slots (and with LoRA adapter slots)
+        self.inputs = torch.zeros(3 if lora is None else 4, rows, dtype=torch.long,
+                                  device=device)
+        self.inputs[2:].fill_(-1)
+        if lora is not None:
+            self.lora_order = torch.zeros(rows, dtype=torch.long, device=device)
+            self.lora_starts = torch.zeros(lora.num_slots + 1, dtype=torch.long, device=device)
         self.seq_lens = torch.zeros(self.max_seqs, dtype=torch.int32, device=device)
         self.query_start_loc = torch.zeros(self.max_seqs + 1, dtype=torch.int32, device=device)
         self.decode_starts = torch.arange(self.max_seqs + 1, dtype=torch.int32, device=device)
@@ -94,14 +106,21 @@ class StepGraphs:
         for g in sorted(shapes, key=lambda g: (g.decode, -g.tokens)):
             ctx = self._context(g)
             ids, positions = self.inputs[0, :g.tokens], self.inputs[1, :g.tokens]
-            self.model(ids, positions, ctx)                      # warm-up (compiles)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[g] = self.model(ids, positions, ctx)
+            with self._lora_step(g):
+                self.model(ids, positions, ctx)                  # warm-up (compiles)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.outputs[g] = self.model(ids, positions, ctx)
             pool = graph.pool()
             self.graphs[g] = graph
         torch.cuda.synchronize()
+
+    def _lora_step(self, g: GraphShape):
+        if self.lora is None:
+            return contextlib.nullcontext()
+        return self.lora.state.step(LoRABatch(self.inputs[3, :g.tokens],
+                                              self.lora_order[:g.tokens], self.lora_starts, None))
 
     def run(self, g: GraphShape, num_seqs: int, step: dict[str, torch.Tensor],
             block_tables: torch.Tensor) -> torch.Tensor:
@@ -113,6 +132,9 @@ class StepGraphs:
         block_tables. All on the device.
         """
         self.inputs[:, :g.tokens].copy_(step["tokens"])
+        if self.lora is not None:
+            self.lora_order[:g.tokens].copy_(step["lora_order"])
+            self.lora_starts.copy_(step["lora_starts"])
         self.seq_lens[:g.seqs].copy_(step["seq_lens"])
         if g.decode:
             self.order[:g.seqs].copy_(step["order"])

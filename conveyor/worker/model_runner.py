@@ -11,11 +11,13 @@ step sampled gets it on the device. `execute` runs one step to its end.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
 
 from conveyor.shared.config import EngineConfig, ModelConfig
+from conveyor.shared.lora import LoRARequest
 from conveyor.shared.messages.worker import StepPlan, StepResult
 from conveyor.shared.model_files import ModelFiles
 from conveyor.shared.sampling_params import SamplingParams
@@ -27,6 +29,7 @@ from conveyor.worker.kv_cache import (
     num_blocks_for_budget,
 )
 from conveyor.worker.kv_scales import calibrate_kv_scales, set_kv_scales
+from conveyor.worker.layers.lora import LoRABatch
 from conveyor.worker.layers.parallel import broadcast_tensor, min_over_ranks, tp_rank
 from conveyor.worker.layers.quantization import QuantReport, check_device, resolve_mode
 from conveyor.worker.loader import load_model
@@ -42,6 +45,7 @@ class Slot:
     num_blocks: int                  # entries of its row of the block table in use
     num_computed: int
     state: SeqSamplingState          # holds the token ids (prompt + output so far)
+    lora: LoRARequest | None = None  # its adapter
 
 
 @dataclass
@@ -73,6 +77,11 @@ class ModelRunner:
                                 quantization, config.keep_patterns, config.load_format,
                                 config.seed)
         self.quant_report: QuantReport | None = self.model.quant_report
+        self.lora = None             # adapter slots (worker/lora.py), before the pool is sized
+        if config.enable_lora:
+            from conveyor.worker.lora import LoRAManager
+
+            self.lora = LoRAManager(self.model, model_config, config, self.dtype, self.device)
         # fp8 pool: per-layer (k_scale, v_scale), measured before sizing and graph capture
         self.kv_scales: list[tuple[float, float]] | None = None
         if config.kv_cache_fp8:       # a quantized checkpoint's own scales, else measured
@@ -102,7 +111,7 @@ class ModelRunner:
 
             self.graphs = StepGraphs(self.model, self.kv_caches, min(config.max_num_seqs, 512),
                                      config.max_num_seqs, self._max_graph_tokens(), max_blocks,
-                                     self.device)
+                                     self.device, self.lora)
 
     def describe(self) -> dict[str, int | float | str]:
         """What the start-up summary says of this runner."""
@@ -212,7 +221,7 @@ class ModelRunner:
                                          self.device)
             if seq.sampling.structured_outputs is not None and self.structured is not None:
                 self.structured.start(state, seq.sampling.structured_outputs)
-            self.slots[seq.slot] = Slot(0, seq.num_computed, state)
+            self.slots[seq.slot] = Slot(0, seq.num_computed, state, seq.lora)
             self._add_blocks(seq.slot, seq.block_ids)
         steps = []
         for s in plan.seqs:
@@ -262,6 +271,14 @@ class ModelRunner:
                 state.grammar.accept(token)
         return StepResult(step=st.step, sampled=sampled, logprobs=out.logprobs if out else [],
                           prompt_logprobs=[(slot, lp.tolist()) for slot, lp in st.host_prompt])
+
+    def _lora_step(self, dev: dict[str, torch.Tensor], lora_slots: list[int] | None):
+        """The adapters of an eager step, for the model's LoRA layers."""
+        if self.lora is None:
+            return contextlib.nullcontext()
+        return self.lora.state.step(LoRABatch(dev["tokens"][3], dev["lora_order"],
+                                              dev["lora_starts"],
+                                              sorted(set(lora_slots) - {-1})))
 
     def _add_blocks(self, slot_id: int, block_ids: list[int]) -> None:
         slot = self.slots[slot_id]
@@ -315,14 +332,17 @@ class ModelRunner:
         graph = (self.graphs.pick(num_seqs, num_tokens)
                  if self.graphs is not None and not logits_rows else None)
         rows = sample_rows + lp_rows
+        lora_slots = (self.lora.slots_for([self.slots[s[0]].lora for s in steps])
+                      if self.lora is not None else None)
         dev = self.inputs.build([s[0] for s in steps], input_ids, starts, query_lens, seq_lens,
                                 rows, graph.tokens if graph else num_tokens,
                                 graph.seqs if graph else num_seqs, gather_rows, gather_from,
-                                prev.sampled if prev is not None else None)
+                                prev.sampled if prev is not None else None, lora_slots,
+                                self.lora.num_slots if self.lora is not None else 0)
         if graph is not None:
             hidden = self.graphs.run(graph, num_seqs, dev, self.inputs.block_tables)
         else:
-            tokens3 = dev["tokens"]                                # [3, T]: ids, pos, slot
+            tokens3 = dev["tokens"]               # [3, T]: ids, pos, slot (+ adapter slot)
             ctx = StepContext(
                 slot_mapping=tokens3[2], query_start_loc=dev["query_start_loc"].int(),
                 seq_lens=dev["seq_lens"].int(),
@@ -330,7 +350,8 @@ class ModelRunner:
                 kv_caches=self.kv_caches, query_lens_cpu=query_lens, seq_lens_cpu=seq_lens,
                 num_decodes=num_decodes,
                 decode_order=dev["order"].int() if num_decodes == num_seqs else None)
-            hidden = self.model(tokens3[0], tokens3[1], ctx)
+            with self._lora_step(dev, lora_slots):
+                hidden = self.model(tokens3[0], tokens3[1], ctx)
         if logits_rows:  # profiling: the largest logits a step can make, and their float32 copy
             self.model.compute_logits(hidden[-1:].expand(logits_rows, -1)).float()
             return _Launched(step, [], None, [])

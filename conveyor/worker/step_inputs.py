@@ -33,7 +33,8 @@ class StepInputs:
     def build(self, slots: list[int], input_ids: list[int], starts: list[int],
               query_lens: list[int], seq_lens: list[int], logits_rows: list[int],
               padded_tokens: int, padded_seqs: int, gather_rows: list[int], gather_from: list[int],
-              draw: torch.Tensor | None) -> dict[str, torch.Tensor]:
+              draw: torch.Tensor | None, lora_slots: list[int] | None = None,
+              num_lora_slots: int = 0) -> dict[str, torch.Tensor]:
         """A step's inputs on the device, made from its numbers per sequence (in batch order:
         block-table row, first position, number of new tokens, context length) and its new token
         ids back to back (T of them).
@@ -45,6 +46,10 @@ class StepInputs:
         rows [R] (hidden rows to compute logits for), gather_rows and gather_from [G] (token-id
         rows that take rows of `draw`, the previous step's sampled tokens, and those rows). The
         block-table entries added since the last step are written.
+
+        With LoRA (lora_slots: each sequence's adapter slot, -1: none) tokens has a fourth row,
+        each token's slot (padding -1), and lora_order [padded_tokens] and lora_starts
+        [num_lora_slots + 1] group the token rows by slot (kernels/lora.py group_by_slot).
         """
         bs, num_seqs, num_tokens = self.block_size, len(slots), len(input_ids)
         slot_ids, n = np.asarray(slots, dtype=np.int64), np.asarray(query_lens, dtype=np.int64)
@@ -57,11 +62,21 @@ class StepInputs:
         else:
             seq_of = np.repeat(slot_ids, n)
             positions = np.arange(num_tokens) - np.repeat(query_start_loc[:num_seqs] - starts, n)
-        tokens = np.zeros((3, padded_tokens), dtype=np.int64)      # ids, positions, KV slots
+        rows = 3 if lora_slots is None else 4
+        tokens = np.zeros((rows, padded_tokens), dtype=np.int64)   # ids, positions, KV slots
         tokens[0, :num_tokens] = input_ids
         tokens[1, :num_tokens] = positions
         tokens[2, :num_tokens] = self.table_host[seq_of, positions // bs] * bs + positions % bs
         tokens[2, num_tokens:] = -1
+        lora = {}
+        if lora_slots is not None:                                 # adapter slot of each token
+            from conveyor.kernels.lora import group_by_slot
+
+            tokens[3, num_tokens:] = -1
+            tokens[3, :num_tokens] = (np.asarray(lora_slots, dtype=np.int64)
+                                      if num_tokens == num_seqs else np.repeat(lora_slots, n))
+            order, starts = group_by_slot(tokens[3], num_lora_slots)
+            lora = {"lora_order": order, "lora_starts": starts}
         lens = np.zeros(padded_seqs, dtype=np.int64)
         lens[:num_seqs] = seq_lens
         writes, self._writes = self._writes, []
@@ -71,8 +86,8 @@ class StepInputs:
             "query_start_loc": query_start_loc, "slots": slot_ids, "rows": logits_rows,
             "gather_rows": gather_rows, "gather_from": gather_from,
             "write_at": [i + k for i, ids in writes for k in range(len(ids))],
-            "write_ids": [b for _, ids in writes for b in ids]})
-        out["tokens"] = out["tokens"].view(3, padded_tokens)
+            "write_ids": [b for _, ids in writes for b in ids], **lora})
+        out["tokens"] = out["tokens"].view(rows, padded_tokens)
         if gather_rows:
             out["tokens"][0].index_copy_(0, out["gather_rows"],
                                          draw.index_select(0, out["gather_from"]))

@@ -221,6 +221,21 @@ def test_sampling_kernels(compiled):
     check(compiled, "_sample_chunk_kernel", "_sample_reduce_kernel", "_nucleus_kernel")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_lora_kernels(compiled, dtype):
+    from conveyor.kernels.lora import lora_expand, lora_shrink
+
+    for t in (8, 300):                   # decode-sized and prefill-sized tiles
+        x = torch.zeros(t, 4096, dtype=dtype)
+        A = torch.zeros(8, 3, 16, 4096, dtype=dtype)
+        B = torch.zeros(8, 6144, 16, dtype=dtype)
+        order, starts = torch.zeros(t, dtype=torch.int64), torch.zeros(9, dtype=torch.int64)
+        h = lora_shrink(x, A, order, starts)
+        lora_expand(torch.zeros(t, 6144, dtype=dtype), h, B,
+                    torch.tensor([0, 4096, 5120, 6144], dtype=torch.int32), 4096, order, starts)
+    check(compiled, "_shrink_kernel", "_expand_kernel")
+
+
 def test_a_global_python_float_fails_to_compile(compiled):
     """The class of error this file is for: the interpreter runs this kernel, the compiler
     refuses it."""

@@ -215,6 +215,31 @@ def test_cache_salts_never_share_blocks(key):
     assert len({tuple(t[:3]) for t in first.values()}) == 3
 
 
+def test_lora_adapters_never_share_blocks():
+    """The adapter's id roots its chains: the base, two adapters, and an adapter under a salt
+    each compute their own KV for the same prompt; each reuses its own."""
+    from conveyor.shared.lora import LoRARequest
+
+    bm = Checked(BlockManager(32, 4))
+    prompt = list(range(13))
+    kinds = [(None, None), (LoRARequest("a", 1, "/a"), None), (LoRARequest("b", 2, "/b"), None),
+             (LoRARequest("a", 1, "/a"), "tenant")]
+    first = {}
+    for i, (lora, salt) in enumerate(kinds):
+        r = req(prompt, f"{i}-1")
+        r.lora, r.options = lora, RequestOptions(cache_salt=salt)
+        assert admit(bm, r) == 0
+        compute(bm, r, 13)
+        first[i] = list(r.block_table)
+        bm.free(r)
+    for i, (lora, salt) in enumerate(kinds):
+        r = req(prompt, f"{i}-2")
+        r.lora, r.options = lora, RequestOptions(cache_salt=salt)
+        assert admit(bm, r) == 12
+        assert r.block_table == first[i][:3]
+        bm.free(r)
+
+
 def test_can_allocate_counts_revived_cached_blocks(make_bm):
     bm = make_bm(num_blocks=3, block_size=4)
     a = req(range(9), "a")

@@ -102,3 +102,21 @@ def test_staging_buffers_take_turns_and_grow():
                                           [BLOCK * (1 + p // BLOCK) + p % BLOCK
                                            for p in range(n)]]
         assert out["query_start_loc"].tolist() == [0, n] and out["rows"].tolist() == [n - 1]
+
+
+def test_lora_slots_per_token_and_grouped():
+    """Each token's adapter slot is a fourth row of tokens (padding -1); lora_order lists the
+    token rows of slot 0, then slot 1, ... (no-adapter tokens last), lora_starts cuts it."""
+    si = inputs()
+    for slot in range(3):
+        si.add_blocks(slot, 0, [slot])
+    out = si.build(slots=[0, 1, 2], input_ids=[1, 2, 3, 4, 5, 6], starts=[0, 0, 0],
+                   query_lens=[1, 3, 2], seq_lens=[1, 3, 2], logits_rows=[0, 3, 5],
+                   padded_tokens=8, padded_seqs=4, gather_rows=[], gather_from=[], draw=None,
+                   lora_slots=[1, -1, 1], num_lora_slots=3)
+    tokens = out["tokens"].tolist()
+    assert len(tokens) == 4
+    assert tokens[3] == [1, -1, -1, -1, 1, 1, -1, -1]
+    assert out["lora_starts"].tolist() == [0, 0, 3, 3]
+    assert out["lora_order"].tolist()[:3] == [0, 4, 5]
+    assert sorted(out["lora_order"].tolist()) == list(range(8))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import msgspec
 
+from conveyor.shared.lora import LoRARequest
 from conveyor.shared.messages.worker import TokenLogprobs
 from conveyor.shared.request_options import RequestOptions
 from conveyor.shared.sampling_params import SamplingParams
@@ -14,6 +15,7 @@ class AddRequest(msgspec.Struct, kw_only=True):
     sampling: SamplingParams
     options: RequestOptions = msgspec.field(default_factory=RequestOptions)
     arrival: float = 0.0                     # time.time() when the frontend accepted it
+    lora: LoRARequest | None = None          # the adapter options.lora names, resolved
 
 
 class Abort(msgspec.Struct, kw_only=True):

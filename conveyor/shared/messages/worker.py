@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import msgspec
 
+from conveyor.shared.lora import LoRARequest
 from conveyor.shared.sampling_params import SamplingParams
 
 
@@ -25,6 +26,7 @@ class NewSeq(msgspec.Struct, array_like=True):
     sampling: SamplingParams
     block_ids: list[int]
     num_computed: int                        # tokens whose KV is already in the blocks (prefix hit)
+    lora: LoRARequest | None = None          # its adapter (loaded by the worker when first used)
 
 
 class SeqStep(msgspec.Struct, array_like=True):

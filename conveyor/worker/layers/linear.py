@@ -114,6 +114,7 @@ class LinearBase(nn.Module):
         self.register_parameter("weight_scale", None)   # [N, G] when quantized (quantization.py)
         self.register_parameter("weight_zero", None)    # [N, G]: 4-bit checkpoints' zero points
         self.register_parameter("weight_perm", None)    # [K]: GPTQ act-order's column order
+        self.lora = None                 # a LoRALayer (layers/lora.py) with --enable-lora
 
     def weight_loader(self, param, loaded_weight, shard_id=None) -> None:
         default_weight_loader(param, loaded_weight)
@@ -153,16 +154,18 @@ class LinearBase(nn.Module):
         """Whether forward(x) quantizes x per row for the fp8 tensor cores (an fp8 layer on the
         GPU, more than one row), so that the kernel before it may hand x over quantized, as
         Fp8Rows (RMSNorm(..., fp8=True))."""
-        if self.weight.dtype != torch.float8_e4m3fn or not (x.is_cuda and triton_available()):
-            return False
+        if (self.weight.dtype != torch.float8_e4m3fn or self.lora is not None
+                or not (x.is_cuda and triton_available())):
+            return False     # NOTE: LoRA's shrink reads x unquantized
         from conveyor.kernels import fp8_gemm, skinny_gemm
 
         return (not skinny_gemm.takes(x, self.weight, self.weight_scale)
                 and fp8_gemm.takes(x, self.weight, self.weight_scale))
 
     def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, scale=self.weight_scale, zero=self.weight_zero,
-                      perm=self.weight_perm)
+        y = linear(x, self.weight, self.bias, scale=self.weight_scale, zero=self.weight_zero,
+                   perm=self.weight_perm)
+        return y if self.lora is None else self.lora(x, y)
 
 
 def _load_perm(param, loaded_weight, shard_id=None) -> None:
@@ -272,4 +275,6 @@ class RowParallelLinear(LinearBase):
         bias = self.bias if tp_rank() == 0 else None
         y = linear(x, self.weight, bias, silu_mul, self.weight_scale, self.weight_zero,
                    self.weight_perm)
+        if self.lora is not None:    # a partial sum like y: the same all-reduce adds it up
+            y = self.lora(silu_and_mul(x) if silu_mul else x, y)
         return all_reduce(y) if self.reduce_results else y
