@@ -202,13 +202,14 @@ class FrontendCore:
             c = s.out
             if c.finish_reason is not None:  # ended here by a stop string; the engine catches up
                 continue
+            taken = 0
             if o.new_token_ids:
                 if metrics.first_token_time is None:
                     metrics.first_token_time = now
-                c.token_ids += o.new_token_ids
-                s.detok.push(o.new_token_ids)
+                taken = s.detok.push(o.new_token_ids)   # those after a stop string are dropped
+                c.token_ids += o.new_token_ids[:taken]
             if o.logprobs and c.logprobs is not None:
-                for lp in o.logprobs:
+                for lp in o.logprobs[:taken]:
                     c.logprobs.append(self._logprobs(lp))
                     c.cumulative_logprob += lp.logprobs[0]
             if s.detok.stopped_by is not None:

@@ -11,6 +11,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from conveyor.shared.speculative import SpeculativeConfig
+
 QUANTIZATION_MODES = (None, "int8", "fp8")
 
 # max_num_batched_tokens by (device, offline) when not given. A GPU server keeps steps short for
@@ -66,6 +68,9 @@ class EngineConfig:
     # one-shot kernel over symmetric memory (kernels/all_reduce.py); True: NCCL for all of them
     disable_custom_all_reduce: bool = False
     async_scheduling: bool = True            # plan step N+1 while step N runs (overlap)
+    # speculative decoding (docs/SPECULATIVE.md): vLLM's JSON, e.g. '{"method": "ngram",
+    # "num_speculative_tokens": 4}', or a dict; held as a SpeculativeConfig once built
+    speculative_config: str | dict | SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, rule: str) -> None:
@@ -104,6 +109,14 @@ class EngineConfig:
         check(self.load_format in ("auto", "dummy"), "load_format", "must be 'auto' or 'dummy'")
         check(self.kv_cache_dtype in ("auto", "fp8", "fp8_e4m3"), "kv_cache_dtype",
               "must be 'auto', 'fp8' or 'fp8_e4m3'")
+        if self.speculative_config is not None:
+            object.__setattr__(self, "speculative_config",
+                               SpeculativeConfig.parse(self.speculative_config))
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """speculative_config, typed (None: no speculative decoding)."""
+        return self.speculative_config  # type: ignore[return-value]
 
     @property
     def keep_patterns(self) -> tuple[re.Pattern, ...]:
