@@ -96,6 +96,7 @@ class Scheduler:
         self.max_in_flight = 2 if config.async_scheduling else 1
         self.spec = config.speculative
         self.spec_counts = SpecCounts()
+        self._solo_in_flight = False          # the plan in flight verifies or asks for guesses
         # (step, its parts, when it was planned), oldest first
         self._in_flight: deque[tuple[int, list[_Planned], float]] = deque()
         self._step = 0
@@ -135,6 +136,8 @@ class Scheduler:
     def _max_in_flight(self) -> int:
         # NOTE: guesses are made from the tokens of the last result, so a plan that uses or asks
         # for them is alone in flight
+        if self._solo_in_flight:
+            return 0
         return 1 if self._speculating() else self.max_in_flight
 
     def add(self, msg: AddRequest) -> list[TokenOutput]:
@@ -177,8 +180,7 @@ class Scheduler:
         now = self.clock()
         budget = self.config.max_num_batched_tokens
         batch: list[_Planned] = []
-        propose = self._speculating()
-        budget, preempted = self._schedule_running(batch, budget, now, propose)
+        budget, preempted = self._schedule_running(batch, budget, now, self._speculating())
         new: list[NewSeq] = []
         # NOTE: after a preemption nothing new is admitted this step, lest it is preempted next.
         if not preempted or not batch:
@@ -189,6 +191,9 @@ class Scheduler:
         batch.sort(key=lambda p: p.step.num_tokens > 1)
         self._step += 1
         self._in_flight.append((self._step, batch, now))
+        # NOTE: asks for guesses if the requests it leaves running speculate
+        propose = self._speculating()
+        self._solo_in_flight = propose or any(p.step.draft_token_ids for p in batch)
         return StepPlan(self._step, new, [p.step for p in batch], self.slots.take_released(),
                         propose)
 
@@ -207,6 +212,7 @@ class Scheduler:
             raise ValueError(f"step {result.step}: {len(result.sampled)} sampled tokens in "
                              f"{len(counts)} runs for {num_sampling} sampling sequences")
         _, _, planned_at = self._in_flight.popleft()
+        self._solo_in_flight = False
         took = self._time_step(planned_at)
         spec = self.spec_counts
         spec.propose_s += result.propose_time_s

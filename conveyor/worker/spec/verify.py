@@ -82,13 +82,15 @@ def verify(sampler: Sampler, logits: torch.Tensor, states: list[SeqSamplingState
         gr = g[idx][:, None]
         p_guess = p.gather(1, gr).squeeze(1)
         u = _uniform(sampler, sub, dev)
+        guessed = has_guess[idx][:, None]
         if draft_probs is None:
             ok = u < p_guess
-            z.scatter_(1, gr, float("-inf"))                          # the residual: p without d
+            # the residual: p without the guess (rows without one keep p)
+            z = torch.where(guessed, z.scatter(1, gr, float("-inf")), z)
         else:
             q = draft_probs[idx]
             ok = u * q.gather(1, gr).squeeze(1) < p_guess
-            z = torch.where(has_guess[idx][:, None], (p - q).clamp_(min=0).log(), z)
+            z = torch.where(guessed, (p - q).clamp_(min=0).log(), z)
         accept[idx] = ok
         token[idx] = sampler._race(z, None, sub)
     accept &= has_guess
