@@ -199,6 +199,9 @@ class FrontendCore:
                 metrics.first_scheduled_time = o.stats.first_scheduled or None
                 metrics.num_cached_tokens = o.stats.num_cached_tokens
                 metrics.num_preemptions = o.stats.num_preemptions
+            if o.stats is not None and o.finish_reason is not None:
+                metrics.num_draft_tokens += o.stats.num_draft_tokens
+                metrics.num_accepted_tokens += o.stats.num_accepted_tokens
             c = s.out
             if c.finish_reason is not None:  # ended here by a stop string; the engine catches up
                 continue

@@ -32,3 +32,18 @@ def acceptance(num_draft_tokens: int, num_accepted: int, num_drafts: int) -> tup
     """(acceptance rate, mean accepted length): the share of guesses accepted, and the tokens a
     verifying sequence step yields on average (its accepted guesses plus the one it draws)."""
     return (num_accepted / max(1, num_draft_tokens), 1 + num_accepted / max(1, num_drafts))
+
+
+def spec_line(now, before) -> str:
+    """The stats line's part on speculative decoding between two Stats ("" if none verified)."""
+    drafts = now.spec_num_drafts - before.spec_num_drafts
+    steps = now.spec_verify_steps - before.spec_verify_steps
+    if not drafts or not steps:
+        return ""
+    rate, length = acceptance(now.spec_num_draft_tokens - before.spec_num_draft_tokens,
+                              now.spec_num_accepted_tokens - before.spec_num_accepted_tokens,
+                              drafts)
+    propose = (now.spec_propose_s - before.spec_propose_s) / steps
+    verify = (now.spec_verify_s - before.spec_verify_s) / steps
+    return (f", speculative: acceptance {100 * rate:.1f} %, mean accepted length {length:.2f}, "
+            f"propose {1e3 * propose:.2f} ms/step, verify {1e3 * verify:.2f} ms/step")

@@ -91,6 +91,9 @@ def test_greedy_outputs_and_logprobs_unchanged(tiny, scenario):
         assert_same_outputs(reference, outs, tol=1e-4)
         stats = llm.engine.scheduler.stats()
         assert stats.spec_num_draft_tokens > 0
+        assert sum(o.metrics.num_draft_tokens for o in outs) == stats.spec_num_draft_tokens
+        assert sum(o.metrics.num_accepted_tokens for o in outs) == \
+            stats.spec_num_accepted_tokens
         if proposer == "oracle" and params.max_tokens > 3:
             assert stats.spec_num_draft_tokens > stats.spec_num_accepted_tokens >= 10
         if scenario == "preemption":

@@ -225,3 +225,28 @@ def test_no_guesses_past_the_budget_or_the_batch_size_cutoff():
     assert plan.seqs[0].draft_token_ids == [1, 1]              # 3 tokens: 1 + 2 guesses
     s.update(StepResult(plan.step, [3], [None], [], num_sampled=[1]))
     s.check_integrity()
+
+
+# --- metrics -------------------------------------------------------------------------------
+
+def test_metrics_and_the_stats_line():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from conveyor.frontend.metrics import ServerMetrics
+    from conveyor.scheduler.spec_counts import spec_line
+    from conveyor.shared.messages.engine import Stats
+
+    stats = Stats(spec_num_drafts=10, spec_num_draft_tokens=40, spec_num_accepted_tokens=30,
+                  spec_propose_s=0.002, spec_verify_steps=8, spec_verify_s=0.4)
+    body = ServerMetrics().render(stats)[0].decode()
+    got = {s.name: s.value for f in text_string_to_metric_families(body) for s in f.samples}
+    assert got["conveyor_spec_decode_num_drafts_total"] == 10
+    assert got["conveyor_spec_decode_num_draft_tokens_total"] == 40
+    assert got["conveyor_spec_decode_num_accepted_tokens_total"] == 30
+    assert got["conveyor_spec_decode_acceptance_ratio"] == 0.75
+    assert got["conveyor_spec_decode_mean_accepted_length"] == 4.0
+    assert got["conveyor_spec_decode_verify_seconds_total"] == 0.4
+    line = spec_line(stats, Stats())
+    assert line == (", speculative: acceptance 75.0 %, mean accepted length 4.00, propose "
+                    "0.25 ms/step, verify 50.00 ms/step")
+    assert spec_line(stats, stats) == ""
