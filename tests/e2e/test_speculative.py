@@ -162,3 +162,19 @@ def test_sampled_tokens_keep_their_distribution(tmp_path):
         kept = [i for i in range(len(cells)) if table[0][i] + table[1][i] >= 10]
         table = [[row[i] for i in kept] for row in table]
         assert chi2_contingency(table).pvalue > 1e-3, table
+
+
+@pytest.mark.slow
+def test_served_with_tp2_matches_tp1(tmp_path):
+    """`conveyor serve --tp 2 --speculative-config ...` (gloo): rank 0 verifies, every rank
+    appends its tokens and rolls back alike; greedy tokens equal the in-process TP=1 engine's."""
+    from serve_util import served_outputs
+    from test_tp_cpu import ENGINE, GREEDY, PROMPTS, SHAPE
+
+    path = str(make_tiny_model("llama", tmp_path / "llama", **SHAPE))
+    llm = LLM(model=path, skip_tokenizer_init=True, **ENGINE)
+    reference = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+    got = served_outputs(PROMPTS, GREEDY, "--model", path, "--tp", "2", "--skip-tokenizer-init",
+                         "--speculative-config", spec)
+    assert [o.token_ids for o in got] == reference
