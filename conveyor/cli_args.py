@@ -106,6 +106,9 @@ ENGINE_FLAGS: dict[str, tuple[str, str, dict]] = {
     "max_lora_rank": ("lora", "adapters of a higher rank are refused", {}),
     "allow_runtime_lora_updating": ("lora", "POST /v1/load_lora_adapter and "
                                             "/v1/unload_lora_adapter (one frontend)", {}),
+    "speculative_config": ("scheduler", "speculative decoding as vLLM's JSON, e.g. "
+                                        "'{\"method\": \"ngram\", \"num_speculative_tokens\": "
+                                        "4}' (docs/SPECULATIVE.md)", {"metavar": "JSON"}),
     "tensor_parallel_size": ("parallel", "devices (processes) that split each layer", {}),
     "disable_custom_all_reduce": ("parallel", "all-reduce with NCCL only, not conveyor's "
                                               "one-shot kernel for small messages", {}),
@@ -123,7 +126,6 @@ GROUPS = {"server": "server", "model": "model", "cache": "KV cache",
 # vLLM flags of features conveyor has not built: (flags, feature, whether it takes a value,
 # values that are what conveyor does anyway and so are accepted)
 NOT_BUILT = [
-    (["--speculative-config"], "speculative decoding", True, ()),
     (["--data-parallel-size", "-dp"], "data parallelism (replicas behind one server)", True,
      ("1",)),
     (["--pipeline-parallel-size", "-pp"], "pipeline parallelism", True, ("1",)),

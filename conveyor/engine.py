@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from conveyor.scheduler.scheduler import Scheduler
+from conveyor.scheduler.spec_counts import spec_line
 from conveyor.shared.config import EngineConfig, ModelConfig
 from conveyor.shared.messages.engine import AddRequest, Stats, TokenOutput
 from conveyor.shared.messages.worker import StepPlan, StepResult
@@ -130,8 +131,9 @@ class EngineCore:
         used = 1 - s.num_free_blocks / max(1, s.num_total_blocks)
         queries = s.prefix_cache_queries - last.prefix_cache_queries
         hits = s.prefix_cache_hits - last.prefix_cache_hits
-        self.report(f"prompt {(s.num_prompt_tokens - last.num_prompt_tokens) / dt:.1f} tok/s, "
-                    f"generation {(s.num_generated_tokens - last.num_generated_tokens) / dt:.1f} "
-                    f"tok/s, {s.num_running} running, {s.num_waiting} waiting, KV cache "
-                    f"{100 * used:.1f} % used, prefix cache hit rate "
-                    f"{100 * hits / max(1, queries):.1f} %")
+        line = (f"prompt {(s.num_prompt_tokens - last.num_prompt_tokens) / dt:.1f} tok/s, "
+                f"generation {(s.num_generated_tokens - last.num_generated_tokens) / dt:.1f} "
+                f"tok/s, {s.num_running} running, {s.num_waiting} waiting, KV cache "
+                f"{100 * used:.1f} % used, prefix cache hit rate "
+                f"{100 * hits / max(1, queries):.1f} %")
+        self.report(line + spec_line(s, last))

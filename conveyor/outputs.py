@@ -42,6 +42,9 @@ class RequestMetrics(msgspec.Struct, omit_defaults=True):
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     num_output_tokens: int = 0
+    # speculative decoding: guessed tokens verified, and accepted (all samples)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def time_to_first_token(self) -> float | None:

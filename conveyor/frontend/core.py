@@ -293,19 +293,23 @@ class FrontendCore:
             metrics.first_scheduled_time = o.stats.first_scheduled or None
             metrics.num_cached_tokens = o.stats.num_cached_tokens
             metrics.num_preemptions = o.stats.num_preemptions
+        if o.stats is not None and o.finish_reason is not None:
+            metrics.num_draft_tokens += o.stats.num_draft_tokens
+            metrics.num_accepted_tokens += o.stats.num_accepted_tokens
         c = s.out
         if c.finish_reason is not None:  # ended here by a stop string; the engine catches up
             return False
+        taken = 0
         if o.new_token_ids:
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
             if s.last_token_time and self.metrics is not None:
                 self.metrics.inter_token(now - s.last_token_time)
             s.last_token_time = now
-            c.token_ids += o.new_token_ids
-            s.detok.push(o.new_token_ids)
+            taken = s.detok.push(o.new_token_ids)       # those after a stop string are dropped
+            c.token_ids += o.new_token_ids[:taken]
         if o.logprobs and c.logprobs is not None:
-            for lp in o.logprobs:
+            for lp in o.logprobs[:taken]:
                 c.logprobs.append(self._logprobs(lp))
                 c.cumulative_logprob += lp.logprobs[0]
         if s.detok.stopped_by is not None:

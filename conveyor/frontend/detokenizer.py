@@ -38,11 +38,15 @@ class IncrementalDetokenizer:
         self.stopped_by: str | None = None     # the stop string that ended the text, if any
         self._streamed = 0                     # characters of `text` already handed out
 
-    def push(self, new_ids: list[int]) -> None:
-        """Add generated tokens; sets `stopped_by` when a stop string appears."""
-        if self.stopped_by is not None or self.backend is None:
-            return
-        for token in new_ids:
+    def push(self, new_ids: list[int]) -> int:
+        """Add generated tokens; sets `stopped_by` when a stop string appears. Returns how many
+        of them the text takes: all, or up to the one that completed a stop string (several
+        tokens come at once with speculative decoding; the rest are dropped)."""
+        if self.stopped_by is not None:
+            return 0
+        if self.backend is None:
+            return len(new_ids)
+        for i, token in enumerate(new_ids):
             piece = self.stream_.step(self.backend, token)
             self.recent.append(token)
             if piece is None:
@@ -51,7 +55,8 @@ class IncrementalDetokenizer:
             del self.recent[:-_CONTEXT_TOKENS]
             self.num_pending = 0
             if piece and self._append(piece):
-                return
+                return i + 1
+        return len(new_ids)
 
     def flush(self) -> None:
         """At the end: tokens still pending (a partial character) are decoded, replacement

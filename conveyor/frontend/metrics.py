@@ -25,6 +25,7 @@ from prometheus_client import multiprocess as _mp
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from conveyor.outputs import RequestOutput
+from conveyor.scheduler.spec_counts import acceptance
 from conveyor.shared.messages.engine import Stats
 
 _ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -198,6 +199,29 @@ def _stats_families(s: Stats, model: str):
         judged.add_metric([model, objective], getattr(s, f"{objective}_slo_judged"))
         missed.add_metric([model, objective], getattr(s, f"{objective}_slo_missed"))
     yield from (judged, missed)
+    yield from _spec_families(s, gauge, counter)
+
+
+def _spec_families(s: Stats, gauge, counter):
+    """Speculative decoding (docs/SPECULATIVE.md); zeros when it is off."""
+    rate, length = acceptance(s.spec_num_draft_tokens, s.spec_num_accepted_tokens,
+                              s.spec_num_drafts)
+    yield counter("conveyor:spec_decode_num_drafts_total",
+                  "Sequence steps that verified guessed tokens.", s.spec_num_drafts)
+    yield counter("conveyor:spec_decode_num_draft_tokens_total", "Guessed tokens verified.",
+                  s.spec_num_draft_tokens)
+    yield counter("conveyor:spec_decode_num_accepted_tokens_total", "Guessed tokens accepted.",
+                  s.spec_num_accepted_tokens)
+    yield gauge("conveyor:spec_decode_acceptance_ratio",
+                "Share of guessed tokens accepted, since start.", rate)
+    yield gauge("conveyor:spec_decode_mean_accepted_length",
+                "Tokens a verifying sequence step yields on average, since start.", length)
+    yield counter("conveyor:spec_decode_propose_seconds_total",
+                  "Worker host time spent guessing tokens.", s.spec_propose_s)
+    yield counter("conveyor:spec_decode_verify_steps_total", "Steps that verified guesses.",
+                  s.spec_verify_steps)
+    yield counter("conveyor:spec_decode_verify_seconds_total",
+                  "Wall time of the steps that verified guesses.", s.spec_verify_s)
 
 
 def _nvml_handles() -> list:

@@ -165,6 +165,18 @@ class BlockManager:
                 self._cached[h] = block.id
         req.num_cached_blocks = max(req.num_cached_blocks, num_full)
 
+    def trim(self, req: Request) -> None:
+        """Free the blocks of `req` past its last computed token (those that held only
+        rejected guesses of speculative decoding); they are private and hold no cached content."""
+        keep = -(-req.num_computed_tokens // self.block_size)
+        while len(req.block_table) > keep:
+            block = self.blocks[req.block_table.pop()]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block.id] = None
+                if block.hash is None:
+                    self._free.move_to_end(block.id, last=False)
+
     def free(self, req: Request) -> None:
         """Drop the refs of `req` on its blocks, tail first; it then holds none and has no
         computed tokens."""

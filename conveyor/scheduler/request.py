@@ -43,6 +43,9 @@ class Request:
     slot: int | None = None
     stats: RequestStats = field(default_factory=RequestStats)
     num_prompt_logprobs_sent: int = 0        # prompt positions 1.. delivered to the frontend
+    # speculative decoding: the worker's guesses of the tokens after the last one, made with the
+    # last result; valid only while nothing more is planned for it
+    spec_token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 

@@ -17,6 +17,13 @@ token it samples is pending (known to exist, value unknown) until update() of it
 decode of the next plan computes it (the worker takes it from its device). Results are applied in
 plan order. A stop by EOS or a stop token is seen one step late: the token already planned after
 it is dropped.
+
+Speculative decoding (`speculative_config`; docs/SPECULATIVE.md): a result carries the worker's
+guesses of each sampled sequence's next tokens; the next plan verifies those that fit (the token
+budget, max_tokens, the context, free blocks) as a step of 1 + guesses tokens, and its result
+says how many were accepted: the request's progress goes back past the rejected ones, its blocks
+past them are freed and never enter the prefix cache. Guesses need the tokens just drawn, so
+while speculating one plan is in flight at a time (no overlap).
 """
 from __future__ import annotations
 
@@ -34,6 +41,7 @@ from conveyor.scheduler.objectives import ObjectiveCounts
 from conveyor.scheduler.policy import Policy, SchedulingContext, make_policy
 from conveyor.scheduler.request import Request, RequestStatus
 from conveyor.scheduler.slots import SlotPool
+from conveyor.scheduler.spec_counts import SpecCounts
 from conveyor.scheduler.stop import check_stop
 from conveyor.shared.config import EngineConfig
 from conveyor.shared.messages.engine import AddRequest, Stats, TokenOutput
@@ -86,6 +94,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.slots = SlotPool(config.max_num_seqs)
         self.max_in_flight = 2 if config.async_scheduling else 1
+        self.spec = config.speculative
+        self.spec_counts = SpecCounts()
+        self._solo_in_flight = False          # the plan in flight verifies or asks for guesses
         # (step, its parts, when it was planned), oldest first
         self._in_flight: deque[tuple[int, list[_Planned], float]] = deque()
         self._step = 0
@@ -116,7 +127,18 @@ class Scheduler:
 
     def can_schedule(self) -> bool:
         """Whether a schedule() call is due: work left, and room for one more plan in flight."""
-        return self.has_work() and len(self._in_flight) < self.max_in_flight
+        return self.has_work() and len(self._in_flight) < self._max_in_flight()
+
+    def _speculating(self) -> bool:
+        """Whether the next plan verifies and asks for guesses."""
+        return self.spec is not None and self.spec.speculates(len(self.running))
+
+    def _max_in_flight(self) -> int:
+        # NOTE: guesses are made from the tokens of the last result, so a plan that uses or asks
+        # for them is alone in flight
+        if self._solo_in_flight:
+            return 0
+        return 1 if self._speculating() else self.max_in_flight
 
     def add(self, msg: AddRequest) -> list[TokenOutput]:
         """Queue a request; one that can never run ends at once with finish_reason "error"."""
@@ -152,13 +174,13 @@ class Scheduler:
     def schedule(self) -> StepPlan | None:
         """Plan the next step, or None when nothing can run now (with plans in flight, maybe
         after the next update())."""
-        if len(self._in_flight) >= self.max_in_flight:
+        if len(self._in_flight) >= self._max_in_flight():
             raise RuntimeError(f"schedule() called with {len(self._in_flight)} plans in flight; "
                                f"update() first")
         now = self.clock()
         budget = self.config.max_num_batched_tokens
         batch: list[_Planned] = []
-        budget, preempted = self._schedule_running(batch, budget, now)
+        budget, preempted = self._schedule_running(batch, budget, now, self._speculating())
         new: list[NewSeq] = []
         # NOTE: after a preemption nothing new is admitted this step, lest it is preempted next.
         if not preempted or not batch:
@@ -169,7 +191,11 @@ class Scheduler:
         batch.sort(key=lambda p: p.step.num_tokens > 1)
         self._step += 1
         self._in_flight.append((self._step, batch, now))
-        return StepPlan(self._step, new, [p.step for p in batch], self.slots.take_released())
+        # NOTE: asks for guesses if the requests it leaves running speculate
+        propose = self._speculating()
+        self._solo_in_flight = propose or any(p.step.draft_token_ids for p in batch)
+        return StepPlan(self._step, new, [p.step for p in batch], self.slots.take_released(),
+                        propose)
 
     def update(self, result: StepResult) -> list[TokenOutput]:
         """Apply the worker's result of the oldest plan in flight; returns one output per request
@@ -178,24 +204,42 @@ class Scheduler:
             raise ValueError(f"result for step {result.step} does not match the oldest plan in "
                              f"flight")
         planned = self._in_flight[0][1]
-        if len(result.sampled) != sum(p.step.sample for p in planned):
-            raise ValueError(f"step {result.step}: {len(result.sampled)} sampled tokens for "
-                             f"{sum(p.step.sample for p in planned)} sampling sequences")
+        num_sampling = sum(p.step.sample for p in planned)
+        counts = result.num_sampled or [1] * num_sampling
+        if (len(counts) != num_sampling or len(result.sampled) != sum(counts)
+                or len(result.logprobs) != len(result.sampled)
+                or len(result.proposals) not in (0, num_sampling)):
+            raise ValueError(f"step {result.step}: {len(result.sampled)} sampled tokens in "
+                             f"{len(counts)} runs for {num_sampling} sampling sequences")
         _, _, planned_at = self._in_flight.popleft()
-        self._time_step(planned_at)
-        samples = iter(zip(result.sampled, result.logprobs))
+        self._solo_in_flight = False
+        took = self._time_step(planned_at)
+        spec = self.spec_counts
+        spec.propose_s += result.propose_time_s
+        if any(p.step.draft_token_ids for p in planned):
+            spec.verify_steps += 1
+            spec.verify_s += took
+        runs = iter(counts)
+        proposals = iter(result.proposals)
+        first = 0
         prompt_entries = dict(result.prompt_logprobs)
         outputs = []
         for p in planned:
             req, step = p.req, p.step
-            sample = next(samples) if step.sample else None
+            sample = None
+            if step.sample:
+                n = next(runs)
+                sample = (result.sampled[first:first + n], result.logprobs[first:first + n],
+                          next(proposals, []))
+                first += n
             if req.status is FINISHED:               # aborted, or stopped by an earlier token
                 continue
             out = TokenOutput(req.id, [])
             # NOTE: a step planned before its request was preempted still delivers its token
             # (pending, so the request was not readmitted meanwhile) and prompt logprobs; only
             # its blocks are gone.
-            if req.status is RUNNING and req.stats.num_preemptions == p.incarnation:
+            current = req.status is RUNNING and req.stats.num_preemptions == p.incarnation
+            if current and not step.draft_token_ids:
                 # tokens [0, p.end) are all known now: the last one came at the latest from the
                 # plan before this one, whose result came first
                 self.blocks.cache_full_blocks(req, p.end)
@@ -203,8 +247,19 @@ class Scheduler:
                 out.prompt_logprobs = prompt_logprobs.take_new(
                     req, step.prompt_logprobs_from, prompt_entries.get(step.slot, [])) or None
             if sample is not None:
+                tokens, logprobs, guesses = sample
                 req.num_pending_tokens -= 1
-                self._add_token(req, *sample, out)
+                if step.draft_token_ids:
+                    self._accepted(req, len(step.draft_token_ids), len(tokens) - 1, current)
+                for token, lp in zip(tokens, logprobs):
+                    self._add_token(req, token, lp, out)
+                    if req.status is FINISHED:      # a stop inside an accepted run
+                        break
+                if req.status is RUNNING:
+                    if current and step.draft_token_ids:
+                        self.blocks.cache_full_blocks(req)
+                    # NOTE: guesses follow the tokens the worker had; stale if more is planned
+                    req.spec_token_ids = guesses if not req.num_pending_tokens else []
             if out.new_token_ids or out.prompt_logprobs or out.finish_reason:
                 outputs.append(out)
         if any(p.req.status is FINISHED for p in planned):
@@ -228,6 +283,7 @@ class Scheduler:
             tpot_slo_judged=o.tpot_judged, tpot_slo_missed=o.tpot_missed,
             num_prompt_tokens=self.num_prompt_tokens,
             num_generated_tokens=self.num_generated_tokens,
+            **self.spec_counts.stats(),
         )
 
     def check_integrity(self) -> None:
@@ -256,7 +312,8 @@ class Scheduler:
 
     # --- planning ---------------------------------------------------------------------------
 
-    def _schedule_running(self, batch: list, budget: int, now: float) -> tuple[int, bool]:
+    def _schedule_running(self, batch: list, budget: int, now: float,
+                          speculate: bool) -> tuple[int, bool]:
         preempted = False
         scheduled: set[str] = set()
         # NOTE: decodes get the budget first without sorting: a request is admitted only with
@@ -269,6 +326,12 @@ class Scheduler:
             if req.status is not RUNNING or self._ends_in_flight(req):
                 continue
             num = min(req.num_remaining_tokens, budget)
+            guesses = self._guesses(req, budget) if speculate else []
+            req.spec_token_ids = []
+            if guesses and self.blocks.can_allocate(req, num + len(guesses)):
+                num += len(guesses)             # speculation never preempts anything
+            else:
+                guesses = []
             while not self.blocks.can_allocate(req, num):
                 candidates = [r for r in self.running if r.id not in scheduled]
                 # NOTE: the fairness guard: an overdue request gives way last, or it could be
@@ -280,7 +343,7 @@ class Scheduler:
                 if victim is req:
                     break
             if req.status is RUNNING:
-                batch.append(self._plan(req, num, self.blocks.allocate(req, num)))
+                batch.append(self._plan(req, num, self.blocks.allocate(req, num), guesses))
                 scheduled.add(req.id)
                 budget -= num
         return budget, preempted
@@ -403,15 +466,39 @@ class Scheduler:
         """Whether the fairness guard holds for `req`: it arrived more than max_wait_s ago."""
         return req.arrival < now - self.config.max_wait_s
 
-    def _plan(self, req: Request, num: int, new_block_ids: list[int]) -> _Planned:
-        """The step computing the next num tokens of `req` (blocks allocated). Advances its
-        progress now; the token it samples, if it reaches the last known or pending token,
-        becomes pending."""
+    def _guesses(self, req: Request, budget: int) -> list[int]:
+        """The guesses of `req` its next step verifies: a decode with nothing in flight, as
+        many as the budget leaves (after its one token), max_tokens and the context allow."""
+        guesses = req.spec_token_ids
+        if not guesses or req.num_pending_tokens or req.num_remaining_tokens != 1:
+            return []
+        room = min(budget, self.max_len - req.num_tokens)
+        if req.sampling.max_tokens is not None:
+            room = min(room, req.sampling.max_tokens - req.num_output_tokens)
+        return guesses[:max(0, room - 1)]
+
+    def _accepted(self, req: Request, num_guesses: int, num_accepted: int,
+                  current: bool) -> None:
+        """Count a verification, and roll the progress of `req` back past its rejected
+        guesses: their KV is not valid, nor are the blocks that hold only them."""
+        self.spec_counts.add(num_guesses, num_accepted)
+        req.stats.num_draft_tokens += num_guesses
+        req.stats.num_accepted_tokens += num_accepted
+        if current:
+            req.num_computed_tokens -= num_guesses - num_accepted
+            self.blocks.trim(req)
+
+    def _plan(self, req: Request, num: int, new_block_ids: list[int],
+              guesses: list[int] | None = None) -> _Planned:
+        """The step computing the next num tokens of `req` (blocks allocated; the last of
+        them its `guesses`, if any). Advances its progress now; the token it samples, if it
+        reaches the last known or pending token, becomes pending."""
+        guesses = guesses or []
         start = req.num_computed_tokens
         end = start + num
-        sample = end == req.num_planned_tokens
+        sample = end - len(guesses) == req.num_planned_tokens
         step = SeqStep(req.slot, num, new_block_ids, sample,
-                       prompt_logprobs.first_position(req, start, end))
+                       prompt_logprobs.first_position(req, start, end), guesses)
         req.num_computed_tokens = end
         req.num_pending_tokens += sample
         self.num_prompt_tokens += max(0, min(end, req.prompt_len) - start)
@@ -432,6 +519,7 @@ class Scheduler:
         self.running.remove(req)
         self.blocks.free(req)
         self._release_slot(req)
+        req.spec_token_ids = []
         req.status = WAITING
         req.stats.num_preemptions += 1
         self.num_preemptions += 1
@@ -439,21 +527,23 @@ class Scheduler:
 
     # --- results ----------------------------------------------------------------------------
 
-    def _time_step(self, planned_at: float) -> None:
-        """Fold the step whose result just came into step_time_s. It ran from when it was
-        planned or the step before it ended, whichever came later (steps run in order)."""
+    def _time_step(self, planned_at: float) -> float:
+        """Fold the step whose result just came into step_time_s; returns its time. It ran
+        from when it was planned or the step before it ended, whichever came later (steps run
+        in order)."""
         now = self.clock()
         took = now - max(planned_at, self._last_result)
         self._last_result = now
         self.step_time_s = took if not self.step_time_s else (
             self.step_time_s + STEP_TIME_EMA * (took - self.step_time_s))
+        return took
 
     def _add_token(self, req: Request, token: int, logprobs, out: TokenOutput) -> None:
         req.token_ids.append(token)
         self.num_generated_tokens += 1
         out.new_token_ids.append(token)
         if req.sampling.logprobs is not None and logprobs is not None:
-            out.logprobs = [logprobs]
+            out.logprobs = (out.logprobs or []) + [logprobs]
         if req.num_output_tokens == 1:
             req.stats.first_token = self.clock()
             out.stats = req.stats

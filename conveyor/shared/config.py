@@ -11,6 +11,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from conveyor.shared.speculative import SpeculativeConfig
+
 QUANTIZATION_MODES = (None, "int8", "fp8")
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 # vLLM's --dtype spellings for conveyor's three
@@ -82,6 +84,9 @@ class EngineConfig:
     max_lora_rank: int = 16                  # adapters of higher rank are refused
     # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (one frontend only)
     allow_runtime_lora_updating: bool = False
+    # speculative decoding (docs/SPECULATIVE.md): vLLM's JSON, e.g. '{"method": "ngram",
+    # "num_speculative_tokens": 4}', or a dict; held as a SpeculativeConfig once built
+    speculative_config: str | dict | SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, rule: str) -> None:
@@ -136,6 +141,14 @@ class EngineConfig:
         from conveyor.shared.lora import parse_lora_modules
 
         parse_lora_modules(self.lora_modules)
+        if self.speculative_config is not None:
+            object.__setattr__(self, "speculative_config",
+                               SpeculativeConfig.parse(self.speculative_config))
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """speculative_config, typed (None: no speculative decoding)."""
+        return self.speculative_config  # type: ignore[return-value]
 
     @property
     def keep_patterns(self) -> tuple[re.Pattern, ...]:

@@ -12,6 +12,7 @@ step sampled gets it on the device. `execute` runs one step to its end.
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +35,8 @@ from conveyor.worker.layers.parallel import broadcast_tensor, min_over_ranks, tp
 from conveyor.worker.layers.quantization import QuantReport, check_device, resolve_mode
 from conveyor.worker.loader import load_model
 from conveyor.worker.sampler import LogprobTensors, SampledTensors, Sampler, SeqSamplingState
+from conveyor.worker.spec import make_proposer
+from conveyor.worker.spec.verify import verify
 from conveyor.worker.step_inputs import StepInputs
 from conveyor.worker.structured import StructuredOutputMasks
 
@@ -52,13 +55,23 @@ class Slot:
 class _Launched:
     """A step whose forward pass is queued; its sampling and the copies to the host follow."""
     step: int
-    states: list[SeqSamplingState]                   # of the sampling rows, in batch order
+    states: list[SeqSamplingState]                   # of the sampling sequences, in batch order
     logits: torch.Tensor | None                      # [S + P, vocab]: sampling, then prompt rows
     prompt_rows: list[tuple[int, list[int], int]]    # (slot, target ids, top-k) per sequence
+    # speculative decoding: per sampling sequence its slot and guesses (then it has one
+    # sampling row more than guesses); None: no guesses in this step, one row each
+    drafts: list[list[int]] | None = None
+    sample_slots: list[int] = field(default_factory=list)
+    propose: bool = False                            # guess next tokens once the draw is read
     sampled: torch.Tensor | None = None              # [S] int64 on the device, once sampled
     host: SampledTensors | None = None               # host copies of the draw
+    host_accepted: torch.Tensor | None = None        # with drafts: [S] accepted guesses, host
     host_prompt: list[tuple[int, LogprobTensors]] = field(default_factory=list)
     done: torch.cuda.Event | None = None             # CUDA: recorded after the copies to the host
+    # the draw as read on the host (tokens, logprobs, tokens per sequence), and the proposals
+    read: tuple[list[int], list, list[int]] | None = None
+    proposals: list[list[int]] = field(default_factory=list)
+    propose_time_s: float = 0.0
 
 
 class ModelRunner:
@@ -96,6 +109,8 @@ class ModelRunner:
                                                     model_config.vocab_size,
                                                     model_config.eos_token_ids,
                                                     config.max_num_seqs, self.device)
+        spec = config.speculative
+        self.proposer = make_proposer(spec) if spec is not None else None
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.graphs = None      # CUDA graphs of the forward pass, made once the pool exists
@@ -158,7 +173,7 @@ class ModelRunner:
         self.slots = {0: Slot(0, 0, SeqSamplingState.new(_PROFILE_PARAMS, [0] * num_tokens,
                                                          num_tokens, self.device))}
         self._add_blocks(0, list(range(blocks)))
-        self._forward([(0, num_tokens, True, -1)], logits_rows=self.config.max_num_seqs)
+        self._forward([(0, num_tokens, True, -1, [])], logits_rows=self.config.max_num_seqs)
         self.slots, self.kv_caches = {}, []
         peak = torch.cuda.max_memory_allocated(self.device)
         total = torch.cuda.get_device_properties(self.device).total_memory
@@ -227,16 +242,21 @@ class ModelRunner:
         for s in plan.seqs:
             if s.new_block_ids:
                 self._add_blocks(s.slot, s.new_block_ids)
-            steps.append((s.slot, s.num_tokens, s.sample, s.prompt_logprobs_from))
+            steps.append((s.slot, s.num_tokens, s.sample, s.prompt_logprobs_from,
+                          s.draft_token_ids))
         if not steps:
             return _Launched(plan.step, [], None, [])
-        return self._forward(steps, step=plan.step)
+        launched = self._forward(steps, step=plan.step)
+        launched.propose = plan.propose and self.proposer is not None
+        return launched
 
     def _sample(self, st: _Launched) -> None:
         """Queue the sampling of a launched step and the copies of its results to the host."""
         num = len(st.states)
         rank0 = tp_rank() == 0
-        if num:
+        if st.drafts is not None:
+            num = self._verify(st, rank0)
+        elif num:
             if rank0:
                 allowed = self.structured.masks(st.states)
                 drawn = self.sampler.sample_tensors(st.logits[:num], st.states, allowed)
@@ -257,20 +277,76 @@ class ModelRunner:
         if self.device.type == "cuda":
             st.done = torch.cuda.Event()
             st.done.record()
+        if st.propose:
+            # NOTE: guesses need the tokens just drawn: the step is read here, so a step that
+            # proposes is never overlapped with the next (the scheduler plans none meanwhile)
+            self._read(st)
+            t0 = time.perf_counter()
+            # NOTE: no guesses for constrained outputs: the verify rows carry no grammar mask
+            st.proposals = [[] if state.params.structured_outputs is not None else guess
+                            for state, guess in zip(
+                                st.states, self.proposer.propose(st.sample_slots, st.states))]
+            st.propose_time_s = time.perf_counter() - t0
 
-    def _finish(self, st: _Launched) -> StepResult:
-        """Read a step's results on the host (waiting for their copies) and append its sampled
-        tokens to their sequences."""
+    def _verify(self, st: _Launched, rank0: bool) -> int:
+        """Queue the verification of a step with guesses (spec/verify.py); returns its number
+        of sampling rows."""
+        rows = sum(len(d) + 1 for d in st.drafts)
+        num = len(st.states)
+        if rank0:
+            v = verify(self.sampler, st.logits[:rows], st.states, st.drafts)
+            packed = torch.cat([v.token_ids, v.num_accepted.long()])
+            drawn = SampledTensors(v.token_ids, v.logprob_rows, v.logprobs)
+        else:
+            packed = torch.empty(rows + num, dtype=torch.long, device=self.device)
+            drawn = SampledTensors(packed[:rows], [], None)
+        # NOTE: only rank 0 draws; every rank appends its tokens and rolls back alike
+        packed = broadcast_tensor(packed)
+        drawn.token_ids = packed[:rows]
+        st.host = drawn.to_host()
+        st.host_accepted = packed[rows:].to("cpu", non_blocking=True)
+        return rows
+
+    def _read(self, st: _Launched) -> None:
+        """Read a step's draw on the host (waiting for its copies) and append the tokens to
+        their sequences, once. With guesses, a sequence gains its accepted guesses and one
+        more, and its KV past them is dropped: its position goes back, and block-table entries
+        past its last computed token (the scheduler frees the same blocks)."""
+        if st.read is not None:
+            return
         if st.done is not None:
             st.done.synchronize()
         out = st.host.output() if st.host is not None else None
-        sampled = out.token_ids if out else []
-        for state, token in zip(st.states, sampled):
-            state.token_ids.append(token)
-            if state.grammar is not None:
-                state.grammar.accept(token)
-        return StepResult(step=st.step, sampled=sampled, logprobs=out.logprobs if out else [],
-                          prompt_logprobs=[(slot, lp.tolist()) for slot, lp in st.host_prompt])
+        tokens, logprobs = (out.token_ids, out.logprobs) if out else ([], [])
+        if st.drafts is None:
+            for state, token in zip(st.states, tokens):
+                state.token_ids.append(token)
+                if state.grammar is not None:
+                    state.grammar.accept(token)
+            st.read = (tokens, logprobs, [])
+            return
+        kept, kept_lp, counts, row = [], [], [], 0
+        for state, drafts, a, slot_id in zip(st.states, st.drafts, st.host_accepted.tolist(),
+                                             st.sample_slots):
+            new = tokens[row:row + a + 1]
+            kept += new
+            kept_lp += logprobs[row:row + a + 1]
+            counts.append(a + 1)
+            state.token_ids.extend(new)
+            slot = self.slots[slot_id]
+            slot.num_computed -= len(drafts) - a
+            slot.num_blocks = min(slot.num_blocks, -(-slot.num_computed // self.block_size))
+            row += len(drafts) + 1
+        st.read = (kept, kept_lp, counts)
+
+    def _finish(self, st: _Launched) -> StepResult:
+        """The StepResult of a step (reading its draw if that is not done yet)."""
+        self._read(st)
+        tokens, logprobs, counts = st.read
+        return StepResult(step=st.step, sampled=tokens, logprobs=logprobs,
+                          prompt_logprobs=[(slot, lp.tolist()) for slot, lp in st.host_prompt],
+                          num_sampled=counts, proposals=st.proposals,
+                          propose_time_s=st.propose_time_s)
 
     def _lora_step(self, dev: dict[str, torch.Tensor], lora_slots: list[int] | None):
         """The adapters of an eager step, for the model's LoRA layers."""
@@ -285,23 +361,32 @@ class ModelRunner:
         self.inputs.add_blocks(slot_id, slot.num_blocks, block_ids)
         slot.num_blocks += len(block_ids)
 
-    def _forward(self, steps: list[tuple[int, int, bool, int]], step: int = 0,
+    def _forward(self, steps: list[tuple[int, int, bool, int, list[int]]], step: int = 0,
                  logits_rows: int = 0) -> _Launched:
-        """steps: (slot, num_tokens, sample, prompt_logprobs_from) in batch order. Queues the
-        forward pass and the logits; waits for nothing on the device."""
+        """steps: (slot, num_tokens, sample, prompt_logprobs_from, draft_token_ids) in batch
+        order. Queues the forward pass and the logits; waits for nothing on the device."""
         prev = self._pending
-        prev_rows = {id(s): i for i, s in enumerate(prev.states)} if prev is not None else {}
+        # NOTE: a step with guesses is read on the host before the next is launched
+        prev_rows = ({id(s): i for i, s in enumerate(prev.states)}
+                     if prev is not None and prev.drafts is None else {})
         input_ids: list[int] = []
         starts, query_lens, seq_lens = [], [], []
-        sample_rows, sample_states = [], []
+        sample_rows, sample_states, sample_slots, drafts = [], [], [], []
         lp_rows, prompt_rows = [], []            # prompt-logprob rows; (slot, targets, top-k)
         gather_rows, gather_from = [], []        # rows fed by prev's draw, and its rows there
-        for slot_id, n, sample, lp_from in steps:
+        for slot_id, n, sample, lp_from, guesses in steps:
             slot = self.slots[slot_id]
             start, end = slot.num_computed, slot.num_computed + n
             tokens = slot.state.token_ids
             row0 = len(input_ids)
-            if end <= len(tokens):
+            if guesses:
+                # verify: the last known token, then the guesses; every row samples
+                if start != len(tokens) - 1 or n != 1 + len(guesses) or not sample:
+                    raise RuntimeError(f"slot {slot_id}: {len(guesses)} guesses planned over "
+                                       f"tokens [{start}, {end}), but {len(tokens)} known")
+                input_ids.append(tokens[start])
+                input_ids.extend(guesses)
+            elif end <= len(tokens):
                 input_ids.extend(tokens[start:end])
             elif n == 1 and start == len(tokens) and id(slot.state) in prev_rows:
                 # NOTE: the input is the token the previous step is sampling for this sequence;
@@ -316,8 +401,10 @@ class ModelRunner:
             query_lens.append(n)
             seq_lens.append(end)
             if sample:
-                sample_rows.append(row0 + n - 1)
+                sample_rows.extend(range(row0 + n - 1 - len(guesses), row0 + n))
                 sample_states.append(slot.state)
+                sample_slots.append(slot_id)
+                drafts.append(guesses)
             # prompt position p is predicted by the row of position p - 1
             first, last = max(lp_from, start + 1), min(end + 1, slot.state.prompt_len)
             if lp_from >= 0 and first < last:
@@ -357,4 +444,5 @@ class ModelRunner:
             return _Launched(step, [], None, [])
         # NOTE: the logits are taken now: the next step's graph replay overwrites `hidden`.
         logits = self.model.compute_logits(hidden[dev["rows"]]) if rows else None
-        return _Launched(step, sample_states, logits, prompt_rows)
+        return _Launched(step, sample_states, logits, prompt_rows,
+                         drafts if any(drafts) else None, sample_slots)

@@ -29,6 +29,8 @@ class RequestStats(msgspec.Struct, array_like=True, omit_defaults=True):
     first_token: float = 0.0
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    num_draft_tokens: int = 0                # speculative decoding: guesses verified
+    num_accepted_tokens: int = 0             # ... and accepted
 
 
 class TokenOutput(msgspec.Struct, omit_defaults=True):
@@ -72,5 +74,13 @@ class Stats(msgspec.Struct, omit_defaults=True):
     # generated ones, since start
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
+    # speculative decoding since start: sequence steps that verified guesses, the guesses and
+    # those accepted, and the time spent proposing (worker host) and in steps that verified
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_propose_s: float = 0.0
+    spec_verify_steps: int = 0
+    spec_verify_s: float = 0.0
     # filled in by the frontend that answers a client's StatsRequest, about itself
     frontend_open_requests: int = 0          # requests it still owes an answer

@@ -36,6 +36,9 @@ class SeqStep(msgspec.Struct, array_like=True):
     new_block_ids: list[int]                 # appended to its block table before the step
     sample: bool                             # sample after this chunk (last prompt chunk, decode)
     prompt_logprobs_from: int = -1           # first prompt position to return logprobs for, or -1
+    # speculative decoding: guesses of the tokens after its last one, verified in this step
+    # (num_tokens is then 1 + their count; rows for each are sampled, see StepResult)
+    draft_token_ids: list[int] = []
 
 
 class StepPlan(msgspec.Struct):
@@ -43,10 +46,16 @@ class StepPlan(msgspec.Struct):
     new: list[NewSeq]                        # new or resumed sequences, before `seqs` is run
     seqs: list[SeqStep]                      # the batch, in order
     freed: list[int]                         # slots whose sequences ended or were preempted
+    propose: bool = False                    # guess the next tokens of each sampled sequence
 
 
 class StepResult(msgspec.Struct):
     step: int
-    sampled: list[int]                       # one token per SeqStep with sample=True, in order
+    # the tokens of each SeqStep with sample=True, in order, back to back: one each, or with
+    # guesses num_sampled[i] (the accepted guesses and one more)
+    sampled: list[int]
     logprobs: list[TokenLogprobs | None]     # parallel to `sampled`; None where not asked
     prompt_logprobs: list[tuple[int, list[TokenLogprobs]]]  # (slot, positions from its _from)
+    num_sampled: list[int] = []              # per sampling SeqStep; empty: one token each
+    proposals: list[list[int]] = []          # plan.propose: per sampling SeqStep, its guesses
+    propose_time_s: float = 0.0              # host time spent making `proposals`

@@ -1,0 +1,171 @@
+"""Speculative decoding: what n-gram guesses buy on input-grounded work, and what a verify step
+costs.
+
+throughput: output tokens/s at batch 1, 4, 16, 64 with and without n-gram speculation, each
+request asked to rewrite a given text (its own sentences, shuffled), so the output copies its
+input, as editing and summarising do. Greedy unless --temperature. Real weights (with a
+tokenizer): the default model unless --model.
+
+verify: the host-to-result time of a step that verifies k guesses (1 + k query tokens) against
+a one-token decode step, at --batch sequences of --context tokens, run on the model runner
+directly (the guesses are always rejected, so each step advances one token and the contexts
+stay comparable). --shape with --random-weights takes a shape's random weights.
+
+    python scripts/bench_speculative.py throughput                       # default model
+    python scripts/bench_speculative.py throughput --model Qwen/Qwen3-8B --batches 1 4 16 64
+    python scripts/bench_speculative.py verify --shape llama3.1-8b --random-weights
+    python scripts/bench_speculative.py throughput --batches 1 2 --max-tokens 16 --device cpu
+    python scripts/bench_speculative.py verify --steps 5 --device cpu    # tiny, on the CPU
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+from benchmarks.models import add_model_args, append_json, model_path
+
+SENTENCES = [
+    "The committee met on Tuesday to review the budget for the coming year.",
+    "It approved the new library on the north side of the river.",
+    "Road repairs on the main street were delayed until the spring.",
+    "Members asked the city engineer for a report on the water supply.",
+    "The mayor thanked the volunteers who cleaned the park after the storm.",
+    "A proposal to extend the bus line to the airport was sent back for study.",
+    "Residents spoke for and against a plan to widen the bridge.",
+    "The school board will present its enrolment figures next month.",
+    "Funding for the summer reading programme was increased by ten percent.",
+    "The meeting closed with a vote to publish all minutes online.",
+]
+
+
+def grounded_prompts(n: int, seed: int = 0) -> list[str]:
+    """n requests to rewrite a text, each its own order of the sentences."""
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(n):
+        text = " ".join(rng.sample(SENTENCES, len(SENTENCES)))
+        prompts.append(f"Rewrite the following text exactly, fixing nothing:\n\n{text}\n\n"
+                       f"Rewritten text:\n\n")
+    return prompts
+
+
+def throughput(args, path: str | None) -> None:
+    from conveyor import LLM, SamplingParams
+
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
+                            ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": args.k,
+            "prompt_lookup_min": args.lookup_min, "prompt_lookup_max": args.lookup_max}
+    if args.disable_by_batch_size:
+        spec["disable_by_batch_size"] = args.disable_by_batch_size
+    for name, config in (("baseline", None), ("ngram", spec)):
+        llm = LLM(model=path, device=args.device, max_num_seqs=max(args.batches),
+                  max_model_len=args.max_model_len, load_format=args.load_format,
+                  speculative_config=config)
+        llm.generate(grounded_prompts(1, seed=99), params, use_tqdm=False)      # warm-up
+        for batch in args.batches:
+            before = llm.engine.scheduler.stats()
+            t0 = time.perf_counter()
+            outs = llm.generate(grounded_prompts(batch), params, use_tqdm=False)
+            dt = time.perf_counter() - t0
+            after = llm.engine.scheduler.stats()
+            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+            drafts = after.spec_num_draft_tokens - before.spec_num_draft_tokens
+            accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+            result = {"bench": "speculative-throughput", "mode": name, "batch": batch,
+                      "output_tokens": tokens, "seconds": round(dt, 3),
+                      "tokens_per_s": round(tokens / dt, 1),
+                      "acceptance": round(accepted / drafts, 3) if drafts else None}
+            print(result, flush=True)
+            append_json(args.json, result)
+        del llm
+
+
+def verify_step(args, path: str | None) -> None:
+    from conveyor.shared.config import EngineConfig
+    from conveyor.shared.messages.worker import NewSeq, SeqStep, StepPlan
+    from conveyor.shared.model_files import read_model_config, resolve_model
+    from conveyor.shared.sampling_params import SamplingParams
+    from conveyor.worker.model_runner import ModelRunner
+
+    bs, batch, k = 16, args.batch, args.k
+    length = args.context + (args.steps + 2) * (k + 1) + 16
+    config = EngineConfig(model=path, device=args.device, load_format=args.load_format,
+                          max_num_seqs=max(batch, 1), max_model_len=length, block_size=bs,
+                          num_kv_blocks=batch * -(-length // bs) + 1,
+                          speculative_config={"method": "ngram", "num_speculative_tokens": k}
+                          ).with_defaults(offline=True)
+    files = resolve_model(path)
+    model = read_model_config(files)
+    runner = ModelRunner(config, model, files, length)
+    vocab = model.vocab_size
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0, ignore_eos=True)
+    # each sequence: its blocks (all of them up front), its computed tokens and table entries
+    tables = [list(range(1 + i * -(-length // bs), 1 + (i + 1) * -(-length // bs)))
+              for i in range(batch)]
+    prompt = [[rng.randrange(vocab) for _ in range(args.context)] for _ in range(batch)]
+    held = [-(-args.context // bs)] * batch
+    computed = [args.context] * batch
+    step = 1
+    runner.execute(StepPlan(step, [NewSeq(i, prompt[i], args.context, params,
+                                          tables[i][:held[i]], 0) for i in range(batch)],
+                            [SeqStep(i, args.context, [], True) for i in range(batch)], []))
+    times: dict[int, list[float]] = {0: [], k: []}
+    for guesses in [0, k] * (args.steps + 1):
+        seqs = []
+        for i in range(batch):
+            need = -(-(computed[i] + 1 + guesses) // bs)
+            seqs.append(SeqStep(i, 1 + guesses, tables[i][held[i]:need], True, -1,
+                                [vocab - 1 - j for j in range(guesses)]))
+            held[i] = max(held[i], need)
+        step += 1
+        if args.device == "cuda":
+            import torch
+
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        result = runner.execute(StepPlan(step, [], seqs, []))
+        times[guesses].append(time.perf_counter() - t0)
+        counts = result.num_sampled or [1] * batch
+        for i, n in enumerate(counts):
+            computed[i] += n                       # the accepted guesses and the step's token
+            held[i] = min(held[i], -(-computed[i] // bs))
+    ms = {g: 1e3 * statistics.median(t[1:]) for g, t in times.items()}   # the first: warm-up
+    result = {"bench": "speculative-verify", "batch": batch, "context": args.context, "k": k,
+              "decode_ms": round(ms[0], 3), "verify_ms": round(ms[k], 3),
+              "ratio": round(ms[k] / ms[0], 3)}
+    print(result, flush=True)
+    append_json(args.json, result)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("what", choices=["throughput", "verify"])
+    add_model_args(ap)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--lookup-min", type=int, default=2)
+    ap.add_argument("--lookup-max", type=int, default=5)
+    ap.add_argument("--disable-by-batch-size", type=int, default=None)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--batch", type=int, default=1, help="verify: sequences per step")
+    ap.add_argument("--context", type=int, default=1024, help="verify: tokens of context")
+    ap.add_argument("--steps", type=int, default=50, help="verify: steps of each kind")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    if args.model is None and not args.shape:
+        path = None                                 # the default model
+        args.load_format = args.load_format or "auto"
+    else:
+        path = model_path(args, ap)
+    (throughput if args.what == "throughput" else verify_step)(args, path)
+
+
+if __name__ == "__main__":
+    main()

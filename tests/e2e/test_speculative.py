@@ -1,0 +1,180 @@
+"""Speculative decoding end to end on tiny random models: greedy outputs and logprobs are those
+of the engine without it, whatever the batching (chunked prefill, preemption, async scheduling,
+the batch-size cutoff, stops), and sampled tokens keep their distribution (chi-square)."""
+import pytest
+import torch
+from models_util import make_tiny_model
+from test_engine_tiny import assert_same_outputs
+
+from conveyor import LLM, SamplingParams
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+         "prompt_lookup_max": 3}
+NEW = 16
+
+
+def prompts(vocab: int = 256) -> list[list[int]]:
+    """Prompts with repeats (n-gram lookup finds guesses) and without."""
+    g = torch.Generator().manual_seed(0)
+    rand = lambda n: torch.randint(3, vocab, (n,), generator=g).tolist()
+    motif = rand(5)
+    return [motif * 4 + motif[:2], rand(7), rand(3) + motif * 3, rand(19), motif[:3]]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_model("llama", tmp_path_factory.mktemp("llama"))
+
+
+def make_llm(path, **kw) -> LLM:
+    return LLM(str(path), skip_tokenizer_init=True, block_size=kw.pop("block_size", 4), **kw)
+
+
+def assert_clean(llm: LLM) -> None:
+    s = llm.engine.scheduler
+    stats = s.stats()
+    assert stats.num_free_blocks == stats.num_total_blocks and stats.num_running == 0
+    s.check_integrity()
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, logprobs=3)
+SCENARIOS = {
+    "plain": (dict(), GREEDY),
+    "sync": (dict(async_scheduling=False), GREEDY),
+    "chunked-prefill": (dict(max_num_batched_tokens=8), GREEDY),
+    "preemption": (dict(num_kv_blocks=16, max_num_batched_tokens=16), GREEDY),
+    "max-num-seqs": (dict(max_num_seqs=2), GREEDY),
+    "no-prefix-cache": (dict(enable_prefix_caching=False), GREEDY),
+    "penalties-min-tokens": (dict(), SamplingParams(
+        temperature=0, max_tokens=NEW, logprobs=2, repetition_penalty=1.02,
+        frequency_penalty=0.02, presence_penalty=0.01, min_tokens=6,
+        stop_token_ids=list(range(3, 256, 5)))),
+    "max-tokens-3": (dict(), SamplingParams(temperature=0, max_tokens=3, logprobs=1)),
+    "tiny-budget": (dict(max_num_batched_tokens=3), GREEDY),
+    "prompt-logprobs": (dict(max_num_batched_tokens=16),
+                        SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=2)),
+}
+
+
+class OracleProposer:
+    """Guesses from known outputs (each prompt's reference tokens), every third guess wrong: a
+    proposer whose guesses are mostly accepted, with rejections at every depth."""
+
+    def __init__(self, reference, k: int = 3):
+        self.k = k
+        self.outputs = {tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in reference}
+        self.calls = 0
+
+    def propose(self, slots, states):
+        guesses = []
+        for s in states:
+            done = s.token_ids[s.prompt_len:]
+            ref = self.outputs[tuple(s.token_ids[:s.prompt_len])]
+            g = list(ref[len(done):len(done) + self.k]) if ref[:len(done)] == done else []
+            self.calls += 1
+            if g and self.calls % 3 == 0:
+                i = self.calls % len(g)
+                g[i] = (g[i] + 1) % 256
+            guesses.append(g)
+        return guesses
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_greedy_outputs_and_logprobs_unchanged(tiny, scenario):
+    engine_args, params = SCENARIOS[scenario]
+    reference = make_llm(tiny, **engine_args).generate(prompts(), params, use_tqdm=False)
+    for proposer in ("oracle", "ngram") if scenario in ("plain", "preemption") else ("oracle",):
+        llm = make_llm(tiny, speculative_config=NGRAM, **engine_args)
+        if proposer == "oracle":
+            llm.runner.proposer = OracleProposer(reference)
+        outs = llm.generate(prompts(), params, use_tqdm=False)
+        assert_same_outputs(reference, outs, tol=1e-4)
+        stats = llm.engine.scheduler.stats()
+        assert stats.spec_num_draft_tokens > 0
+        assert sum(o.metrics.num_draft_tokens for o in outs) == stats.spec_num_draft_tokens
+        assert sum(o.metrics.num_accepted_tokens for o in outs) == \
+            stats.spec_num_accepted_tokens
+        if proposer == "oracle" and params.max_tokens > 3:
+            assert stats.spec_num_draft_tokens > stats.spec_num_accepted_tokens >= 10
+        if scenario == "preemption":
+            assert stats.num_preemptions > 0
+        assert_clean(llm)
+
+
+def test_single_sequences_and_the_batch_size_cutoff(tiny):
+    reference = make_llm(tiny).generate(prompts(), GREEDY, use_tqdm=False)
+    # one at a time: each request speculates alone
+    llm = make_llm(tiny, speculative_config=NGRAM)
+    llm.runner.proposer = OracleProposer(reference)
+    single = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts()]
+    assert_same_outputs(reference, single, tol=1e-4)
+    # 5 running: no speculation (overlapped steps) until fewer than 3 run
+    llm = make_llm(tiny, speculative_config={**NGRAM, "disable_by_batch_size": 3},
+                   max_num_seqs=5)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=3)
+              for n in (4, 6, 12, 14, 16)]
+    llm.runner.proposer = OracleProposer(reference)
+    outs = llm.generate(prompts(), params, use_tqdm=False)
+    plain = make_llm(tiny).generate(prompts(), params, use_tqdm=False)
+    assert_same_outputs(plain, outs, tol=1e-4)
+    assert llm.engine.scheduler.stats().spec_num_draft_tokens > 0
+    assert_clean(llm)
+
+
+def test_stops_inside_an_accepted_run(tiny):
+    reference = make_llm(tiny).generate(prompts(), GREEDY, use_tqdm=False)
+    # each prompt stops on a token of its own output (which its guesses may carry past)
+    for k in (2, 6, 9):
+        stop = SamplingParams(temperature=0, max_tokens=NEW, logprobs=1,
+                              stop_token_ids=[o.outputs[0].token_ids[k] for o in reference])
+        plain = make_llm(tiny).generate(prompts(), stop, use_tqdm=False)
+        llm = make_llm(tiny, speculative_config=NGRAM)
+        llm.runner.proposer = OracleProposer(reference)
+        assert_same_outputs(plain, llm.generate(prompts(), stop, use_tqdm=False), tol=1e-4)
+        assert_clean(llm)
+
+
+def test_sampled_tokens_keep_their_distribution(tmp_path):
+    """Four-token continuations of a repetitive prompt, 2,000 samples with and without
+    speculation, on a vocabulary of 8 (so guesses are often accepted and often rejected): the
+    same frequencies of each position's token and of the first two (chi-square)."""
+    from scipy.stats import chi2_contingency
+
+    path = make_tiny_model("llama", tmp_path / "m", vocab_size=8, bos_token_id=0,
+                           eos_token_id=1, initializer_range=0.5)
+    prompt = [3, 4, 5, 3, 4, 5, 3, 4]
+    params = SamplingParams(n=2000, temperature=0.9, top_p=0.95, top_k=6, min_p=0.02,
+                            repetition_penalty=1.2, max_tokens=4, ignore_eos=True)
+    samples = []
+    for spec in (None, {**NGRAM, "num_speculative_tokens": 2}):
+        llm = make_llm(path, speculative_config=spec, max_num_seqs=256, seed=11)
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        samples.append([tuple(c.token_ids) for c in out.outputs])
+        if spec is not None:
+            stats = llm.engine.scheduler.stats()
+            assert stats.spec_num_accepted_tokens > 200
+            assert stats.spec_num_draft_tokens - stats.spec_num_accepted_tokens > 200
+        assert_clean(llm)
+    for key in (lambda t: t[0], lambda t: t[1], lambda t: t[2], lambda t: t[3],
+                lambda t: t[:2]):
+        cells = sorted({key(t) for run in samples for t in run})
+        table = [[sum(key(t) == c for t in run) for c in cells] for run in samples]
+        kept = [i for i in range(len(cells)) if table[0][i] + table[1][i] >= 10]
+        table = [[row[i] for i in kept] for row in table]
+        assert chi2_contingency(table).pvalue > 1e-3, table
+
+
+@pytest.mark.slow
+def test_served_with_tp2_matches_tp1(tmp_path):
+    """`conveyor serve --tp 2 --speculative-config ...` (gloo): rank 0 verifies, every rank
+    appends its tokens and rolls back alike; greedy tokens equal the in-process TP=1 engine's."""
+    from serve_util import served_outputs
+    from test_tp_cpu import ENGINE, GREEDY, PROMPTS, SHAPE
+
+    path = str(make_tiny_model("llama", tmp_path / "llama", **SHAPE))
+    llm = LLM(model=path, skip_tokenizer_init=True, **ENGINE)
+    reference = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+    got = served_outputs(PROMPTS, GREEDY, "--model", path, "--tp", "2", "--skip-tokenizer-init",
+                         "--speculative-config", spec)
+    assert [o.token_ids for o in got] == reference

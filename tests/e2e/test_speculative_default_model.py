@@ -1,0 +1,60 @@
+"""Speculative decoding on the default model (SmolLM2-135M-Instruct, GGUF): greedy outputs and
+logprobs are those without it, alone and batched; several tokens of one step reach the
+frontend at once, and those after a stop string are dropped."""
+import pytest
+
+from conveyor import LLM, SamplingParams
+from conveyor.frontend.core import READY, FrontendCore
+from conveyor.shared.messages.client import GenerateRequest
+from conveyor.shared.messages.engine import Abort, TokenLogprobs, TokenOutput
+from conveyor.shared.model_files import default_model_path
+
+pytestmark = pytest.mark.skipif(not default_model_path().is_file(),
+                                reason="default model not fetched (make model)")
+
+TEXT = ("The committee met on Tuesday to review the budget. It approved the new library, "
+        "delayed the road repairs, and asked for a report on the water supply.")
+PROMPTS = [f"Rewrite this text exactly, word for word:\n{TEXT}\nRewritten:\n",
+           "1, 2, 3, 4, 5, 6,"]
+PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+         "prompt_lookup_max": 4}
+
+
+def test_greedy_outputs_and_logprobs_unchanged():
+    reference = LLM().generate(PROMPTS, PARAMS, use_tqdm=False)
+    llm = LLM(speculative_config=NGRAM)
+    batched = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    single = llm.generate(PROMPTS[:1], PARAMS, use_tqdm=False)
+    for ref, out in zip(reference + reference[:1], batched + single):
+        a, b = ref.outputs[0], out.outputs[0]
+        assert b.token_ids == a.token_ids and b.text == a.text
+        for pa, pb in zip(a.logprobs, b.logprobs):
+            assert set(pa) == set(pb)
+            assert all(abs(pa[t].logprob - pb[t].logprob) < 1e-4 for t in pa)
+    stats = llm.engine.scheduler.stats()
+    # the rewrite copies its input: most guesses are accepted
+    assert stats.spec_num_accepted_tokens > 0.5 * stats.spec_num_draft_tokens > 5
+    assert batched[0].metrics.num_accepted_tokens > 10
+    llm.engine.scheduler.check_integrity()
+
+
+def test_tokens_after_a_stop_string_in_one_output_are_dropped():
+    from conveyor.frontend.tokenizer import load_tokenizer
+    from conveyor.shared.model_files import resolve_model
+
+    tok = load_tokenizer(resolve_model(None))
+    sent, got = [], []
+    core = FrontendCore(tok, len(tok), 2048, "f-", sent.append, state=READY)
+    params = SamplingParams(max_tokens=50, stop=["brown"], logprobs=0)
+    rid = core.submit(GenerateRequest(id="a", prompt="Say:", sampling=params), got.append)
+    ids = tok.encode(" the quick brown fox jumps", add_special_tokens=False)
+    lps = [TokenLogprobs([t], [-0.5], 1) for t in ids]
+    core.on_outputs([TokenOutput(f"{rid}/0", ids[:1], logprobs=lps[:1]),
+                     TokenOutput(f"{rid}/0", ids[1:], logprobs=lps[1:])])
+    [out] = got
+    c = out.outputs[0]
+    stop_at = next(i for i in range(len(ids)) if "brown" in tok.decode(ids[:i + 1]))
+    assert c.finish_reason == "stop" and c.text == " the quick "
+    assert c.token_ids == ids[:stop_at + 1] and len(c.logprobs) == stop_at + 1
+    assert isinstance(sent[-1], Abort)

@@ -1,0 +1,252 @@
+"""Speculative decoding's parts without a model: the config, n-gram lookup, verification
+(rejection sampling) against the exact distributions, and the scheduler's budgeting and
+rollback of rejected guesses."""
+import numpy as np
+import pytest
+import torch
+
+from conveyor.scheduler.scheduler import Scheduler
+from conveyor.shared.config import EngineConfig
+from conveyor.shared.messages.engine import AddRequest
+from conveyor.shared.messages.worker import StepResult
+from conveyor.shared.sampling_params import SamplingParams
+from conveyor.shared.speculative import SpeculativeConfig
+from conveyor.worker.sampler import Sampler, SeqSamplingState
+from conveyor.worker.spec.ngram import ngram_guess
+from conveyor.worker.spec.verify import verify
+
+# --- configuration -------------------------------------------------------------------------
+
+def test_config_from_json_and_dict():
+    c = EngineConfig(speculative_config='{"method": "ngram", "num_speculative_tokens": 4, '
+                                        '"prompt_lookup_min": 2, "prompt_lookup_max": 5}')
+    assert c.speculative == SpeculativeConfig("ngram", 4, 2, 5)
+    assert c.replace(seed=3).speculative == c.speculative
+    d = EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                         "prompt_lookup_max": 3})
+    assert (d.speculative.prompt_lookup_min, d.speculative.prompt_lookup_max) == (3, 3)
+    assert EngineConfig().speculative is None
+
+
+@pytest.mark.parametrize("value, key", [
+    ('{"method": "eagle", "num_speculative_tokens": 4}', "method"),
+    ('{"method": "ngram"}', "num_speculative_tokens"),
+    ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
+    ('{"method": "ngram", "num_speculative_tokens": "4"}', "num_speculative_tokens"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, '
+     '"prompt_lookup_max": 2}', "prompt_lookup_min"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}', "lookahead"),
+    ('{"method": "draft_model", "num_speculative_tokens": 2}', "model"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": -1}',
+     "disable_by_batch_size"),
+    ('{"method": ', "JSON"),
+    ('[1, 2]', "JSON object"),
+])
+def test_bad_config_names_the_key(value, key):
+    with pytest.raises(ValueError, match=key):
+        EngineConfig(speculative_config=value)
+
+
+def test_cli_flag():
+    from conveyor.cli import build_parser, engine_kwargs
+
+    args = build_parser().parse_args(
+        ["generate", "x", "--speculative-config",
+         '{"method": "ngram", "num_speculative_tokens": 3}'])
+    assert EngineConfig(**engine_kwargs(args)).speculative.num_speculative_tokens == 3
+
+
+# --- n-gram lookup -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tokens, k, lo, hi, expected", [
+    ([1, 2, 3, 4, 5, 9, 9, 1, 2, 3], 4, 2, 5, [4, 5, 9, 9]),
+    ([1, 2, 3, 4, 5, 9, 9, 1, 2, 3], 4, 4, 5, []),            # the suffix recurs only 3 long
+    ([1, 2, 1, 2, 8, 1, 2], 2, 1, 3, [8, 1]),                 # the latest occurrence
+    ([5, 1, 2, 3, 6, 2, 3, 7, 1, 2, 3], 3, 1, 3, [6, 2, 3]),  # the longest suffix wins
+    ([7, 7, 7, 7], 3, 1, 3, [7]),                             # as far as the sequence goes
+    ([4], 3, 1, 3, []),
+    ([1, 2, 3], 3, 1, 3, []),
+])
+def test_ngram_guess(tokens, k, lo, hi, expected):
+    assert ngram_guess(np.array(tokens), k, lo, hi) == expected
+
+
+# --- verification --------------------------------------------------------------------------
+
+V = 6
+LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 1.5],
+                       [0.0, 2.5, 1.0, 1.0, 0.3, -2.0],
+                       [1.0, 1.0, 1.0, 0.0, 0.5, 2.0]])
+GUESS = [5, 1]
+
+
+def target(rows: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The distribution the sampler draws from, worked out by hand: temperature, top-k."""
+    z = rows / p.temperature
+    if p.top_k:
+        kth = z.topk(p.top_k, dim=-1).values[:, -1:]
+        z = z.masked_fill(z < kth, float("-inf"))
+    return z.softmax(-1)
+
+
+def run_verify(params, n, draft_probs=None, seed=0):
+    """n sequences, each with GUESS, or with guesses drawn from draft_probs (then per row its
+    q), verified against LOGITS (a model that ignores the context)."""
+    sampler = Sampler(V, (), seed, "cpu")
+    states = [SeqSamplingState.new(params, [1, 2, 3], 3, "cpu") for _ in range(n)]
+    logits = LOGITS.repeat(n, 1)
+    guesses = torch.tensor([GUESS] * n)
+    q = None
+    if draft_probs is not None:
+        g = torch.Generator().manual_seed(seed + 1)
+        guesses = torch.stack([torch.multinomial(draft_probs[i], n, True, generator=g)
+                               for i in range(2)], 1)
+        q = draft_probs.repeat(n, 1)
+    v = verify(sampler, logits, states, guesses.tolist(), q)
+    return v.token_ids.view(n, 3), v.num_accepted, guesses
+
+
+def check_frequencies(tokens: torch.Tensor, probs: torch.Tensor) -> None:
+    from scipy.stats import chisquare
+
+    counts = torch.bincount(tokens, minlength=V).double()
+    keep = probs > 0
+    assert counts[~keep].sum() == 0, counts
+    expected = probs[keep].double() / probs[keep].double().sum() * counts.sum()
+    assert chisquare(counts[keep], expected).pvalue > 1e-3, (counts, expected)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0),
+                                    SamplingParams(temperature=0.7, top_k=4)])
+@pytest.mark.parametrize("point_mass", [True, False])
+def test_verified_tokens_have_the_target_distribution(params, point_mass):
+    """Each output token, given the ones before it, is distributed as the target's row."""
+    n = 20000
+    q = None
+    if not point_mass:              # guesses drawn from a distribution unlike the target's
+        q = torch.tensor([[0.1, 0.1, 0.1, 0.2, 0.2, 0.3], [0.3, 0.2, 0.2, 0.1, 0.1, 0.1],
+                          [0.0] * V])
+    tokens, accepted, guesses = run_verify(params, n, q)
+    p = target(LOGITS, params)
+    first = torch.where(accepted >= 1, guesses[:, 0], tokens[:, 0])
+    check_frequencies(first, p[0])
+    after_one = accepted >= 1
+    second = torch.where(accepted[after_one] >= 2, guesses[after_one, 1], tokens[after_one, 1])
+    check_frequencies(second, p[1])
+    check_frequencies(tokens[accepted == 2, 2], p[2])
+    assert 0 < (accepted == 0).sum() and 0 < (accepted == 2).sum()
+
+
+def test_greedy_accepts_the_agreeing_run():
+    tokens, accepted, _ = run_verify(SamplingParams(temperature=0), 1)
+    assert accepted.tolist() == [0] and tokens[0, 0].item() == 0   # row 0's argmax is 0, not 5
+    sampler = Sampler(V, (), 0, "cpu")
+    state = SeqSamplingState.new(SamplingParams(temperature=0), [1, 2, 3], 3, "cpu")
+    v = verify(sampler, LOGITS, [state], [[0, 1]])                 # rows' argmaxes: 0, 1, 5
+    assert v.num_accepted.tolist() == [2] and v.token_ids.tolist() == [0, 1, 5]
+
+
+def test_penalties_count_the_guesses_before_a_row():
+    """A frequency penalty: at row 1 the guess of row 0 counts as output, so the argmax
+    moves off it."""
+    params = SamplingParams(temperature=0, frequency_penalty=2.0, logprobs=1)
+    sampler = Sampler(V, (), 0, "cpu")
+    state = SeqSamplingState.new(params, [1, 2, 3], 3, "cpu")
+    logits = torch.tensor([[0.0, 0.0, 0.0, 0.0, 5.0, 0.0], [0.0, 0.0, 0.0, 0.0, 2.5, 1.0]])
+    v = verify(sampler, logits, [state], [[4]])
+    assert v.num_accepted.tolist() == [1] and v.token_ids.tolist() == [4, 5]
+    # logprobs are of the raw logits, for the chosen tokens
+    assert torch.allclose(v.logprobs.values[:, 0], logits.log_softmax(-1)[[0, 1], [4, 5]])
+
+
+# --- scheduler: budget and rollback ----------------------------------------------------------
+
+def make_scheduler(k: int = 4, **spec) -> Scheduler:
+    config = EngineConfig(block_size=4, speculative_config={
+        "method": "ngram", "num_speculative_tokens": k, **spec}, max_num_batched_tokens=64)
+    return Scheduler(config, 32, (2,), 64)
+
+
+def add(s: Scheduler, rid: str, n: int = 6, **params) -> None:
+    s.add(AddRequest(id=rid, token_ids=list(range(10, 10 + n)),
+                     sampling=SamplingParams(temperature=0, **params)))
+
+
+def test_rollback_trims_blocks_and_caches_only_accepted_tokens():
+    s = make_scheduler()
+    add(s, "a", max_tokens=20)
+    plan = s.schedule()
+    assert plan.propose and s.can_schedule() is False        # alone in flight
+    s.update(StepResult(plan.step, [7], [None], [], proposals=[[8, 9, 10, 11]]))
+    plan = s.schedule()
+    [seq] = plan.seqs
+    assert seq.draft_token_ids == [8, 9, 10, 11] and seq.num_tokens == 5 and seq.sample
+    req = s.requests["a"]
+    assert len(req.block_table) == 3                          # 7 + 4 tokens of KV
+    # one guess accepted (8), then 5 drawn: tokens prompt + [7, 8, 5], KV of 8 of them
+    s.update(StepResult(plan.step, [8, 5], [None, None], [], num_sampled=[2],
+                        proposals=[[6, 6]]))
+    assert req.token_ids[6:] == [7, 8, 5] and req.num_computed_tokens == 8
+    assert len(req.block_table) == 2 and req.num_cached_blocks == 2
+    assert req.spec_token_ids == [6, 6]
+    stats = s.stats()
+    assert (stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens) == (4, 1)
+    assert req.stats.num_draft_tokens == 4 and req.stats.num_accepted_tokens == 1
+    s.check_integrity()
+
+
+def test_guesses_fit_max_tokens_and_a_stop_inside_the_run_ends_it():
+    s = make_scheduler()
+    add(s, "a", max_tokens=4)
+    plan = s.schedule()
+    s.update(StepResult(plan.step, [7], [None], [], proposals=[[8, 2, 9, 9]]))
+    plan = s.schedule()
+    assert plan.seqs[0].draft_token_ids == [8, 2]             # 1 output so far, 4 at most
+    out = s.update(StepResult(plan.step, [8, 2, 9], [None] * 3, [], num_sampled=[3]))
+    assert out[0].new_token_ids == [8, 2] and out[0].finish_reason == "stop"
+    assert s.blocks.num_free_blocks == 32 and not s.has_work()
+    s.check_integrity()
+
+
+def test_no_guesses_past_the_budget_or_the_batch_size_cutoff():
+    s = make_scheduler(disable_by_batch_size=2)
+    for rid in "ab":
+        add(s, rid, max_tokens=20)
+    plan = s.schedule()
+    assert not plan.propose and s.can_schedule()               # 2 running: overlapped steps
+    s.update(StepResult(plan.step, [7, 7], [None] * 2, []))
+    s.abort(["b"])
+    assert s.can_schedule()
+    plan = s.schedule()                                        # 1 running: speculates again
+    assert plan.propose and not plan.seqs[0].draft_token_ids
+    s.update(StepResult(plan.step, [7], [None], [], proposals=[[1] * 4]))
+    s.config = s.config.replace(max_num_batched_tokens=3)
+    plan = s.schedule()
+    assert plan.seqs[0].draft_token_ids == [1, 1]              # 3 tokens: 1 + 2 guesses
+    s.update(StepResult(plan.step, [3], [None], [], num_sampled=[1]))
+    s.check_integrity()
+
+
+# --- metrics -------------------------------------------------------------------------------
+
+def test_metrics_and_the_stats_line():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from conveyor.frontend.metrics import ServerMetrics
+    from conveyor.scheduler.spec_counts import spec_line
+    from conveyor.shared.messages.engine import Stats
+
+    stats = Stats(spec_num_drafts=10, spec_num_draft_tokens=40, spec_num_accepted_tokens=30,
+                  spec_propose_s=0.002, spec_verify_steps=8, spec_verify_s=0.4)
+    body = ServerMetrics().render(stats)[0].decode()
+    got = {s.name: s.value for f in text_string_to_metric_families(body) for s in f.samples}
+    assert got["conveyor:spec_decode_num_drafts_total"] == 10
+    assert got["conveyor:spec_decode_num_draft_tokens_total"] == 40
+    assert got["conveyor:spec_decode_num_accepted_tokens_total"] == 30
+    assert got["conveyor:spec_decode_acceptance_ratio"] == 0.75
+    assert got["conveyor:spec_decode_mean_accepted_length"] == 4.0
+    assert got["conveyor:spec_decode_verify_seconds_total"] == 0.4
+    line = spec_line(stats, Stats())
+    assert line == (", speculative: acceptance 75.0 %, mean accepted length 4.00, propose "
+                    "0.25 ms/step, verify 50.00 ms/step")
+    assert spec_line(stats, stats) == ""
