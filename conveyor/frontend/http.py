@@ -169,7 +169,6 @@ class EventStream(Response):
                     shape.saw(int(out.request_id), out)
                 failed = _failure([c for out in items for c in out.outputs])
                 for prompt, c in _coalesce(items):
-                    shape.completion_tokens += len(c.token_ids)
                     chunk = shape.chunk(prompt, c)
                     if chunk is not None:            # a parser may hold a piece back
                         events.append(chunk)
