@@ -88,6 +88,7 @@ class FrontendCore:
     metrics: object | None = None            # ServerMetrics, or None
     max_n: int | None = None                 # a request's n beyond this is refused (400)
     loras: LoRARegistry | None = None        # the adapters requests may name (None: LoRA off)
+    reasoning: type | None = None            # the server's ReasoningParser (--reasoning-parser)
     state: str = STARTING
     open: dict[str, _Request] = field(default_factory=dict)
     _stats_waiters: deque = field(default_factory=deque)
@@ -217,6 +218,15 @@ class FrontendCore:
                                             **(req.chat_template_kwargs or {}))
         else:
             text, token_ids = req.prompt, self.tokenizer.encode(req.prompt)
+        so = params.structured_outputs
+        if so is not None and so.start_after is not None:
+            check_token_ids(so.start_after, self.vocab_size, "structured_outputs.start_after")
+        elif so is not None and self.reasoning is not None and req.messages is not None:
+            # a reasoning model thinks freely; the constraint holds its answer, after the thought
+            start = self.reasoning.constraint_start(self.tokenizer, token_ids)
+            if start is not None:
+                params = msgspec.structs.replace(
+                    params, structured_outputs=msgspec.structs.replace(so, start_after=start))
         if fit_context:
             room = self.max_model_len - len(token_ids)
             if room < 1:

@@ -20,6 +20,7 @@ import zmq.asyncio
 
 from conveyor.engine import max_model_len
 from conveyor.frontend.core import DEAD, DRAINING, READY, FrontendCore
+from conveyor.frontend.reasoning import REASONING_PARSERS
 from conveyor.frontend.tokenizer import load_tokenizer
 from conveyor.frontend.zmq_endpoint import ZmqEndpoint
 from conveyor.shared.config import ServeConfig
@@ -59,7 +60,8 @@ def frontend_main(ctx: zmq.Context, control: Socket, cfg: ServeConfig, index: in
                         f"f{index}-", lambda msg: None,
                         None if share is None else -(-share // cfg.num_frontends),
                         cfg.http.request_timeout, metrics, cfg.http.max_n,
-                        loras=lora_registry(cfg.engine, model, served_names(cfg)))
+                        loras=lora_registry(cfg.engine, model, served_names(cfg)),
+                        reasoning=REASONING_PARSERS.get(cfg.http.reasoning_parser))
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(Frontend(cfg, index, core, metrics,
                             default_sampling(files, e.generation_config)).run(ctx, control))

@@ -66,11 +66,13 @@ def _load(files: ModelFiles, tokenizer: str | None, revision: str | None):
     return AutoTokenizer.from_pretrained(cached)
 
 
-def check_token_ids(token_ids: list[int], vocab_size: int) -> None:
-    """A prompt given as ids must stay inside the vocabulary (ValueError names the culprits)."""
+def check_token_ids(token_ids: list[int], vocab_size: int, what: str = "prompt token ids"
+                    ) -> None:
+    """Token ids given by a client must stay inside the vocabulary (ValueError names the
+    culprits)."""
     bad = [t for t in token_ids if not 0 <= t < vocab_size]
     if bad:
-        raise ValueError(f"prompt token ids out of the vocabulary [0, {vocab_size}): {bad[:5]}")
+        raise ValueError(f"{what} out of the vocabulary [0, {vocab_size}): {bad[:5]}")
 
 
 def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True,

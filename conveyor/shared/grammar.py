@@ -85,15 +85,32 @@ def build_tokenizer(hf_tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...
 
 class SeqGrammar:
     """One sequence's matcher. Tokens accepted before its grammar is compiled wait in `pending`
-    (a resumed sequence starts with its output so far there). `ready()` waits for the grammar."""
+    (a resumed sequence replays its output so far through `accept`). `ready()` waits for the
+    grammar. With `start_after` the sequence is `free` (no mask, the matcher does not move) until
+    those token ids have been accepted in a row; the grammar applies from the next token."""
 
-    def __init__(self, compiled: Future, tokens: list[int]):
+    def __init__(self, compiled: Future, tokens: list[int], start_after: list[int] | None = None):
         self._compiled = compiled
-        self.pending = list(tokens)
+        self.pending: list[int] = []
         self.matcher = None
+        self._start = list(start_after) if start_after else None
+        self._tail: list[int] = []           # the last len(start_after) tokens, while free
+        for t in tokens:
+            self.accept(t)
+
+    @property
+    def free(self) -> bool:
+        """The constraint has not started yet: every token is allowed."""
+        return self._start is not None
 
     def accept(self, token: int) -> None:
-        if self.matcher is None:
+        if self._start is not None:
+            self._tail.append(token)
+            if len(self._tail) > len(self._start):
+                del self._tail[0]
+            if self._tail == self._start:
+                self._start, self._tail = None, []
+        elif self.matcher is None:
             self.pending.append(token)
         else:
             self._consume(token)
@@ -170,11 +187,13 @@ class GrammarCompiler:
         return m
 
     def start(self, so: StructuredOutputs, tokens: list[int]) -> SeqGrammar:
-        """A matcher for a sequence whose output so far is `tokens`."""
-        return SeqGrammar(self.compile(so), tokens)
+        """A matcher for a sequence whose output so far is `tokens` (compiled now, also when the
+        constraint starts later: it is then ready when needed)."""
+        return SeqGrammar(self.compile(so), tokens, so.start_after)
 
     def fill_bitmask(self, grammars: list[SeqGrammar], bitmask: np.ndarray) -> None:
-        """Row i of bitmask [>= len(grammars), ceil(V / 32)] int32 gets grammars[i]'s mask."""
+        """Row i of bitmask [>= len(grammars), ceil(V / 32)] int32 gets grammars[i]'s mask
+        (none of them `free`: those rows take no mask)."""
         from llguidance.numpy import fill_next_token_bitmask_par
 
         matchers = []

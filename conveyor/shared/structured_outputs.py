@@ -1,5 +1,7 @@
 """A request's output constraint (docs/STRUCTURED_OUTPUTS.md): a JSON schema, any JSON object, a
-regex, a choice of strings or a grammar (Lark or GBNF/EBNF). Exactly one is set.
+regex, a choice of strings or a grammar (Lark or GBNF/EBNF). Exactly one is set. `start_after`
+(token ids) delays the constraint until those tokens have been generated: a reasoning model's
+`</think>`, so that its thought is free and the answer is constrained.
 
 It travels inside SamplingParams, so it needs nothing but msgspec: the grammar library is used
 only where grammars are checked (the frontend) and run (worker rank 0): `shared/grammar.py`.
@@ -20,6 +22,9 @@ class StructuredOutputs(msgspec.Struct, omit_defaults=True, kw_only=True,
     regex: str | None = None
     choice: list[str] | None = None          # exactly one of these strings
     grammar: str | None = None               # Lark, or GBNF (llama.cpp's EBNF)
+    # the constraint applies from the token after the first appearance of these token ids in the
+    # output (None: from the first token); the frontend sets the end of a reasoning model's thought
+    start_after: list[int] | None = None
 
     def __post_init__(self) -> None:
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -37,6 +42,10 @@ class StructuredOutputs(msgspec.Struct, omit_defaults=True, kw_only=True,
                 isinstance(c, str) and c for c in self.choice)):
             raise ValueError("structured_outputs.choice must be a non-empty list of non-empty "
                              "strings")
+        if self.start_after is not None and (not self.start_after or not all(
+                type(t) is int and t >= 0 for t in self.start_after)):
+            raise ValueError("structured_outputs.start_after must be a non-empty list of token "
+                             "ids")
         for name in ("regex", "grammar"):
             if getattr(self, name) == "":
                 raise ValueError(f"structured_outputs.{name} must not be empty")
@@ -46,7 +55,8 @@ class StructuredOutputs(msgspec.Struct, omit_defaults=True, kw_only=True,
         return next(k for k in KINDS if getattr(self, k) not in (None, False))
 
     def key(self) -> tuple[str, str]:
-        """What identifies the compiled grammar (the cache key): (kind, canonical text)."""
+        """What identifies the compiled grammar (the cache key): (kind, canonical text).
+        `start_after` is not part of it: it changes when the grammar starts, not the grammar."""
         kind = self.kind
         value = getattr(self, kind)
         if kind == "json":

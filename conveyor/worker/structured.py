@@ -50,8 +50,9 @@ class StructuredOutputMasks:
 
     def masks(self, states: list[SeqSamplingState]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(bitmask [R, W] int32, rows [R] int64) on the device for the constrained rows of a
-        step's sampling batch, or None if it has none. Waits for grammars still compiling."""
-        rows = [i for i, s in enumerate(states) if s.grammar is not None]
+        step's sampling batch, or None if it has none. Waits for grammars still compiling. A
+        sequence whose constraint has not started (`SeqGrammar.free`: a thought) takes no mask."""
+        rows = [i for i, s in enumerate(states) if s.grammar is not None and not s.grammar.free]
         if not rows:
             return None
         if self._host is None:

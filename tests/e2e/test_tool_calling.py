@@ -4,6 +4,7 @@ a test template (tests/data/tool_chat_template.jinja) that shows tools and rende
 Hermes layout. Given a history of the same question answered by a call, the model (greedy)
 writes that call again: a real output, read by the real parsers on the real server path."""
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -190,13 +191,36 @@ def test_bad_tool_requests_are_400(server, body, needle):
 @pytest.mark.parametrize("choice", ["required",
                                     {"type": "function", "function": {"name": "get_weather"}}])
 def test_required_and_named_calls_always_parse(oai, choice):
-    messages = [{"role": "user", "content": "Tell me a story."}]
+    """Thinking off (the prompt closes the thought): the call is constrained from the first
+    token; with thinking on it would wait for a `</think>` this model never writes. (The schema
+    allows more properties; asked an unrelated question, the model may fill them until
+    max_tokens cuts the call short.)"""
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     for seed in range(5):
         r = oai.chat.completions.create(model="x", messages=messages, tools=TOOLS,
                                         tool_choice=choice, max_tokens=200, temperature=1,
-                                        seed=seed)
+                                        seed=seed, extra_body={"chat_template_kwargs": {
+                                            "enable_thinking": False}})
         calls = r.choices[0].message.tool_calls
         assert calls and all(c.function.name == "get_weather" for c in calls)
         for c in calls:
             jsonschema.validate(json.loads(c.function.arguments),
                                 WEATHER["function"]["parameters"])
+
+
+def test_a_constraint_holds_the_answer_after_a_free_thought(oai):
+    """The thought the history taught is written freely; the regex holds what follows
+    `</think>` (a constraint from the first token would allow no `<think>` at all), streamed or
+    not. With the thought closed in the prompt, the constraint holds from the first token."""
+    kw = {"model": "x", "messages": THINKING, "max_tokens": 30, "temperature": 0,
+          "extra_body": {"guided_regex": "[0-9]{1,4}"}}
+    r = oai.chat.completions.create(**kw)
+    message = r.choices[0].message
+    assert message.model_extra["reasoning_content"] == "\nA greeting is asked for.\n"
+    assert re.fullmatch("[0-9]{1,4}", message.content), message.content
+    assert _streamed(oai, **kw) == (message.model_extra["reasoning_content"], message.content,
+                                    [], r.choices[0].finish_reason)
+    kw["extra_body"]["chat_template_kwargs"] = {"enable_thinking": False}
+    message = oai.chat.completions.create(**kw).choices[0].message
+    assert message.model_extra["reasoning_content"] is None
+    assert re.fullmatch("[0-9]{1,4}", message.content), message.content

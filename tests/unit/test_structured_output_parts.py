@@ -217,3 +217,58 @@ def test_sampler_draws_only_allowed_tokens(vocab):
         for s, g, t in zip(states, grammars, tokens):
             g.accept(t)
             s.token_ids.append(t)
+
+
+# --- a constraint that starts after a reasoning model's thought ----------------------------------
+
+def test_start_after_is_checked_and_not_part_of_the_key():
+    for bad in ([], [-1], ["a"]):
+        with pytest.raises(ValueError, match="start_after"):
+            StructuredOutputs(regex="a", start_after=bad)
+    so = StructuredOutputs(regex="a", start_after=[5, 6])
+    assert so.key() == StructuredOutputs(regex="a").key()
+    plan = StepPlan(1, [NewSeq(0, [1, 2], 2, SamplingParams(structured_outputs=so), [0], 0)],
+                    [], [])
+    assert through_wire(plan).new[0].sampling.structured_outputs == so
+
+
+@needs_model
+def test_the_grammar_starts_after_the_start_sequence(vocab):
+    """Tokens before `</think>` are free (no mask; a partial `</think>` keeps them free), the
+    grammar holds from the token after it, and a replay (preemption) reaches the same state."""
+    from conveyor.worker.structured import StructuredOutputMasks
+
+    hf, compiler, config = vocab
+    end = hf.encode("</think>", add_special_tokens=False)
+    assert len(end) > 1                      # several tokens: the sequence, not one id, counts
+    so = StructuredOutputs(regex="[0-9]+", start_after=end)
+    thought = hf.encode("<think>\nA number? 7 </think maybe.\n", add_special_tokens=False)
+    masks = StructuredOutputMasks(None, None, config.vocab_size, config.eos_token_ids, 4,
+                                  torch.device("cpu"))
+    masks._compiler = compiler               # the vocabulary's compiler, built by the fixture
+    g = compiler.start(so, [])
+    for t in thought + end[:-1]:
+        g.accept(t)
+        assert g.free
+    plain = SeqSamplingState.new(SamplingParams(), [1], 1, "cpu")
+    free = SeqSamplingState.new(SamplingParams(), [1], 1, "cpu")
+    free.grammar = g
+    assert masks.masks([plain, free]) is None                    # no row takes a mask yet
+    g.accept(end[-1])
+    assert not g.free
+    constrained = SeqSamplingState.new(SamplingParams(), [1], 1, "cpu")
+    constrained.grammar = g
+    bits, rows = masks.masks([plain, constrained])
+    assert rows.tolist() == [1]
+    allowed = {hf.decode([t]) for t in np.nonzero(_allowed(compiler, [g])[0])[0]}
+    assert allowed and all(re.fullmatch("[0-9]+", t) for t in allowed)
+    digits = hf.encode("42", add_special_tokens=False)
+    for t in digits:
+        g.accept(t)
+    output = thought + end + digits
+    resumed = compiler.start(so, output)
+    assert not resumed.free
+    both = _allowed(compiler, [g, resumed])
+    assert np.array_equal(both[0], both[1])
+    assert set(config.eos_token_ids) <= set(np.nonzero(both[0])[0].tolist())
+    assert compiler.start(so, thought + end[:-1]).free           # replayed, still thinking

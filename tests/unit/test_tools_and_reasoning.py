@@ -1,11 +1,14 @@
 """Tool choice and its JSON-schema constraint (checked with jsonschema), reasoning parsers, and
 one chat choice's output read whole and streamed."""
 import json
+from pathlib import Path
 
 import jsonschema
+import msgspec
 import pytest
 
 from conveyor.frontend.chat_output import ChatReader
+from conveyor.frontend.core import FrontendCore
 from conveyor.frontend.reasoning import (
     REASONING_PARSERS,
     DeepSeekR1ReasoningParser,
@@ -13,7 +16,10 @@ from conveyor.frontend.reasoning import (
 )
 from conveyor.frontend.tokenizer import apply_chat_template, load_tokenizer
 from conveyor.frontend.tools import constraint_schema, tool_mode
+from conveyor.shared.messages.client import GenerateRequest
 from conveyor.shared.model_files import default_model_path, resolve_model
+from conveyor.shared.sampling_params import SamplingParams
+from conveyor.shared.structured_outputs import StructuredOutputs
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
@@ -192,3 +198,34 @@ def test_the_constraint_starts_after_the_thought():
     assert tok.decode(end) == "</think>"
     assert Qwen3ReasoningParser.constraint_start(tok, closed_prompt) is None
     assert set(REASONING_PARSERS) == {"qwen3", "deepseek_r1"}
+
+
+@pytest.mark.skipif(not default_model_path().is_file(), reason="default model not fetched")
+def test_prepare_starts_a_chats_constraint_after_the_thought():
+    """With a reasoning parser, FrontendCore.prepare gives a chat's constraint the end of the
+    thought as its start (none when the prompt closed the thought, nor for a plain prompt, nor
+    without a parser); a client's own start_after is kept, checked against the vocabulary."""
+    template = Path(__file__).parent.parent / "data" / "tool_chat_template.jinja"
+    tok = load_tokenizer(resolve_model(None), chat_template=str(template))
+    end = tok.encode("</think>", add_special_tokens=False)
+    params = SamplingParams(structured_outputs=StructuredOutputs(regex="[0-9]+"))
+    chat = GenerateRequest(id="a", messages=[{"role": "user", "content": "A number?"}],
+                           sampling=params)
+
+    def start_after(req, reasoning=Qwen3ReasoningParser):
+        core = FrontendCore(tok, len(tok), 2048, "f-", lambda m: None, reasoning=reasoning)
+        return core.prepare(req, False)[2].structured_outputs.start_after
+
+    assert start_after(chat) == end
+    assert start_after(chat, DeepSeekR1ReasoningParser) == end
+    assert start_after(chat, None) is None
+    closed = msgspec.structs.replace(chat, chat_template_kwargs={"enable_thinking": False})
+    assert start_after(closed) is None
+    assert start_after(GenerateRequest(id="b", prompt="A number?", sampling=params)) is None
+    own = msgspec.structs.replace(params, structured_outputs=StructuredOutputs(
+        regex="[0-9]+", start_after=[7]))
+    assert start_after(msgspec.structs.replace(chat, sampling=own)) == [7]
+    huge = msgspec.structs.replace(params, structured_outputs=StructuredOutputs(
+        regex="[0-9]+", start_after=[len(tok) + 5]))
+    with pytest.raises(ValueError, match="structured_outputs.start_after out of the vocabulary"):
+        start_after(msgspec.structs.replace(chat, sampling=huge))
