@@ -10,6 +10,7 @@ from conveyor.shared.messages.engine import (
     TokenOutput,
     TokenOutputs,
 )
+from conveyor.shared.replicas import replica_of, scheduler_name, worker_name
 from conveyor.shared.sampling_params import SamplingParams
 
 
@@ -87,3 +88,12 @@ def test_a_dead_replica_fails_its_sequences_and_gets_no_new_ones():
     assert (len(sent[0]), len(sent[1])) == (3, 5)
     router.send(Abort(ids=["a/0"]))                  # nothing is sent to the dead replica
     assert len(sent[0]) == 3
+
+
+def test_replica_names_round_trip():
+    for dp in (1, 3):
+        for replica in range(dp):
+            assert replica_of(scheduler_name(replica, dp)) == replica
+            assert replica_of(worker_name(replica, 2, dp)) == replica
+    assert replica_of("frontend-1") is None
+    assert (scheduler_name(0, 1), worker_name(0, 1, 1)) == ("scheduler", "worker-1")
