@@ -15,7 +15,7 @@ import re
 import sys
 import typing
 
-from conveyor.shared.config import UVICORN_LOG_LEVELS, EngineConfig
+from conveyor.shared.config import DP_ROUTING_POLICIES, UVICORN_LOG_LEVELS, EngineConfig
 
 _UNITS = {"k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -110,6 +110,14 @@ ENGINE_FLAGS: dict[str, tuple[str, str, dict]] = {
                                         "'{\"method\": \"ngram\", \"num_speculative_tokens\": "
                                         "4}' (docs/SPECULATIVE.md)", {"metavar": "JSON"}),
     "tensor_parallel_size": ("parallel", "devices (processes) that split each layer", {}),
+    "data_parallel_size": ("parallel", "engine replicas behind one server, each a scheduler with "
+                                       "its own --tp workers (on GPU: replica r takes GPUs "
+                                       "r*TP to r*TP+TP-1)", {}),
+    "dp_routing_policy": ("parallel", "how the frontends pick a replica per request: "
+                                      "prefix_affinity (the prompt's first blocks pick it, "
+                                      "unless it is much busier than the least loaded), "
+                                      "least_loaded or round_robin",
+                          {"choices": DP_ROUTING_POLICIES}),
     "disable_custom_all_reduce": ("parallel", "all-reduce with NCCL only, not conveyor's "
                                               "one-shot kernel for small messages", {}),
     "quantization": ("quantization", "quantize a full-precision model at load: int8 (W8A16) "
@@ -118,7 +126,7 @@ ENGINE_FLAGS: dict[str, tuple[str, str, dict]] = {
     "keep_precision": ("quantization", "comma-separated regexes of layers that stay in --dtype "
                                        "when quantizing", {"metavar": "REGEXES"}),
 }
-_ALIASES = {"tensor_parallel_size": ["-tp", "--tp"]}
+_ALIASES = {"tensor_parallel_size": ["-tp", "--tp"], "data_parallel_size": ["-dp"]}
 GROUPS = {"server": "server", "model": "model", "cache": "KV cache",
           "scheduler": "scheduler", "parallel": "parallel", "quantization": "quantization",
           "lora": "LoRA adapters", "sampling": "sampling", "not built": "not built yet (refused)"}
@@ -126,8 +134,6 @@ GROUPS = {"server": "server", "model": "model", "cache": "KV cache",
 # vLLM flags of features conveyor has not built: (flags, feature, whether it takes a value,
 # values that are what conveyor does anyway and so are accepted)
 NOT_BUILT = [
-    (["--data-parallel-size", "-dp"], "data parallelism (replicas behind one server)", True,
-     ("1",)),
     (["--pipeline-parallel-size", "-pp"], "pipeline parallelism", True, ("1",)),
     (["--distributed-executor-backend"], "multi-node execution (Ray, external launchers); "
                                          "conveyor runs its processes with multiprocessing",

@@ -9,8 +9,10 @@ it as a container's PID 1, drain: the frontends refuse new requests and finish o
 --shutdown-timeout), the rest fail with a reason, then everything stops (exit 0); a second
 signal fails what is open and stops at once. A signal during start-up stops what started
 (exit 0). The children ignore signals meant for the group (shared/process.py). A child that
-dies fails every open request (EngineDead to the frontends) and ends the launch (exit 1).
-Start-up failures print one line.
+dies fails every open request (EngineDead to the frontends) and ends the launch (exit 1);
+with --data-parallel-size > 1 a dying scheduler or worker takes only its replica down (the
+rest of it is stopped, the frontends fail its requests and route around it) while another
+replica serves. Start-up failures print one line.
 """
 from __future__ import annotations
 
@@ -33,9 +35,17 @@ from conveyor.shared.config import EngineConfig, HttpConfig, ModelConfig, ServeC
 from conveyor.shared.engine_port import secure_engine_port
 from conveyor.shared.generation_config import default_sampling
 from conveyor.shared.lora import lora_registry
-from conveyor.shared.messages.control import Drain, Drained, EngineDead, FrontendDead, Ready
+from conveyor.shared.messages.control import (
+    Drain,
+    Drained,
+    EngineDead,
+    FrontendDead,
+    Ready,
+    ReplicaDead,
+)
 from conveyor.shared.model_files import DEFAULT_MODEL_NAME, read_model_config, resolve_model
 from conveyor.shared.process import child_main, spawning_children
+from conveyor.shared.replicas import replica_of, scheduler_name, worker_name
 from conveyor.shared.sockets import (
     Socket,
     ipc,
@@ -134,13 +144,16 @@ def serve(engine: EngineConfig, http: HttpConfig, *, host: str = "127.0.0.1", zm
 
 def summary(cfg: ServeConfig, info: dict[str, dict]) -> str:
     """The start-up summary: what runs where, with which limits."""
-    e, worker, scheduler = cfg.engine, info.get("worker-0", {}), info.get("scheduler", {})
+    e, dp = cfg.engine, cfg.engine.data_parallel_size
+    worker, scheduler = info.get(worker_name(0, 0, dp), {}), info.get(scheduler_name(0, dp), {})
     blocks = int(worker.get("num_blocks", 0))
+    replicas = (f"data parallel {dp} ({e.dp_routing_policy} routing) x " if dp > 1 else "")
     lines = [f"model {e.model or DEFAULT_MODEL_NAME}, {worker.get('dtype')} on "
-             f"{worker.get('device')}, tensor parallel {e.tensor_parallel_size}, "
+             f"{worker.get('device')}, {replicas}tensor parallel {e.tensor_parallel_size}, "
              f"{cfg.num_frontends} frontend(s)",
              f"KV cache {blocks:,} blocks of {e.block_size} = {blocks * e.block_size:,} tokens "
-             f"({worker.get('kv_dtype')}); max model length {scheduler.get('max_model_len')}",
+             f"({worker.get('kv_dtype')}{', per replica' if dp > 1 else ''}); "
+             f"max model length {scheduler.get('max_model_len')}",
              f"a step: up to {scheduler.get('max_num_batched_tokens')} tokens and "
              f"{e.max_num_seqs} sequences; "
              f"waiting requests beyond {scheduler.get('queue_cap') or 'none'} are refused"]
@@ -157,10 +170,11 @@ class Launcher:
                               allowed=(Ready, EngineDead, Drained))
         self.procs: dict[str, mp.process.BaseProcess] = {}
         self.dead: set[str] = set()          # children whose exit was seen
-        self.scheduler: Socket | None = None  # to tell it about a dead frontend
+        self.schedulers: dict[int, Socket] = {}   # by replica: to tell of a dead frontend
         self._unread: list = []              # control messages read early, for _poll to return
         self.ready: set[str] = set()          # children that reported Ready
         self.signals = 0                     # stop signals received
+        self.lost: set[int] = set()          # data-parallel replicas that died
 
     def run(self, startup_timeout: float) -> int:
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -206,8 +220,8 @@ class Launcher:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             self._stop_all(grace)
-            if self.scheduler is not None:
-                self.scheduler.close()
+            for sock in self.schedulers.values():
+                sock.close()
             self.control.close()
             self.ctx.destroy(linger=0)
             for s, handler in previous.items():
@@ -227,9 +241,12 @@ class Launcher:
 
     def _spawn(self) -> None:
         spawn = mp.get_context("spawn")
-        roles = [(f"worker-{r}", worker_main, (r,))
-                 for r in range(self.cfg.engine.tensor_parallel_size)]
-        roles.append(("scheduler", scheduler_main, ()))
+        e = self.cfg.engine
+        dp, roles = e.data_parallel_size, []
+        for replica in range(dp):
+            roles += [(worker_name(replica, r, dp), worker_main, (r, replica))
+                      for r in range(e.tensor_parallel_size)]
+            roles.append((scheduler_name(replica, dp), scheduler_main, (replica,)))
         roles += [(f"frontend-{i}", frontend_main, (i,)) for i in range(self.cfg.num_frontends)]
         for name, main, args in roles:
             proc = spawn.Process(target=child_main, args=(name, main, self.cfg, *args),
@@ -284,6 +301,8 @@ class Launcher:
         that dies while another one serves only loses its own requests."""
         while True:
             msg, exited = self._poll(None)
+            if self._replica_lost(msg, exited):
+                continue
             role = exited or (msg.role if isinstance(msg, EngineDead) else "")
             if role.startswith("frontend-") and any(
                     n.startswith("frontend-") and n != role and n not in self.dead
@@ -306,13 +325,49 @@ class Launcher:
             proc.join()
         self.dead.add(role)
         mark_process_dead(proc.pid)
-        if self.scheduler is None:
-            self.scheduler = Socket(self.ctx, zmq.DEALER, ipc(self.cfg.runtime_dir, "scheduler"),
-                                    bind=False, identity=b"launcher")
-        self.scheduler.send(FrontendDead(role))
+        dp = self.cfg.engine.data_parallel_size
+        for replica in sorted(set(range(dp)) - self.lost):
+            if replica not in self.schedulers:
+                self.schedulers[replica] = Socket(
+                    self.ctx, zmq.DEALER, ipc(self.cfg.runtime_dir, scheduler_name(replica, dp)),
+                    bind=False, identity=b"launcher")
+            self.schedulers[replica].send(FrontendDead(role))
         alive = sum(n.startswith("frontend-") and n not in self.dead for n in self.procs)
         print(f"conveyor: warning: {role} (pid {proc.pid}) died with exit code {proc.exitcode}; "
               f"{alive} frontend(s) still serving", file=sys.stderr, flush=True)
+
+    def _replica_lost(self, msg, exited: str | None) -> bool:
+        """With several replicas: whether this poll result is (the end of) a replica's death
+        while another one serves; the first such takes the rest of that replica down and tells
+        the frontends, which fail its requests."""
+        role = exited or (msg.role if isinstance(msg, EngineDead) else "")
+        replica = replica_of(role) if role else None
+        dp = self.cfg.engine.data_parallel_size
+        if dp == 1 or replica is None:
+            return False
+        if replica in self.lost:             # its other members, stopped by us
+            if exited is not None:
+                self.dead.add(exited)
+            return True
+        if len(self.lost) + 1 >= dp:         # the last one: the engine is gone
+            return False
+        reason = msg.reason if isinstance(msg, EngineDead) else None
+        self.lost.add(replica)
+        members = [n for n in self.procs if replica_of(n) == replica]
+        for name in members:
+            proc = self.procs[name]
+            if proc.is_alive():
+                proc.kill()
+            proc.join()
+            self.dead.add(name)
+        if reason is None:
+            proc = self.procs[exited]
+            reason = f"{exited} (pid {proc.pid}) died with exit code {proc.exitcode}"
+        self._tell_frontends(ReplicaDead(replica, f"data-parallel replica {replica} failed: "
+                                                  f"{reason}"))
+        print(f"conveyor: warning: replica {replica} stopped ({reason}); {dp - len(self.lost)} "
+              f"replica(s) still serving", file=sys.stderr, flush=True)
+        return True
 
     def _death(self, msg, exited: str | None) -> str | None:
         """What died, if this poll result says a child died."""
@@ -336,6 +391,8 @@ class Launcher:
             msg, exited = self._poll(deadline - time.monotonic())
             if isinstance(msg, Drained):
                 waiting.discard(msg.role)
+                continue
+            if self._replica_lost(msg, exited):
                 continue
             reason = self._death(msg, exited)
             if reason is not None:

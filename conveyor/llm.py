@@ -32,6 +32,9 @@ class LLM:
                  skip_tokenizer_init: bool = False, **engine_args):
         self.config = EngineConfig.from_kwargs(model=model, tokenizer=tokenizer,
                                                **engine_args).with_defaults(offline=True)
+        if self.config.data_parallel_size > 1:
+            raise ValueError("data_parallel_size: replicas are served by `conveyor serve`; LLM "
+                             "runs one engine in this process (data_parallel_size=1)")
         self.engine, self.runner = EngineCore.local(self.config)
         # without a tokenizer, prompts are token ids and outputs carry token ids only
         c = self.config

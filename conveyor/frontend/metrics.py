@@ -159,10 +159,16 @@ class _Snapshot:
             yield _memory_family(self.metrics.launcher_pid, model)
 
 
-def _stats_families(s: Stats, model: str):
-    def family(kind, name, doc, value, **labels):
-        f = kind(name, doc, labels=["model_name", *labels])
-        f.add_metric([model, *labels.values()], value)
+def _stats_families(stats: Stats, model: str):
+    """The engine's figures; with data-parallel replicas, one series per live replica (label
+    `replica`) and conveyor:replica_up for each."""
+    rows = [({"replica": str(r.replica)}, r) for r in stats.replicas] or [({}, stats)]
+    extra = list(rows[0][0])
+
+    def family(kind, name, doc, value):
+        f = kind(name, doc, labels=["model_name", *extra])
+        for labels, s in rows:
+            f.add_metric([model, *labels.values()], value(s))
         return f
 
     def gauge(name, doc, value):
@@ -171,57 +177,68 @@ def _stats_families(s: Stats, model: str):
     def counter(name, doc, value):
         return family(CounterMetricFamily, name, doc, value)
 
-    usage = 1.0 - s.num_free_blocks / s.num_total_blocks if s.num_total_blocks else 0.0
+    if stats.replicas:
+        up = GaugeMetricFamily("conveyor:replica_up", "1 while a data-parallel replica serves.",
+                               labels=["model_name", "replica"])
+        for r in sorted([s.replica for s in stats.replicas] + stats.dead_replicas):
+            up.add_metric([model, str(r)], 0 if r in stats.dead_replicas else 1)
+        yield up
     yield gauge("conveyor:num_requests_running", "Sequences in the running batch.",
-                s.num_running)
-    yield gauge("conveyor:num_requests_waiting", "Sequences waiting to run.", s.num_waiting)
-    yield gauge("conveyor:kv_cache_usage_perc", "Share of KV cache blocks held, 0 to 1.", usage)
-    yield gauge("conveyor:kv_cache_blocks", "KV cache blocks in all.", s.num_total_blocks)
+                lambda s: s.num_running)
+    yield gauge("conveyor:num_requests_waiting", "Sequences waiting to run.",
+                lambda s: s.num_waiting)
+    yield gauge("conveyor:kv_cache_usage_perc", "Share of KV cache blocks held, 0 to 1.",
+                lambda s: 1.0 - s.num_free_blocks / s.num_total_blocks
+                if s.num_total_blocks else 0.0)
+    yield gauge("conveyor:kv_cache_blocks", "KV cache blocks in all.",
+                lambda s: s.num_total_blocks)
     yield counter("conveyor:prefix_cache_queries_total", "Prompt tokens looked up in the cache.",
-                  s.prefix_cache_queries)
+                  lambda s: s.prefix_cache_queries)
     yield counter("conveyor:prefix_cache_hits_total", "Prompt tokens found in the cache.",
-                  s.prefix_cache_hits)
-    yield counter("conveyor:num_preemptions_total", "Sequences preempted.", s.num_preemptions)
+                  lambda s: s.prefix_cache_hits)
+    yield counter("conveyor:num_preemptions_total", "Sequences preempted.",
+                  lambda s: s.num_preemptions)
     yield gauge("conveyor:engine_integrity_ok", "1 when the block manager's check passes.",
-                1 if s.integrity_ok else 0)
+                lambda s: 1 if s.integrity_ok else 0)
     yield gauge("conveyor:longest_wait_seconds", "Age of the oldest waiting sequence.",
-                s.longest_wait_s)
-    if s.queue_cap is not None:
+                lambda s: s.longest_wait_s)
+    if stats.queue_cap is not None:
         yield gauge("conveyor:queue_cap_requests", "Waiting sequences beyond this are refused.",
-                    s.queue_cap)
-    judged = CounterMetricFamily("conveyor:slo_judged_total",
-                                 "Sequences whose latency objective was judged.",
-                                 labels=["model_name", "objective"])
-    missed = CounterMetricFamily("conveyor:slo_missed_total",
-                                 "Sequences that missed their latency objective.",
-                                 labels=["model_name", "objective"])
-    for objective in ("ttft", "tpot"):
-        judged.add_metric([model, objective], getattr(s, f"{objective}_slo_judged"))
-        missed.add_metric([model, objective], getattr(s, f"{objective}_slo_missed"))
-    yield from (judged, missed)
-    yield from _spec_families(s, gauge, counter)
+                    lambda s: s.queue_cap or 0)
+    for what, doc in (("judged", "Sequences whose latency objective was judged."),
+                      ("missed", "Sequences that missed their latency objective.")):
+        f = CounterMetricFamily(f"conveyor:slo_{what}_total", doc,
+                                labels=["model_name", "objective", *extra])
+        for objective in ("ttft", "tpot"):
+            for labels, s in rows:
+                f.add_metric([model, objective, *labels.values()],
+                             getattr(s, f"{objective}_slo_{what}"))
+        yield f
+    yield from _spec_families(gauge, counter)
 
 
-def _spec_families(s: Stats, gauge, counter):
+def _spec_families(gauge, counter):
     """Speculative decoding (docs/SPECULATIVE.md); zeros when it is off."""
-    rate, length = acceptance(s.spec_num_draft_tokens, s.spec_num_accepted_tokens,
-                              s.spec_num_drafts)
+    def rates(s: Stats):
+        return acceptance(s.spec_num_draft_tokens, s.spec_num_accepted_tokens, s.spec_num_drafts)
+
     yield counter("conveyor:spec_decode_num_drafts_total",
-                  "Sequence steps that verified guessed tokens.", s.spec_num_drafts)
+                  "Sequence steps that verified guessed tokens.", lambda s: s.spec_num_drafts)
     yield counter("conveyor:spec_decode_num_draft_tokens_total", "Guessed tokens verified.",
-                  s.spec_num_draft_tokens)
+                  lambda s: s.spec_num_draft_tokens)
     yield counter("conveyor:spec_decode_num_accepted_tokens_total", "Guessed tokens accepted.",
-                  s.spec_num_accepted_tokens)
+                  lambda s: s.spec_num_accepted_tokens)
     yield gauge("conveyor:spec_decode_acceptance_ratio",
-                "Share of guessed tokens accepted, since start.", rate)
+                "Share of guessed tokens accepted, since start.", lambda s: rates(s)[0])
     yield gauge("conveyor:spec_decode_mean_accepted_length",
-                "Tokens a verifying sequence step yields on average, since start.", length)
+                "Tokens a verifying sequence step yields on average, since start.",
+                lambda s: rates(s)[1])
     yield counter("conveyor:spec_decode_propose_seconds_total",
-                  "Worker host time spent guessing tokens.", s.spec_propose_s)
+                  "Worker host time spent guessing tokens.", lambda s: s.spec_propose_s)
     yield counter("conveyor:spec_decode_verify_steps_total", "Steps that verified guesses.",
-                  s.spec_verify_steps)
+                  lambda s: s.spec_verify_steps)
     yield counter("conveyor:spec_decode_verify_seconds_total",
-                  "Wall time of the steps that verified guesses.", s.spec_verify_s)
+                  "Wall time of the steps that verified guesses.", lambda s: s.spec_verify_s)
 
 
 def _nvml_handles() -> list:

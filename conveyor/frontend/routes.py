@@ -77,8 +77,10 @@ class _UnloadLoRA(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class Routes:
     def __init__(self, core: FrontendCore, model_names: tuple[str, ...], max_n: int,
                  metrics=None, salt_per_key: bool = False, defaults: dict | None = None,
-                 tool_parser: str | None = None, reasoning_parser: str | None = None):
+                 tool_parser: str | None = None, reasoning_parser: str | None = None,
+                 replicas=None):
         self.core, self.model_names, self.max_n = core, model_names, max_n
+        self.replicas = replicas             # the data-parallel Router, or None (one replica)
         self.metrics, self.salt_per_key = metrics, salt_per_key
         self.defaults = defaults or {}       # sampling defaults (the model's generation config)
         self.tool_parser = tool_parser       # set only with --enable-auto-tool-choice
@@ -182,7 +184,12 @@ class Routes:
     async def health(self):
         if self.core.state != READY:
             return error_response(503, f"the server is {self.core.state}")
-        return Response(status_code=200)
+        if self.replicas is None:
+            return Response(status_code=200)
+        return {"replicas": [{"replica": r, "status": "dead", "reason": self.replicas.dead[r]}
+                             if r in self.replicas.dead else
+                             {"replica": r, "status": "ok", "open_sequences": self.replicas.load(r)}
+                             for r in range(len(self.replicas.sends))]}
 
     async def tokenizer_info(self):
         """What a client needs to tokenize as this server does (lm-eval's remote tokenizer)."""
@@ -236,12 +243,13 @@ class Routes:
 def build_app(core: FrontendCore, model_names: tuple[str, ...], max_n: int,
               metrics=None, salt_per_key: bool = False, defaults: dict | None = None,
               tool_parser: str | None = None, reasoning_parser: str | None = None,
-              runtime_lora_updating: bool = False) -> FastAPI:
-    """runtime_lora_updating: serve the adapter load and unload routes (needs core.loras)."""
+              runtime_lora_updating: bool = False, replicas=None) -> FastAPI:
+    """runtime_lora_updating: serve the adapter load and unload routes (needs core.loras);
+    replicas: the data-parallel Router, whose replicas /health lists."""
     app = FastAPI(title="conveyor", version=__version__, docs_url=None, redoc_url=None,
                   openapi_url=None)
     routes = Routes(core, model_names, max_n, metrics, salt_per_key, defaults, tool_parser,
-                    reasoning_parser)
+                    reasoning_parser, replicas)
     for method, path, handler in (
             ("POST", "/v1/completions", routes.completions),
             ("POST", "/v1/chat/completions", routes.chat_completions),

@@ -3,9 +3,10 @@
 It serves the ZMQ client protocol (docs/PROTOCOL.md) on a ROUTER at tcp://zmq_host:zmq_port+index
 (conveyor/frontend/zmq_endpoint.py) and the OpenAI HTTP API (conveyor/frontend/routes.py) on the
 port every frontend shares. Both hand requests to one FrontendCore, which talks to the
-scheduler. The launcher drives its state over the control socket: Ready (all processes are up:
-serve), Drain (SIGTERM: refuse new requests, finish open ones, then report Drained), EngineDead
-(fail every open request), Shutdown (exit).
+scheduler, or with --data-parallel-size N to N schedulers through a Router (router.py). The
+launcher drives its state over the control socket: Ready (all processes are up: serve), Drain
+(SIGTERM: refuse new requests, finish open ones, then report Drained), EngineDead (fail every
+open request), ReplicaDead (fail that replica's requests), Shutdown (exit).
 """
 from __future__ import annotations
 
@@ -21,16 +22,25 @@ import zmq.asyncio
 from conveyor.engine import max_model_len
 from conveyor.frontend.core import DEAD, DRAINING, READY, FrontendCore
 from conveyor.frontend.reasoning import REASONING_PARSERS
+from conveyor.frontend.router import Router
 from conveyor.frontend.tokenizer import load_tokenizer
 from conveyor.frontend.zmq_endpoint import ZmqEndpoint
 from conveyor.shared.config import ServeConfig
 from conveyor.shared.generation_config import default_sampling
 from conveyor.shared.lora import lora_registry
 from conveyor.shared.messages.client import CancelRequest, GenerateRequest
-from conveyor.shared.messages.control import Drain, Drained, EngineDead, Ready, Shutdown
+from conveyor.shared.messages.control import (
+    Drain,
+    Drained,
+    EngineDead,
+    Ready,
+    ReplicaDead,
+    Shutdown,
+)
 from conveyor.shared.messages.engine import Stats, StatsRequest, TokenOutputs
 from conveyor.shared.model_files import DEFAULT_MODEL_NAME, read_model_config, resolve_model
 from conveyor.shared.process import StartupError
+from conveyor.shared.replicas import scheduler_name
 from conveyor.shared.sockets import (
     Socket,
     authorized_clients,
@@ -79,6 +89,7 @@ class Frontend:
         self.defaults = defaults or {}               # sampling defaults of requests
         self.role = f"frontend-{index}"
         self._http = None                    # the uvicorn server, if HTTP is on
+        self.router: Router | None = None    # with --data-parallel-size > 1
 
     async def run(self, ctx: zmq.Context, control: Socket) -> None:
         actx = zmq.asyncio.Context.shadow(ctx.underlying)
@@ -99,15 +110,25 @@ class Frontend:
                                   curve_keys=curve)
         except zmq.ZMQError as e:
             raise StartupError(f"cannot listen on {address}: {e}") from None
-        self.scheduler = Socket(actx, zmq.DEALER, ipc(cfg.runtime_dir, "scheduler"), bind=False,
-                                identity=self.role.encode(), allowed=(TokenOutputs, Stats))
+        dp = cfg.engine.data_parallel_size
+        schedulers = [Socket(actx, zmq.DEALER, ipc(cfg.runtime_dir, scheduler_name(r, dp)),
+                             bind=False, identity=self.role.encode(), allowed=(TokenOutputs, Stats))
+                      for r in range(dp)]
         commands = Socket(actx, zmq.PULL, ipc(cfg.runtime_dir, self.role), bind=True,
-                          allowed=(Ready, Drain, EngineDead, Shutdown))
-        self.core.send = self.scheduler.send
+                          allowed=(Ready, Drain, EngineDead, ReplicaDead, Shutdown))
         self.control = control
         # NOTE: these run as long as the process serves; one that ends takes the process down
-        tasks = [asyncio.ensure_future(self._pump(self.scheduler, self._on_scheduler)),
-                 asyncio.ensure_future(ZmqEndpoint(self.clients, self.core).serve())]
+        tasks = [asyncio.ensure_future(ZmqEndpoint(self.clients, self.core).serve())]
+        if dp == 1:
+            self.core.send = schedulers[0].send
+            tasks.append(asyncio.ensure_future(self._pump(schedulers[0], self._on_scheduler)))
+        else:
+            self.router = Router([s.send for s in schedulers], cfg.engine.dp_routing_policy,
+                                 cfg.engine.block_size, self.core.on_outputs, self.core.on_stats)
+            self.core.send = self.router.send
+            tasks += [asyncio.ensure_future(self._pump(
+                sock, lambda _, msg, r=r: self.router.on_message(r, msg)))
+                for r, sock in enumerate(schedulers)]
         info = {"address": self.clients.address}
         if cfg.http.port is not None:
             tasks.append(await self._start_http())
@@ -124,6 +145,8 @@ class Frontend:
                     control.send(Ready(self.role, {}))
                 elif isinstance(msg, Drain):
                     self._draining = asyncio.ensure_future(self._drain(msg.timeout_s))
+                elif isinstance(msg, ReplicaDead):
+                    self.router.replica_dead(msg.replica, msg.reason)
                 elif isinstance(msg, EngineDead):
                     self.core.state = DEAD
                     self.core.fail_all(msg.reason, 503)
@@ -172,7 +195,8 @@ class Frontend:
         app = Guard(build_app(self.core, served_names(self.cfg), h.max_n, self.metrics,
                               h.cache_salt_per_api_key, self.defaults,
                               h.tool_call_parser if h.enable_auto_tool_choice else None,
-                              h.reasoning_parser, self.cfg.engine.allow_runtime_lora_updating),
+                              h.reasoning_parser, self.cfg.engine.allow_runtime_lora_updating,
+                              self.router),
                     h.api_keys, h.rate_limit, h.rate_limit_burst, h.max_body_bytes, self.metrics,
                     buckets_file=str(Path(self.cfg.runtime_dir) / "rate-limit"),
                     metrics_need_api_key=h.metrics_need_api_key)

@@ -1,5 +1,8 @@
 """The scheduler process: the EngineCore's step loop behind sockets, between frontends and workers.
 
+With --data-parallel-size N there are N of these, one per replica, each with its own workers
+and sockets (conveyor/shared/replicas.py names them); they share nothing.
+
 Frontends (DEALERs, one identity each) send AddRequest, Abort and StatsRequest to its ROUTER; each
 request's outputs go back only to the frontend that added it, in one TokenOutputs per step. The
 launcher sends FrontendDead there when a frontend died: its requests are aborted, which frees
@@ -29,16 +32,19 @@ from conveyor.shared.messages.engine import (
 from conveyor.shared.messages.worker import StepPlan, StepResult
 from conveyor.shared.model_files import read_model_config, resolve_model
 from conveyor.shared.process import StartupError
+from conveyor.shared.replicas import results_name, scheduler_name, worker_name
 from conveyor.shared.sockets import Socket, ipc
 
 
 class Workers:
     """The executor of `conveyor serve`: the worker processes, over sockets."""
 
-    def __init__(self, ctx: zmq.Context, cfg: ServeConfig):
-        self.results = Socket(ctx, zmq.PULL, ipc(cfg.runtime_dir, "results"), bind=True,
-                              allowed=(StepResult, Ready))
-        self.ranks = [Socket(ctx, zmq.PUSH, ipc(cfg.runtime_dir, f"worker-{r}"), bind=True)
+    def __init__(self, ctx: zmq.Context, cfg: ServeConfig, replica: int = 0):
+        dp = cfg.engine.data_parallel_size
+        self.results = Socket(ctx, zmq.PULL, ipc(cfg.runtime_dir, results_name(replica, dp)),
+                              bind=True, allowed=(StepResult, Ready))
+        self.ranks = [Socket(ctx, zmq.PUSH, ipc(cfg.runtime_dir, worker_name(replica, r, dp)),
+                             bind=True)
                       for r in range(cfg.engine.tensor_parallel_size)]
 
     def submit(self, plan: StepPlan) -> None:
@@ -55,11 +61,12 @@ class Workers:
         return result
 
 
-def scheduler_main(ctx: zmq.Context, control: Socket, cfg: ServeConfig) -> None:
+def scheduler_main(ctx: zmq.Context, control: Socket, cfg: ServeConfig, replica: int = 0) -> None:
     model = read_model_config(resolve_model(cfg.engine.model, cfg.engine.revision))
-    frontends = Socket(ctx, zmq.ROUTER, ipc(cfg.runtime_dir, "scheduler"), bind=True,
+    name = scheduler_name(replica, cfg.engine.data_parallel_size)
+    frontends = Socket(ctx, zmq.ROUTER, ipc(cfg.runtime_dir, name), bind=True,
                        allowed=(AddRequest, Abort, StatsRequest, FrontendDead))
-    workers = Workers(ctx, cfg)
+    workers = Workers(ctx, cfg, replica)
     # rank 0 says how many KV blocks every rank has, and on which device the workers run
     _, ready = workers.results.recv()
     num_blocks = int(ready.info["num_blocks"])
@@ -70,7 +77,7 @@ def scheduler_main(ctx: zmq.Context, control: Socket, cfg: ServeConfig) -> None:
                            f"--kv-cache-memory-bytes or lower --max-num-seqs")
     length = max_model_len(config, model)
     scheduler = Scheduler(config, num_blocks, model.eos_token_ids, length, derive_queue_cap=True)
-    control.send(Ready("scheduler", {"max_model_len": length,
+    control.send(Ready(name, {"max_model_len": length,
                                      "max_num_batched_tokens": config.max_num_batched_tokens,
                                      "queue_cap": scheduler.admission.queue_cap() or 0}))
     engine = EngineCore(scheduler, workers, report=lambda line: print(f"conveyor: {line}",

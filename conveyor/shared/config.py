@@ -14,6 +14,7 @@ from typing import Any
 from conveyor.shared.speculative import SpeculativeConfig
 
 QUANTIZATION_MODES = (None, "int8", "fp8")
+DP_ROUTING_POLICIES = ("prefix_affinity", "least_loaded", "round_robin")
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 # vLLM's --dtype spellings for conveyor's three
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
@@ -59,6 +60,10 @@ class EngineConfig:
     kv_cache_memory_bytes: int = 1 << 30     # KV pool budget on CPU
     num_kv_blocks: int | None = None         # overrides the sizing (tests use tiny pools)
     tensor_parallel_size: int = 1
+    # `serve` only: engine replicas (each a scheduler with its own tensor-parallel workers)
+    # behind the same frontends, and how the frontends pick one per request (docs/ARCHITECTURE.md)
+    data_parallel_size: int = 1
+    dp_routing_policy: str = "prefix_affinity"   # prefix_affinity | least_loaded | round_robin
     quantization: str | None = None          # None, "int8" (W8A16) or "fp8" (W8A8)
     # comma-separated regexes (re.search on module names such as model.layers.3.mlp.down_proj):
     # matched layers stay in --dtype when quantizing; "" quantizes every layer it can
@@ -119,6 +124,9 @@ class EngineConfig:
         check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks",
               "must be at least 1")
         check(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be at least 1")
+        check(self.data_parallel_size >= 1, "data_parallel_size", "must be at least 1")
+        check(self.dp_routing_policy in DP_ROUTING_POLICIES, "dp_routing_policy",
+              f"must be one of {', '.join(DP_ROUTING_POLICIES)}")
         check(self.quantization in QUANTIZATION_MODES, "quantization",
               "must be None, 'int8' or 'fp8'")
         try:

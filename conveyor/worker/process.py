@@ -1,4 +1,4 @@
-"""A worker process: rank r of the tensor-parallel group, one model shard and its KV pool.
+"""A worker process: rank r of a replica's tensor-parallel group, one model shard and its KV pool.
 
 Every rank pulls every StepPlan and hands it to its executor (the layers all-reduce between
 ranks); rank 0 also tells the scheduler the KV pool size at start (the minimum over ranks) and
@@ -16,12 +16,15 @@ from conveyor.shared.config import ServeConfig
 from conveyor.shared.messages.control import Ready, Shutdown
 from conveyor.shared.messages.worker import StepPlan
 from conveyor.shared.model_files import read_model_config, resolve_model
+from conveyor.shared.process import StartupError
+from conveyor.shared.replicas import results_name, worker_name
 from conveyor.shared.sockets import Socket, ipc
 
 _POLL_MS = 1     # while a step runs on the device: how often to look whether it is done
 
 
-def worker_main(ctx: zmq.Context, control: Socket, cfg: ServeConfig, rank: int) -> None:
+def worker_main(ctx: zmq.Context, control: Socket, cfg: ServeConfig, rank: int,
+                replica: int = 0) -> None:
     import torch
     import torch.distributed as dist
 
@@ -30,13 +33,17 @@ def worker_main(ctx: zmq.Context, control: Socket, cfg: ServeConfig, rank: int) 
     from conveyor.worker.profiling import StepProfiler, host_phase
 
     engine = cfg.engine.with_defaults(offline=False)   # "auto": decided where torch is
-    tp = engine.tensor_parallel_size
+    tp, dp = engine.tensor_parallel_size, engine.data_parallel_size
     if engine.device == "cuda":
-        device = torch.device("cuda", rank)
+        index = replica * tp + rank          # replica r holds GPUs r*tp .. r*tp+tp-1
+        if index >= torch.cuda.device_count():
+            raise StartupError(f"--data-parallel-size {dp} x --tensor-parallel-size {tp} needs "
+                               f"{dp * tp} GPUs; {torch.cuda.device_count()} are visible")
+        device = torch.device("cuda", index)
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // (tp * dp)))
     if tp > 1:
         # NOTE: a tcp:// rendezvous listens on every interface whatever host it is given; a file
         # in the private runtime folder does not listen at all, and the collectives' own
@@ -44,7 +51,7 @@ def worker_main(ctx: zmq.Context, control: Socket, cfg: ServeConfig, rank: int) 
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                init_method=f"file://{cfg.runtime_dir}/distributed",
+                                init_method=f"file://{cfg.runtime_dir}/distributed-{replica}",
                                 rank=rank, world_size=tp,
                                 device_id=device if device.type == "cuda" else None)
         if device.type == "cuda" and not engine.disable_custom_all_reduce:
@@ -56,14 +63,14 @@ def worker_main(ctx: zmq.Context, control: Socket, cfg: ServeConfig, rank: int) 
     profiler = StepProfiler.from_env(rank, device.type == "cuda")
     runner = ModelRunner(engine, model, files, max_model_len(engine, model), device)
     executor = LocalExecutor(runner, engine.async_scheduling)
-    plans = Socket(ctx, zmq.PULL, ipc(cfg.runtime_dir, f"worker-{rank}"), bind=False,
+    plans = Socket(ctx, zmq.PULL, ipc(cfg.runtime_dir, worker_name(replica, rank, dp)), bind=False,
                    allowed=(StepPlan, Shutdown))
     results = None
     if rank == 0:
-        results = Socket(ctx, zmq.PUSH, ipc(cfg.runtime_dir, "results"), bind=False)
+        results = Socket(ctx, zmq.PUSH, ipc(cfg.runtime_dir, results_name(replica, dp)), bind=False)
         results.send(Ready("worker", {"num_blocks": runner.num_blocks,
                                       "device": device.type}))
-    control.send(Ready(f"worker-{rank}", runner.describe()))
+    control.send(Ready(worker_name(replica, rank, dp), runner.describe()))
     while True:
         with host_phase(profiler, "conveyor: wait for a plan"):
             plan_first = _plan_comes_first(plans, runner)

@@ -22,6 +22,7 @@ from conveyor.shared.messages.control import (
     EngineDead,
     FrontendDead,
     Ready,
+    ReplicaDead,
     Shutdown,
 )
 from conveyor.shared.messages.engine import Abort, AddRequest, Stats, StatsRequest, TokenOutputs
@@ -32,7 +33,7 @@ from conveyor.shared.messages.worker import StepPlan, StepResult
 MESSAGE_TYPES: tuple[type, ...] = (
     AddRequest, Abort, TokenOutputs, StepPlan, StepResult, Ready, Shutdown, EngineDead, Stats,
     GenerateRequest, CancelRequest, StatsRequest, RequestOutput, ErrorReply, Drain, Drained,
-    FrontendDead,
+    FrontendDead, ReplicaDead,
 )
 _TAG = {cls: bytes([i + 1]) for i, cls in enumerate(MESSAGE_TYPES)}
 _DECODERS = {bytes([i + 1]): msgspec.msgpack.Decoder(cls) for i, cls in enumerate(MESSAGE_TYPES)}

@@ -31,3 +31,9 @@ class Drained(msgspec.Struct):
 class FrontendDead(msgspec.Struct):
     """launcher -> scheduler: this frontend died; abort its requests (nobody can get them)."""
     role: str
+
+
+class ReplicaDead(msgspec.Struct):
+    """launcher -> frontend: this data-parallel replica died; fail its requests, route around it."""
+    replica: int
+    reason: str

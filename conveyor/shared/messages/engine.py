@@ -84,3 +84,8 @@ class Stats(msgspec.Struct, omit_defaults=True):
     spec_verify_s: float = 0.0
     # filled in by the frontend that answers a client's StatsRequest, about itself
     frontend_open_requests: int = 0          # requests it still owes an answer
+    # data parallel (--data-parallel-size > 1): the fields above are sums over the live
+    # replicas; each live one's own Stats (with its index) is in `replicas`
+    replica: int | None = None
+    replicas: list[Stats] = []
+    dead_replicas: list[int] = []
