@@ -21,13 +21,11 @@ from conveyor.worker.context import StepContext
 from conveyor.worker.layers.activation import gelu_tanh_and_mul
 from conveyor.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from conveyor.worker.layers.linear import (
-    MergedColumnParallelLinear,
-    RowParallelLinear,
     default_weight_loader,
 )
 from conveyor.worker.layers.norm import RMSNorm
 from conveyor.worker.layers.rotary import RotaryEmbedding
-from conveyor.worker.models.llama import LlamaAttention, LlamaForCausalLM
+from conveyor.worker.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -39,14 +37,8 @@ class GemmaRMSNorm(RMSNorm):
             param, w.float() + 1)
 
 
-class GemmaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype):
-        super().__init__()
-        inter = config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter],
-                                                       dtype=dtype)
-        self.down_proj = RowParallelLinear(inter, config.hidden_size, dtype=dtype,
-                                           reduce_results=False)
+class GemmaMLP(LlamaMLP):
+    """Llama's projections with a tanh-GELU gate instead of SiLU."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x)))
