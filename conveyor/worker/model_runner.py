@@ -12,6 +12,7 @@ step sampled gets it on the device. `execute` runs one step to its end.
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
 from dataclasses import dataclass, field
 
@@ -84,6 +85,11 @@ class ModelRunner:
         self.dtype = getattr(torch, config.torch_dtype_name)
         self.kv_dtype = kv_cache_dtype(config, self.dtype)    # the pool's: float8 or self.dtype
         torch.manual_seed(config.seed)
+        self._memory_before = 0      # CUDA bytes held before this runner (another engine's)
+        if self.device.type == "cuda":
+            gc.collect()             # an earlier engine of this process that is unreachable
+            torch.cuda.empty_cache()
+            self._memory_before = torch.cuda.memory_allocated(self.device)
         quantization = resolve_mode(config.quantization, model_config.quantization)
         check_device(quantization, self.device)
         self.model = load_model(model_config, files, self.dtype, self.device,
@@ -162,7 +168,12 @@ class ModelRunner:
         return self._profile_gpu_blocks()
 
     def _profile_gpu_blocks(self) -> int:
-        """Run the largest step once and give the KV pool what is left of the memory budget."""
+        """Run the largest step once and give the KV pool what is left of the memory budget.
+
+        The budget is `gpu_memory_utilization` of the device for this engine alone: memory
+        another engine of the process already holds is not counted against it, and the pool
+        never takes more than is free now.
+        """
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         num_tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
@@ -175,15 +186,19 @@ class ModelRunner:
         self._add_blocks(0, list(range(blocks)))
         self._forward([(0, num_tokens, True, -1, [])], logits_rows=self.config.max_num_seqs)
         self.slots, self.kv_caches = {}, []
-        peak = torch.cuda.max_memory_allocated(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - self._memory_before
         total = torch.cuda.get_device_properties(self.device).total_memory
-        free_bytes = int(total * self.config.gpu_memory_utilization) - peak
+        torch.cuda.empty_cache()
+        # what the peak step needs beyond what is allocated now must stay free as well
+        free = torch.cuda.mem_get_info(self.device)[0] - (
+            peak + self._memory_before - torch.cuda.memory_allocated(self.device))
+        free_bytes = min(int(total * self.config.gpu_memory_utilization) - peak, free)
         num = free_bytes // bytes_per_block(self.model_config, self.config, self.kv_dtype)
         if num < 1:
-            raise RuntimeError(f"no memory left for the KV cache: peak {peak / 2**30:.1f} GiB of "
+            raise RuntimeError(f"no memory left for the KV cache: this engine's peak "
+                               f"{peak / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free of "
                                f"{total / 2**30:.1f} GiB; raise gpu_memory_utilization or lower "
                                f"max_num_batched_tokens")
-        torch.cuda.empty_cache()
         return num
 
     # --- steps --------------------------------------------------------------------------------
