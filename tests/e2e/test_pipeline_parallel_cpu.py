@@ -106,3 +106,13 @@ def test_arrivals_preemption_and_abort_under_pp2(llama5):
     assert stats.num_preemptions > 0
     assert stats.integrity_ok and stats.num_running == 0 and stats.num_waiting == 0
     assert stats.num_free_blocks == stats.num_total_blocks == 20
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_pp2_on_two_gpus_matches_one_gpu(llama5):
+    """NCCL between the stages, each stage eager; float32, so the tokens must be equal."""
+    llm = LLM(model=llama5, skip_tokenizer_init=True, device="cuda", dtype="float32",
+              max_model_len=512, enforce_eager=True)
+    reference = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert served(llama5, "--pp", "2", "--device", "cuda", "--dtype", "float32") == reference
