@@ -6,6 +6,7 @@ tokens must be equal (test_tp_cpu.py says why TP moves logits only by ~1e-7).
 """
 import asyncio
 import contextlib
+import re
 
 import pytest
 import torch
@@ -106,6 +107,29 @@ def test_arrivals_preemption_and_abort_under_pp2(llama5):
     assert stats.num_preemptions > 0
     assert stats.integrity_ok and stats.num_running == 0 and stats.num_waiting == 0
     assert stats.num_free_blocks == stats.num_total_blocks == 20
+
+
+def test_structured_outputs_at_pp2():
+    """The grammar matchers live beside the sampler, on the last stage: the default model's
+    constrained outputs hold at PP 2."""
+    from conveyor.client import Client
+    from conveyor.shared.structured_outputs import StructuredOutputs
+
+    choice = SamplingParams(temperature=0.8, seed=2, max_tokens=20,
+                            structured_outputs=StructuredOutputs(choice=["banana split",
+                                                                         "apple pie"]))
+    regex = SamplingParams(temperature=0.8, seed=1, max_tokens=30,
+                           structured_outputs=StructuredOutputs(regex=r"[0-9]{3}-[a-z]{4}"))
+    server = start_server("--pp", "2", "--port", "-1", "--frontends", "1")
+    try:
+        with Client(server.addresses[0], timeout=120) as client:
+            chosen = [o.outputs[0].text for o in client.generate(
+                ["My favourite dessert is", "Pick one:", "Dessert?"], choice)]
+            text = client.generate("Code:", regex).outputs[0].text
+    finally:
+        server.kill_all()
+    assert set(chosen) <= {"banana split", "apple pie"}, chosen
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{4}", text), text
 
 
 @pytest.mark.gpu
