@@ -35,6 +35,10 @@ class LLM:
         if self.config.data_parallel_size > 1:
             raise ValueError("data_parallel_size: replicas are served by `conveyor serve`; LLM "
                              "runs one engine in this process (data_parallel_size=1)")
+        if self.config.pipeline_parallel_size > 1:
+            raise ValueError("pipeline_parallel_size: pipeline stages are worker processes of "
+                             "`conveyor serve`; LLM runs one engine in this process "
+                             "(pipeline_parallel_size=1)")
         self.engine, self.runner = EngineCore.local(self.config)
         # without a tokenizer, prompts are token ids and outputs carry token ids only
         c = self.config
