@@ -22,12 +22,10 @@ from conveyor.shared.lora import LoRARequest
 from conveyor.shared.messages.worker import StepPlan, StepResult
 from conveyor.shared.model_files import ModelFiles
 from conveyor.shared.sampling_params import SamplingParams
-from conveyor.worker.context import StepContext
 from conveyor.worker.kv_cache import (
     allocate_kv_cache,
     bytes_per_block,
     kv_cache_dtype,
-    num_blocks_for_budget,
 )
 from conveyor.worker.kv_scales import calibrate_kv_scales, set_kv_scales
 from conveyor.worker.layers.lora import LoRABatch
@@ -35,7 +33,7 @@ from conveyor.worker.layers.parallel import broadcast_tensor, min_over_ranks, tp
 from conveyor.worker.layers.quantization import QuantReport, check_device, resolve_mode
 from conveyor.worker.loader import load_model
 from conveyor.worker.sampler import LogprobTensors, SampledTensors, Sampler, SeqSamplingState
-from conveyor.worker.spec import make_proposer
+from conveyor.worker.spec import ModelProposer, make_proposer
 from conveyor.worker.spec.verify import verify
 from conveyor.worker.step_inputs import StepInputs
 from conveyor.worker.structured import StructuredOutputMasks
@@ -110,7 +108,13 @@ class ModelRunner:
                                                     model_config.eos_token_ids,
                                                     config.max_num_seqs, self.device)
         spec = config.speculative
-        self.proposer = make_proposer(spec) if spec is not None else None
+        self.drafter: ModelProposer | None = None   # draft_model: the draft, its pool and q
+        if spec is not None and spec.method == "draft_model":
+            from conveyor.worker.spec.draft_model import DraftModelProposer
+
+            self.drafter = DraftModelProposer(config, model_config, files, self.dtype,
+                                              self.device, max_model_len)
+        self.proposer = self.drafter or (make_proposer(spec) if spec is not None else None)
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.graphs = None      # CUDA graphs of the forward pass, made once the pool exists
@@ -121,12 +125,16 @@ class ModelRunner:
         self.kv_caches = allocate_kv_cache(model_config, config, self.num_blocks, self.kv_dtype,
                                            self.device)
         self.slots: dict[int, Slot] = {}
+        graph_args = None
         if self.device.type == "cuda" and not config.enforce_eager:
             from conveyor.worker.cuda_graph import StepGraphs
 
-            self.graphs = StepGraphs(self.model, self.kv_caches, min(config.max_num_seqs, 512),
-                                     config.max_num_seqs, self._max_graph_tokens(), max_blocks,
-                                     self.device, self.lora)
+            graph_args = (min(config.max_num_seqs, 512), config.max_num_seqs,
+                          self._max_graph_tokens(), max_blocks)
+            self.graphs = StepGraphs(self.model, self.kv_caches, *graph_args, self.device,
+                                     self.lora)
+        if self.drafter is not None:
+            self.drafter.bind(self.num_blocks, self.slots, self.inputs, self.sampler, graph_args)
 
     def describe(self) -> dict[str, int | float | str]:
         """What the start-up summary says of this runner."""
@@ -135,6 +143,8 @@ class ModelRunner:
                 "kv_dtype": str(self.kv_dtype).removeprefix("torch.")}
         if self.quant_report is not None:
             info["quantization"] = self.quant_report.summary()
+        if self.drafter is not None:
+            info["draft_model"] = self.drafter.describe()
         return info
 
     def _max_graph_tokens(self) -> int:
@@ -156,10 +166,17 @@ class ModelRunner:
             # NOTE: more blocks than every sequence at full length could use only feed the prefix
             # cache; on CPU the budget is capped there so small models don't zero gigabytes.
             enough = self.config.max_num_seqs * -(-self.max_model_len // self.block_size)
-            return min(enough, num_blocks_for_budget(self.model_config, self.config,
-                                                     self.kv_dtype,
-                                                     self.config.kv_cache_memory_bytes))
+            budget = self.config.kv_cache_memory_bytes
+            if self.drafter is not None:
+                budget -= self.drafter.scratch_bytes()
+            return min(enough, budget // self._block_bytes())
         return self._profile_gpu_blocks()
+
+    def _block_bytes(self) -> int:
+        """What a block costs: its KV in the target's pool and, speculating with a draft
+        model, in the draft's."""
+        own = bytes_per_block(self.model_config, self.config, self.kv_dtype)
+        return own + (self.drafter.kv_bytes_per_block() if self.drafter is not None else 0)
 
     def _profile_gpu_blocks(self) -> int:
         """Run the largest step once and give the KV pool what is left of the memory budget."""
@@ -178,7 +195,9 @@ class ModelRunner:
         peak = torch.cuda.max_memory_allocated(self.device)
         total = torch.cuda.get_device_properties(self.device).total_memory
         free_bytes = int(total * self.config.gpu_memory_utilization) - peak
-        num = free_bytes // bytes_per_block(self.model_config, self.config, self.kv_dtype)
+        if self.drafter is not None:
+            free_bytes -= self.drafter.scratch_bytes()
+        num = free_bytes // self._block_bytes()
         if num < 1:
             raise RuntimeError(f"no memory left for the KV cache: peak {peak / 2**30:.1f} GiB of "
                                f"{total / 2**30:.1f} GiB; raise gpu_memory_utilization or lower "
@@ -294,7 +313,9 @@ class ModelRunner:
         rows = sum(len(d) + 1 for d in st.drafts)
         num = len(st.states)
         if rank0:
-            v = verify(self.sampler, st.logits[:rows], st.states, st.drafts)
+            q = (self.drafter.draft_probs(st.sample_slots, st.drafts, st.states)
+                 if self.drafter is not None else None)
+            v = verify(self.sampler, st.logits[:rows], st.states, st.drafts, q)
             packed = torch.cat([v.token_ids, v.num_accepted.long()])
             drawn = SampledTensors(v.token_ids, v.logprob_rows, v.logprobs)
         else:
@@ -414,8 +435,6 @@ class ModelRunner:
             slot.num_computed = end
 
         num_seqs, num_tokens = len(steps), len(input_ids)
-        # the decodes (one token each) come first
-        num_decodes = next((i for i, n in enumerate(query_lens) if n != 1), num_seqs)
         graph = (self.graphs.pick(num_seqs, num_tokens)
                  if self.graphs is not None and not logits_rows else None)
         rows = sample_rows + lp_rows
@@ -426,19 +445,16 @@ class ModelRunner:
                                 graph.seqs if graph else num_seqs, gather_rows, gather_from,
                                 prev.sampled if prev is not None else None, lora_slots,
                                 self.lora.num_slots if self.lora is not None else 0)
+        ctx = None
         if graph is not None:
             hidden = self.graphs.run(graph, num_seqs, dev, self.inputs.block_tables)
         else:
             tokens3 = dev["tokens"]               # [3, T]: ids, pos, slot (+ adapter slot)
-            ctx = StepContext(
-                slot_mapping=tokens3[2], query_start_loc=dev["query_start_loc"].int(),
-                seq_lens=dev["seq_lens"].int(),
-                block_tables=self.inputs.block_tables.index_select(0, dev["slots"]),
-                kv_caches=self.kv_caches, query_lens_cpu=query_lens, seq_lens_cpu=seq_lens,
-                num_decodes=num_decodes,
-                decode_order=dev["order"].int() if num_decodes == num_seqs else None)
+            ctx = self.inputs.context(dev, self.kv_caches, query_lens, seq_lens)
             with self._lora_step(dev, lora_slots):
                 hidden = self.model(tokens3[0], tokens3[1], ctx)
+        if self.drafter is not None and not logits_rows:
+            self.drafter.alongside(dev, graph, num_seqs, ctx)
         if logits_rows:  # profiling: the largest logits a step can make, and their float32 copy
             self.model.compute_logits(hidden[-1:].expand(logits_rows, -1)).float()
             return _Launched(step, [], None, [])
