@@ -8,8 +8,7 @@ does, prefix-cache hits included; rejected guesses are rewound with the target's
 written again by the next pass. Then, for each sequence that sampled, k decode steps: the last
 token, then its own guesses, one at a time. Those write KV at positions the target has not
 computed; past the sequence's blocks they go to scratch blocks of its slot (pool rows after the
-shared ones), entered in the block table past the slot's last entry, where the target never reads
-and its next new block overwrites them.
+shared ones), entered in the block table past the slot's last entry for these steps only.
 
 Greedy requests guess the draft's argmax. Sampled ones draw from q, the draft's distribution under
 the request's temperature, top-k, top-p and min-p; verification accepts a guess d with
@@ -112,12 +111,14 @@ class DraftModelProposer:
         S, bs = len(slots), self.block_size
         last_pos = self.max_model_len - 1
         first = [len(s.token_ids) - 1 for s in states]       # position of the last token
+        scratch = []                                          # (slot, first entry, count)
         for slot_id, p in zip(slots, first):
             slot = self.slots[slot_id]
             need = min(p + self.k - 1, last_pos) // bs + 1 - slot.num_blocks
             if need > 0:
                 base = self.num_blocks + slot_id * self.scratch_per_slot
                 self.inputs.add_blocks(slot_id, slot.num_blocks, list(range(base, base + need)))
+                scratch.append((slot_id, slot.num_blocks, need))
         rank0 = tp_rank() == 0
         drawn, qs, random = [], [], []
         token = None
@@ -142,6 +143,10 @@ class DraftModelProposer:
                 token = torch.empty(S, dtype=torch.long, device=self.device)
             token = broadcast_tensor(token)
             drawn.append(token)
+        # NOTE: the scratch entries go (with the next step's inputs): the target's pool has no
+        # such blocks, and its torch attention gathers a batch's table rows to the longest
+        for slot_id, at, n in scratch:
+            self.inputs.add_blocks(slot_id, at, [0] * n)
         guesses = torch.stack(drawn, 1).tolist()                        # [S, k]
         q_all = torch.stack(qs, 1) if rank0 and random else None        # [Sr, k, V]
         q_of = {i: r for r, i in enumerate(random)}
