@@ -51,8 +51,10 @@ def test_greedy_outputs_and_logprobs_unchanged(tiny, scenario):
     if scenario != "penalties-min-tokens":     # the draft's argmax knows no penalties
         # the target drafting for itself: its guesses are its own greedy tokens
         assert stats.spec_num_accepted_tokens >= 0.95 * stats.spec_num_draft_tokens
-    outs, stats = run(tiny, FIRST_LAYER, params, **engine_args)
-    assert_same_outputs(reference, outs, tol=1e-4)
+    if scenario in ("plain", "preemption", "penalties-min-tokens"):
+        outs, stats = run(tiny, FIRST_LAYER, params, **engine_args)
+        assert_same_outputs(reference, outs, tol=1e-4)
+        assert stats.spec_num_draft_tokens > stats.spec_num_accepted_tokens > 0
 
 
 def test_a_separate_smaller_draft(tiny, tmp_path):
@@ -89,9 +91,10 @@ def test_one_at_a_time_and_a_prefix_cache_hit(tiny):
 
 def test_sampled_tokens_keep_their_distribution(tmp_path):
     """A one-layer draft of the 8-token model: q differs from p, so accepted guesses, rejected
-    ones and draws from the residual max(0, p - q) all come often."""
+    ones and draws from the residual max(0, p - q) all come often. 1,000 samples: every
+    sequence guesses, so the CPU's attention runs a verify query per sequence each step."""
     path = make_tiny_model("llama", tmp_path / "m", **SMALL_VOCAB)
-    assert_same_distribution(path, {**FIRST_LAYER, "num_speculative_tokens": 2})
+    assert_same_distribution(path, {**FIRST_LAYER, "num_speculative_tokens": 2}, n=1000)
 
 
 def _tokenizer(folder, tokens: list[str]) -> None:
