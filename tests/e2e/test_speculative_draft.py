@@ -125,3 +125,19 @@ def test_a_draft_with_another_vocabulary_is_refused(tiny, tmp_path):
     with pytest.raises(ValueError, match="draft_num_layers must be at most"):
         LLM(str(tiny), skip_tokenizer_init=True,
             speculative_config={**SELF, "draft_num_layers": 3})
+
+
+@pytest.mark.slow
+def test_served_with_tp2_matches_tp1(tmp_path):
+    """`conveyor serve --tp 2` with a draft of the target's first layer (gloo): the draft is
+    sharded like the target, every rank runs it and rank 0 draws; greedy tokens equal TP=1's."""
+    from serve_util import served_outputs
+    from test_tp_cpu import ENGINE, GREEDY as TP_GREEDY, PROMPTS, SHAPE
+
+    path = str(make_tiny_model("llama", tmp_path / "llama", **SHAPE))
+    llm = LLM(model=path, skip_tokenizer_init=True, **ENGINE)
+    reference = [o.outputs[0].token_ids
+                 for o in llm.generate(PROMPTS, TP_GREEDY, use_tqdm=False)]
+    got = served_outputs(PROMPTS, TP_GREEDY, "--model", path, "--tp", "2",
+                         "--skip-tokenizer-init", "--speculative-config", json.dumps(FIRST_LAYER))
+    assert [o.token_ids for o in got] == reference
