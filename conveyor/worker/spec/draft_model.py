@@ -27,6 +27,7 @@ from conveyor.shared.config import EngineConfig, ModelConfig
 from conveyor.shared.model_files import ModelFiles
 from conveyor.worker.kv_cache import allocate_kv_cache, bytes_per_block
 from conveyor.worker.layers.parallel import broadcast_tensor, tp_rank, tp_size
+from conveyor.worker.layers.quantization import resolve_mode
 from conveyor.worker.loader import load_model
 from conveyor.worker.sampler import Sampler, SeqSamplingState, _tensor
 from conveyor.worker.spec.draft_files import draft_model_files
@@ -50,8 +51,10 @@ class DraftModelProposer:
         # the k positions a proposal writes past the last computed token span at most this
         # many blocks the sequence may not hold yet
         self.scratch_per_slot = -(-self.k // self.block_size)
-        self.model = load_model(self.model_config, self.files, dtype, device,
-                                load_format=config.load_format, seed=config.seed,
+        # NOTE: quantized as the target is (--quantization, or its checkpoint's own)
+        quantization = resolve_mode(config.quantization, self.model_config.quantization)
+        self.model = load_model(self.model_config, self.files, dtype, device, quantization,
+                                config.keep_patterns, config.load_format, config.seed,
                                 first_layers=spec.draft_num_layers is not None)
         self.kv_caches: list[torch.Tensor] = []
         self.graphs = None
