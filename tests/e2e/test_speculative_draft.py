@@ -141,3 +141,22 @@ def test_served_with_tp2_matches_tp1(tmp_path):
     got = served_outputs(PROMPTS, TP_GREEDY, "--model", path, "--tp", "2",
                          "--skip-tokenizer-init", "--speculative-config", json.dumps(FIRST_LAYER))
     assert [o.token_ids for o in got] == reference
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_of_the_draft(tiny):
+    """On a GPU the draft runs from its own CUDA graphs (beside the target's mixed and decode
+    graphs, and its k decode steps): greedy tokens equal the engine's without speculation, and
+    the target drafting for itself has nearly every guess accepted."""
+    kw = dict(device="cuda", dtype="float32")     # float32: tokens equal, not just close
+    reference = make_llm(tiny, **kw).generate(prompts(), GREEDY, use_tqdm=False)
+    for spec in (SELF, FIRST_LAYER):
+        llm = make_llm(tiny, speculative_config=spec, **kw)
+        assert llm.runner.drafter.graphs is not None
+        outs = llm.generate(prompts(), GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == \
+            [o.outputs[0].token_ids for o in reference]
+        stats = llm.engine.scheduler.stats()
+        if spec is SELF:
+            assert stats.spec_num_accepted_tokens >= 0.9 * stats.spec_num_draft_tokens > 0
+        assert_clean(llm)
