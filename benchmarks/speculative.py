@@ -1,10 +1,12 @@
-"""Speculative decoding: what n-gram guesses buy on input-grounded work, and what a verify step
-costs.
+"""Speculative decoding: what n-gram or draft-model guesses buy on input-grounded work, and what
+a verify step costs.
 
-throughput: output tokens/s at batch 1, 4, 16, 64 with and without n-gram speculation, each
-request asked to rewrite a given text (its own sentences, shuffled), so the output copies its
-input, as editing and summarising do. Greedy unless --temperature. Real weights (with a
-tokenizer): the default model unless --model.
+throughput: output tokens/s at batch 1, 4, 16, 64 with and without speculation, each request
+asked to rewrite a given text (its own sentences, shuffled), so the output copies its input, as
+editing and summarising do. Greedy unless --temperature. Real weights (with a tokenizer): the
+default model unless --model. --method draft_model guesses with --draft-model (a smaller model
+with the same tokenizer), or with the target's own first --draft-num-layers layers; each row
+gives the acceptance rate and the mean accepted length (tokens a verifying sequence step yields).
 
 verify: the host-to-result time of a step that verifies k guesses (1 + k query tokens) against
 a one-token decode step, at --batch sequences of --context tokens, run on the model runner
@@ -15,6 +17,8 @@ stay comparable). --shape with --random-weights takes a shape's random weights.
     python scripts/bench_speculative.py throughput --model Qwen/Qwen3-8B --batches 1 4 16 64
     python scripts/bench_speculative.py verify --shape llama3.1-8b --random-weights
     python scripts/bench_speculative.py throughput --batches 1 2 --max-tokens 16 --device cpu
+    python scripts/bench_speculative.py throughput --method draft_model --draft-num-layers 8 \
+        --shape qwen3-0.6b --random-weights --batches 1 4
     python scripts/bench_speculative.py verify --steps 5 --device cpu    # tiny, on the CPU
 """
 from __future__ import annotations
@@ -56,11 +60,15 @@ def throughput(args, path: str | None) -> None:
 
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
                             ignore_eos=True)
-    spec = {"method": "ngram", "num_speculative_tokens": args.k,
-            "prompt_lookup_min": args.lookup_min, "prompt_lookup_max": args.lookup_max}
+    spec = {"method": args.method, "num_speculative_tokens": args.k}
+    if args.method == "ngram":
+        spec.update(prompt_lookup_min=args.lookup_min, prompt_lookup_max=args.lookup_max)
+    else:
+        spec.update({k: v for k, v in (("model", args.draft_model),
+                                       ("draft_num_layers", args.draft_num_layers)) if v})
     if args.disable_by_batch_size:
         spec["disable_by_batch_size"] = args.disable_by_batch_size
-    for name, config in (("baseline", None), ("ngram", spec)):
+    for name, config in (("baseline", None), (args.method, spec)):
         llm = LLM(model=path, device=args.device, max_num_seqs=max(args.batches),
                   max_model_len=args.max_model_len, load_format=args.load_format,
                   speculative_config=config)
@@ -74,10 +82,14 @@ def throughput(args, path: str | None) -> None:
             tokens = sum(len(o.outputs[0].token_ids) for o in outs)
             drafts = after.spec_num_draft_tokens - before.spec_num_draft_tokens
             accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+            runs = after.spec_num_drafts - before.spec_num_drafts
             result = {"bench": "speculative-throughput", "mode": name, "batch": batch,
                       "output_tokens": tokens, "seconds": round(dt, 3),
                       "tokens_per_s": round(tokens / dt, 1),
-                      "acceptance": round(accepted / drafts, 3) if drafts else None}
+                      "acceptance": round(accepted / drafts, 3) if drafts else None,
+                      "mean_accepted_length": round(1 + accepted / runs, 2) if runs else None}
+            if config is not None and config["method"] == "draft_model":
+                result["draft"] = {k: config.get(k) for k in ("model", "draft_num_layers")}
             print(result, flush=True)
             append_json(args.json, result)
         del llm
@@ -147,6 +159,12 @@ def main() -> None:
     add_model_args(ap)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--method", choices=["ngram", "draft_model"], default="ngram",
+                    help="throughput: the proposer")
+    ap.add_argument("--draft-model", default=None,
+                    help="draft_model: the draft's folder (default: the target itself)")
+    ap.add_argument("--draft-num-layers", type=int, default=None,
+                    help="draft_model: draft with the first N layers of the draft (or target)")
     ap.add_argument("--lookup-min", type=int, default=2)
     ap.add_argument("--lookup-max", type=int, default=5)
     ap.add_argument("--disable-by-batch-size", type=int, default=None)
@@ -164,6 +182,8 @@ def main() -> None:
         args.load_format = args.load_format or "auto"
     else:
         path = model_path(args, ap)
+    if args.method == "draft_model" and not (args.draft_model or args.draft_num_layers):
+        ap.error("--method draft_model needs --draft-model or --draft-num-layers")
     (throughput if args.what == "throughput" else verify_step)(args, path)
 
 

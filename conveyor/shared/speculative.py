@@ -3,6 +3,7 @@
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
      "prompt_lookup_max": 5}
     {"method": "draft_model", "model": "PATH", "num_speculative_tokens": 4}
+    {"method": "draft_model", "draft_num_layers": 4, "num_speculative_tokens": 4}
 
 A proposer (conveyor/worker/spec/) guesses up to num_speculative_tokens next tokens of a
 sequence; the target model scores them all in one forward pass and keeps the longest run its
@@ -31,6 +32,9 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     model: str | None = None                 # draft_model: its folder or .gguf file
+    # draft_model: the draft is the first N decoder layers of `model` (or, without one, of the
+    # target itself) followed by its final norm and head: a model drafting for itself
+    draft_num_layers: int | None = None
     # no speculation while at least this many requests run: a large batch is compute-bound,
     # and a step that verifies gives up the overlap of planning with the device
     disable_by_batch_size: int | None = None          # None: DISABLE_BY_BATCH_SIZE
@@ -49,15 +53,16 @@ class SpeculativeConfig:
         if self.num_speculative_tokens is None:
             fail("num_speculative_tokens", "is required")
         for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
-                    "disable_by_batch_size"):
+                    "disable_by_batch_size", "draft_num_layers"):
             positive_int(key)
         if self.disable_by_batch_size is None:
             object.__setattr__(self, "disable_by_batch_size", DISABLE_BY_BATCH_SIZE)
         if self.num_speculative_tokens > 32:
             fail("num_speculative_tokens", "must be at most 32")
         if self.method == "ngram":
-            if self.model is not None:
-                fail("model", "is for method draft_model only")
+            for key in ("model", "draft_num_layers"):
+                if getattr(self, key) is not None:
+                    fail(key, "is for method draft_model only")
             lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
             lo, hi = (lo or hi or 5), (hi or lo or 5)
             object.__setattr__(self, "prompt_lookup_min", lo)
@@ -65,7 +70,10 @@ class SpeculativeConfig:
             if lo > hi:
                 fail("prompt_lookup_min", f"must not exceed prompt_lookup_max ({hi})")
         else:
-            if not isinstance(self.model, str) or not self.model:
+            if self.model is None and self.draft_num_layers is None:
+                fail("model", "must name the draft model (a folder or .gguf file), or "
+                              "draft_num_layers the target's layers it drafts with")
+            if self.model is not None and (not isinstance(self.model, str) or not self.model):
                 fail("model", "must name the draft model (a folder or .gguf file)")
             for key in ("prompt_lookup_min", "prompt_lookup_max"):
                 if getattr(self, key) is not None:

@@ -40,36 +40,42 @@ Weights = Iterator[tuple[str, torch.Tensor]]
 
 def load_model(config: ModelConfig, files: ModelFiles, dtype: torch.dtype,
                device: torch.device | str, quantization: str | None = None,
-               keep: tuple[re.Pattern, ...] = (), load_format: str = "auto", seed: int = 0
-               ) -> nn.Module:
+               keep: tuple[re.Pattern, ...] = (), load_format: str = "auto", seed: int = 0,
+               first_layers: bool = False) -> nn.Module:
     """The model with its weights, on `device`, in eval mode; with `quantization` its layers
     not matching `keep` are quantized (or, from a quantized checkpoint, loaded so), and
     `model.quant_report` says what was done (None without quantization);
     `model.checkpoint_kv_scales` holds the checkpoint's KV cache scales, if it has them.
-    load_format "dummy" draws random weights (worker/dummy_weights.py).
+    load_format "dummy" draws random weights (worker/dummy_weights.py). With `first_layers` the
+    model is the checkpoint's first config.num_hidden_layers decoder layers (a draft model made
+    of the target's own layers): the checkpoint's later layers are skipped.
     """
     model_class = get_model_class(config.architecture)
     with torch.device("cpu" if quantization else device):
         model = model_class(config, dtype)
     model.checkpoint_kv_scales = None
+
+    def fill(weights: Weights) -> None:
+        load_weights(model, _below_layer(weights, config.num_hidden_layers)
+                     if first_layers else weights)
+
     if load_format == "dummy":
         from conveyor.worker.dummy_weights import dummy_weights
 
-        load_weights(model, dummy_weights(config, dtype, device, seed))
+        fill(dummy_weights(config, dtype, device, seed))
     elif files.is_gguf:
         from conveyor.shared.gguf_reader import open_gguf
 
         reader = open_gguf(files.path)
         int8_names = _keep_q8_0(model, reader, keep) if quantization == "int8" else set()
-        load_weights(model, gguf_weights(reader, int8_names))
+        fill(gguf_weights(reader, int8_names))
     elif config.quantization in ("awq", "gptq"):
-        load_weights(model, _take_int4(model, files.path, config))
+        fill(_take_int4(model, files.path, config))
     else:
         block = _block_size(config)
         rows = _take_quantized(model, files.path, config.quantization, block)
         kv_scales: dict[tuple[int, str], float] = {}
-        load_weights(model, _with_scales(safetensors_weights(files.path), rows, kv_scales,
-                                         block))
+        fill(_with_scales(safetensors_weights(files.path), rows, kv_scales, block))
         model.checkpoint_kv_scales = _per_layer(kv_scales, config.num_hidden_layers)
     from_checkpoint = config.quantization is not None and load_format != "dummy"
     model.quant_report = quantize_model(model, quantization, keep, device, from_checkpoint)
@@ -290,6 +296,17 @@ def load_weights(model: nn.Module, weights: Weights) -> None:
     if missing or unexpected:
         raise ValueError(f"checkpoint does not match {type(model).__name__}: "
                          f"missing {_brief(missing)}; unexpected {_brief(unexpected)}")
+
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def _below_layer(weights: Weights, num_layers: int) -> Weights:
+    """The weights, without those of decoder layers num_layers and later."""
+    for name, tensor in weights:
+        m = _LAYER.match(name)
+        if m is None or int(m.group(1)) < num_layers:
+            yield name, tensor
 
 
 def _brief(names: list[str], limit: int = 8) -> str:

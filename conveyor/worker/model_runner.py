@@ -28,12 +28,10 @@ from conveyor.shared.lora import LoRARequest
 from conveyor.shared.messages.worker import StepPlan, StepResult
 from conveyor.shared.model_files import ModelFiles
 from conveyor.shared.sampling_params import SamplingParams
-from conveyor.worker.context import StepContext
 from conveyor.worker.kv_cache import (
     allocate_kv_cache,
     bytes_per_block,
     kv_cache_dtype,
-    num_blocks_for_budget,
 )
 from conveyor.worker.kv_scales import calibrate_kv_scales, set_kv_scales
 from conveyor.worker.layers.lora import LoRABatch
@@ -42,7 +40,7 @@ from conveyor.worker.layers.pipeline import recv_activations, send_activations, 
 from conveyor.worker.layers.quantization import QuantReport, check_device, resolve_mode
 from conveyor.worker.loader import load_model
 from conveyor.worker.sampler import LogprobTensors, SampledTensors, Sampler, SeqSamplingState
-from conveyor.worker.spec import make_proposer
+from conveyor.worker.spec import ModelProposer, make_proposer
 from conveyor.worker.spec.verify import verify
 from conveyor.worker.step_inputs import StepInputs
 from conveyor.worker.structured import StructuredOutputMasks
@@ -123,7 +121,13 @@ class ModelRunner:
                                                     model_config.eos_token_ids,
                                                     config.max_num_seqs, self.device)
         spec = config.speculative
-        self.proposer = make_proposer(spec) if spec is not None else None
+        self.drafter: ModelProposer | None = None   # draft_model: the draft, its pool and q
+        if spec is not None and spec.method == "draft_model":
+            from conveyor.worker.spec.draft_model import DraftModelProposer
+
+            self.drafter = DraftModelProposer(config, model_config, files, self.dtype,
+                                              self.device, max_model_len)
+        self.proposer = self.drafter or (make_proposer(spec) if spec is not None else None)
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.graphs = None      # CUDA graphs of the forward pass, made once the pool exists
@@ -134,14 +138,18 @@ class ModelRunner:
         self.kv_caches = allocate_kv_cache(model_config, config, self.num_blocks, self.kv_dtype,
                                            self.device)
         self.slots: dict[int, Slot] = {}
+        graph_args = None
         # NOTE: a pipeline stage runs eagerly: a graph would need the received activations as
         # an input buffer and the send inside it (not built)
         if self.device.type == "cuda" and not config.enforce_eager and self.stage.count == 1:
             from conveyor.worker.cuda_graph import StepGraphs
 
-            self.graphs = StepGraphs(self.model, self.kv_caches, min(config.max_num_seqs, 512),
-                                     config.max_num_seqs, self._max_graph_tokens(), max_blocks,
-                                     self.device, self.lora)
+            graph_args = (min(config.max_num_seqs, 512), config.max_num_seqs,
+                          self._max_graph_tokens(), max_blocks)
+            self.graphs = StepGraphs(self.model, self.kv_caches, *graph_args, self.device,
+                                     self.lora)
+        if self.drafter is not None:
+            self.drafter.bind(self.num_blocks, self.slots, self.inputs, self.sampler, graph_args)
 
     def describe(self) -> dict[str, int | float | str]:
         """What the start-up summary says of this runner."""
@@ -150,6 +158,8 @@ class ModelRunner:
                 "kv_dtype": str(self.kv_dtype).removeprefix("torch.")}
         if self.quant_report is not None:
             info["quantization"] = self.quant_report.summary()
+        if self.drafter is not None:
+            info["draft_model"] = self.drafter.describe()
         return info
 
     def _max_graph_tokens(self) -> int:
@@ -171,10 +181,17 @@ class ModelRunner:
             # NOTE: more blocks than every sequence at full length could use only feed the prefix
             # cache; on CPU the budget is capped there so small models don't zero gigabytes.
             enough = self.config.max_num_seqs * -(-self.max_model_len // self.block_size)
-            return min(enough, num_blocks_for_budget(self.model_config, self.config,
-                                                     self.kv_dtype,
-                                                     self.config.kv_cache_memory_bytes))
+            budget = self.config.kv_cache_memory_bytes
+            if self.drafter is not None:
+                budget -= self.drafter.scratch_bytes()
+            return min(enough, budget // self._block_bytes())
         return self._profile_gpu_blocks()
+
+    def _block_bytes(self) -> int:
+        """What a block costs: its KV in the target's pool and, speculating with a draft
+        model, in the draft's."""
+        own = bytes_per_block(self.model_config, self.config, self.kv_dtype)
+        return own + (self.drafter.kv_bytes_per_block() if self.drafter is not None else 0)
 
     def _profile_gpu_blocks(self) -> int:
         """Run the largest step once and give the KV pool what is left of the memory budget.
@@ -202,7 +219,9 @@ class ModelRunner:
         free = torch.cuda.mem_get_info(self.device)[0] - (
             peak + self._memory_before - torch.cuda.memory_allocated(self.device))
         free_bytes = min(int(total * self.config.gpu_memory_utilization) - peak, free)
-        num = free_bytes // bytes_per_block(self.model_config, self.config, self.kv_dtype)
+        if self.drafter is not None:
+            free_bytes -= self.drafter.scratch_bytes()
+        num = free_bytes // self._block_bytes()
         if num < 1:
             raise RuntimeError(f"no memory left for the KV cache: this engine's peak "
                                f"{peak / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free of "
@@ -321,7 +340,9 @@ class ModelRunner:
         rows = sum(len(d) + 1 for d in st.drafts)
         num = len(st.states)
         if rank0:
-            v = verify(self.sampler, st.logits[:rows], st.states, st.drafts)
+            q = (self.drafter.draft_probs(st.sample_slots, st.drafts, st.states)
+                 if self.drafter is not None else None)
+            v = verify(self.sampler, st.logits[:rows], st.states, st.drafts, q)
             packed = torch.cat([v.token_ids, v.num_accepted.long()])
             drawn = SampledTensors(v.token_ids, v.logprob_rows, v.logprobs)
         else:
@@ -460,8 +481,6 @@ class ModelRunner:
             slot.num_computed = end
 
         num_seqs, num_tokens = len(steps), len(input_ids)
-        # the decodes (one token each) come first
-        num_decodes = next((i for i, n in enumerate(query_lens) if n != 1), num_seqs)
         graph = (self.graphs.pick(num_seqs, num_tokens)
                  if self.graphs is not None and not logits_rows else None)
         rows = sample_rows + lp_rows
@@ -472,17 +491,12 @@ class ModelRunner:
                                 graph.seqs if graph else num_seqs, gather_rows, gather_from,
                                 prev.sampled if prev is not None else None, lora_slots,
                                 self.lora.num_slots if self.lora is not None else 0)
+        ctx = None
         if graph is not None:
             hidden = self.graphs.run(graph, num_seqs, dev, self.inputs.block_tables)
         else:
             tokens3 = dev["tokens"]               # [3, T]: ids, pos, slot (+ adapter slot)
-            ctx = StepContext(
-                slot_mapping=tokens3[2], query_start_loc=dev["query_start_loc"].int(),
-                seq_lens=dev["seq_lens"].int(),
-                block_tables=self.inputs.block_tables.index_select(0, dev["slots"]),
-                kv_caches=self.kv_caches, query_lens_cpu=query_lens, seq_lens_cpu=seq_lens,
-                num_decodes=num_decodes,
-                decode_order=dev["order"].int() if num_decodes == num_seqs else None)
+            ctx = self.inputs.context(dev, self.kv_caches, query_lens, seq_lens)
             with self._lora_step(dev, lora_slots):
                 if self.stage.count == 1:
                     hidden = self.model(tokens3[0], tokens3[1], ctx)
@@ -490,6 +504,8 @@ class ModelRunner:
                     hidden = self._stage_forward(tokens3, ctx, bool(logits_rows))
         if hidden is None:                   # a pipeline stage before the last: nothing to draw
             return _Launched(step, [], None, [])
+        if self.drafter is not None and not logits_rows:
+            self.drafter.alongside(dev, graph, num_seqs, ctx)
         if logits_rows:  # profiling: the largest logits a step can make, and their float32 copy
             self.model.compute_logits(hidden[-1:].expand(logits_rows, -1)).float()
             return _Launched(step, [], None, [])

@@ -9,6 +9,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from conveyor.worker.context import StepContext
+
 
 class StepInputs:
     def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, block_size: int,
@@ -94,6 +96,18 @@ class StepInputs:
         if writes:
             self.block_tables.view(-1)[out["write_at"]] = out["write_ids"].int()
         return out
+
+    def context(self, dev: dict[str, torch.Tensor], kv_caches: list[torch.Tensor],
+                query_lens: list[int], seq_lens: list[int]) -> StepContext:
+        """The attention context of an eager step from build's tensors (its decodes first)."""
+        num_seqs = len(query_lens)
+        num_decodes = next((i for i, n in enumerate(query_lens) if n != 1), num_seqs)
+        return StepContext(
+            slot_mapping=dev["tokens"][2], query_start_loc=dev["query_start_loc"].int(),
+            seq_lens=dev["seq_lens"].int(),
+            block_tables=self.block_tables.index_select(0, dev["slots"]), kv_caches=kv_caches,
+            query_lens_cpu=query_lens, seq_lens_cpu=seq_lens, num_decodes=num_decodes,
+            decode_order=dev["order"].int() if num_decodes == num_seqs else None)
 
     def _send(self, pieces: dict[str, object]) -> dict[str, torch.Tensor]:
         """Lay the pieces (integer arrays or lists) back to back in a host staging buffer, copy

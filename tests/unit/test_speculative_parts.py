@@ -26,6 +26,9 @@ def test_config_from_json_and_dict():
                                          "prompt_lookup_max": 3})
     assert (d.speculative.prompt_lookup_min, d.speculative.prompt_lookup_max) == (3, 3)
     assert EngineConfig().speculative is None
+    e = EngineConfig(speculative_config={"method": "draft_model", "draft_num_layers": 4,
+                                         "num_speculative_tokens": 3})
+    assert (e.speculative.model, e.speculative.draft_num_layers) == (None, 4)
 
 
 @pytest.mark.parametrize("value, key", [
@@ -37,6 +40,13 @@ def test_config_from_json_and_dict():
      '"prompt_lookup_max": 2}', "prompt_lookup_min"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}', "lookahead"),
     ('{"method": "draft_model", "num_speculative_tokens": 2}', "model"),
+    ('{"method": "draft_model", "model": "", "num_speculative_tokens": 2}', "model"),
+    ('{"method": "draft_model", "draft_num_layers": 0, "num_speculative_tokens": 2}',
+     "draft_num_layers"),
+    ('{"method": "ngram", "draft_num_layers": 2, "num_speculative_tokens": 2}',
+     "draft_num_layers"),
+    ('{"method": "draft_model", "draft_num_layers": 2, "num_speculative_tokens": 2, '
+     '"prompt_lookup_min": 2}', "prompt_lookup_min"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": -1}',
      "disable_by_batch_size"),
     ('{"method": ', "JSON"),
