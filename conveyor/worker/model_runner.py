@@ -28,6 +28,7 @@ from conveyor.shared.lora import LoRARequest
 from conveyor.shared.messages.worker import StepPlan, StepResult
 from conveyor.shared.model_files import ModelFiles
 from conveyor.shared.sampling_params import SamplingParams
+from conveyor.worker.context import StepContext
 from conveyor.worker.kv_cache import (
     allocate_kv_cache,
     bytes_per_block,

@@ -154,11 +154,11 @@ def assert_same_distribution(path, spec, n: int = 2000) -> None:
                             repetition_penalty=1.2, max_tokens=4, ignore_eos=True)
     samples = []
     # every sample runs at once: lift the default batch size past which speculation stops
-    for spec in (None, {**spec, "disable_by_batch_size": 512}):
-        llm = make_llm(path, speculative_config=spec, max_num_seqs=256, seed=11)
+    for config in (None, {**spec, "disable_by_batch_size": 512}):
+        llm = make_llm(path, speculative_config=config, max_num_seqs=256, seed=11)
         out = llm.generate([prompt], params, use_tqdm=False)[0]
         samples.append([tuple(c.token_ids) for c in out.outputs])
-        if spec is not None:
+        if config is not None:
             stats = llm.engine.scheduler.stats()
             assert stats.spec_num_accepted_tokens > n // 10
             assert stats.spec_num_draft_tokens - stats.spec_num_accepted_tokens > n // 10

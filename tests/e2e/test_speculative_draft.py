@@ -132,7 +132,8 @@ def test_served_with_tp2_matches_tp1(tmp_path):
     """`conveyor serve --tp 2` with a draft of the target's first layer (gloo): the draft is
     sharded like the target, every rank runs it and rank 0 draws; greedy tokens equal TP=1's."""
     from serve_util import served_outputs
-    from test_tp_cpu import ENGINE, GREEDY as TP_GREEDY, PROMPTS, SHAPE
+    from test_tp_cpu import ENGINE, PROMPTS, SHAPE
+    from test_tp_cpu import GREEDY as TP_GREEDY
 
     path = str(make_tiny_model("llama", tmp_path / "llama", **SHAPE))
     llm = LLM(model=path, skip_tokenizer_init=True, **ENGINE)
