@@ -12,13 +12,14 @@ import os
 import zmq
 
 from conveyor.engine import max_model_len
+from conveyor.shared import links
 from conveyor.shared.config import ServeConfig
 from conveyor.shared.messages.control import Ready, Shutdown
 from conveyor.shared.messages.worker import StepPlan
 from conveyor.shared.model_files import read_model_config, resolve_model
 from conveyor.shared.process import StartupError
 from conveyor.shared.replicas import results_name, worker_name
-from conveyor.shared.sockets import Socket, ipc
+from conveyor.shared.sockets import Socket
 
 _POLL_MS = 1     # while a step runs on the device: how often to look whether it is done
 
@@ -34,8 +35,10 @@ def worker_main(ctx: zmq.Context, control: Socket, cfg: ServeConfig, rank: int,
 
     engine = cfg.engine.with_defaults(offline=False)   # "auto": decided where torch is
     tp, dp = engine.tensor_parallel_size, engine.data_parallel_size
+    on_ray = engine.distributed_executor_backend == "ray"
     if engine.device == "cuda":
-        index = replica * tp + rank          # replica r holds GPUs r*tp .. r*tp+tp-1
+        # replica r holds GPUs r*tp .. r*tp+tp-1; a Ray actor sees only its own GPU
+        index = 0 if on_ray else replica * tp + rank
         if index >= torch.cuda.device_count():
             raise StartupError(f"--data-parallel-size {dp} x --tensor-parallel-size {tp} needs "
                                f"{dp * tp} GPUs; {torch.cuda.device_count()} are visible")
@@ -43,15 +46,20 @@ def worker_main(ctx: zmq.Context, control: Socket, cfg: ServeConfig, rank: int,
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // (tp * dp)))
+        if not on_ray:                       # Ray sets OMP_NUM_THREADS to the actor's CPUs
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // (tp * dp)))
     if tp > 1:
-        # NOTE: a tcp:// rendezvous listens on every interface whatever host it is given; a file
-        # in the private runtime folder does not listen at all, and the collectives' own
-        # sockets stay on loopback (all ranks are on this host)
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+        if cfg.links is None:
+            # NOTE: a tcp:// rendezvous listens on every interface whatever host it is given; a
+            # file in the private runtime folder does not listen at all, and the collectives'
+            # own sockets stay on loopback (all ranks are on this host)
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+            init_method = f"file://{cfg.runtime_dir}/distributed-{replica}"
+        else:                                # ranks on several hosts: rank 0's node listens
+            init_method = cfg.links.rendezvous[replica]
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                init_method=f"file://{cfg.runtime_dir}/distributed-{replica}",
+                                init_method=init_method,
                                 rank=rank, world_size=tp,
                                 device_id=device if device.type == "cuda" else None)
         if device.type == "cuda" and not engine.disable_custom_all_reduce:
@@ -63,11 +71,11 @@ def worker_main(ctx: zmq.Context, control: Socket, cfg: ServeConfig, rank: int,
     profiler = StepProfiler.from_env(rank, device.type == "cuda")
     runner = ModelRunner(engine, model, files, max_model_len(engine, model), device)
     executor = LocalExecutor(runner, engine.async_scheduling)
-    plans = Socket(ctx, zmq.PULL, ipc(cfg.runtime_dir, worker_name(replica, rank, dp)), bind=False,
-                   allowed=(StepPlan, Shutdown))
+    plans = links.connect(ctx, zmq.PULL, cfg, worker_name(replica, rank, dp),
+                          allowed=(StepPlan, Shutdown))
     results = None
     if rank == 0:
-        results = Socket(ctx, zmq.PUSH, ipc(cfg.runtime_dir, results_name(replica, dp)), bind=False)
+        results = links.connect(ctx, zmq.PUSH, cfg, results_name(replica, dp))
         results.send(Ready("worker", {"num_blocks": runner.num_blocks,
                                       "device": device.type}))
     control.send(Ready(worker_name(replica, rank, dp), runner.describe()))

@@ -49,6 +49,9 @@ def test_vllm_flag_names_and_value_forms():
         2, 4000, ["a", "b", "c"])
     assert (args.max_num_batched_tokens, args.kv_cache_memory_bytes) == (8192, 1 << 30)
     assert (args.data_parallel_size, args.dp_routing_policy) == (2, "prefix_affinity")
+    assert args.distributed_executor_backend == "mp"
+    assert parse("serve", "--distributed-executor-backend", "ray").distributed_executor_backend \
+        == "ray"
     from conveyor.cli import engine_kwargs
     config = EngineConfig.from_kwargs(**engine_kwargs(args))
     assert (config.dtype, config.generation_config, config.revision) == ("float16", "vllm", "v2")
@@ -68,8 +71,9 @@ def test_vllm_flag_names_and_value_forms():
 
 
 def test_flags_of_features_not_built_are_refused_saying_so(capsys):
-    for argv in (["-pp", "2"], ["--pipeline-parallel-size", "2"],
-                 ["--distributed-executor-backend", "ray"]):
+    line = refusal(capsys, "serve", "--distributed-executor-backend", "torchrun")
+    assert "invalid choice: 'torchrun'" in line, line
+    for argv in (["-pp", "2"], ["--pipeline-parallel-size", "2"]):
         line = refusal(capsys, "serve", *argv)
         assert argv[0] in line and "not built yet" in line, line
         assert "unrecognized" not in line
