@@ -150,7 +150,8 @@ def summary(cfg: ServeConfig, info: dict[str, dict]) -> str:
     blocks = int(worker.get("num_blocks", 0))
     replicas = (f"data parallel {dp} ({e.dp_routing_policy} routing) x " if dp > 1 else "")
     lines = [f"model {e.model or DEFAULT_MODEL_NAME}, {worker.get('dtype')} on "
-             f"{worker.get('device')}, {replicas}tensor parallel {e.tensor_parallel_size}, "
+             f"{worker.get('device')}, {replicas}tensor parallel {e.tensor_parallel_size}"
+             f"{' (workers on Ray)' if cfg.links is not None else ''}, "
              f"{cfg.num_frontends} frontend(s)",
              f"KV cache {blocks:,} blocks of {e.block_size} = {blocks * e.block_size:,} tokens "
              f"({worker.get('kv_dtype')}{', per replica' if dp > 1 else ''}); "

@@ -29,6 +29,7 @@ from conveyor.shared.links import TcpLinks, free_port
 from conveyor.shared.replicas import results_name, worker_name
 
 CONNECT_PROBE_S = 5.0          # a Ray address that accepts no connection in this long is down
+NODES_NOTE_EVERY_S = 15.0      # while waiting for nodes to join: a line this often
 
 
 class WorkerHost:
@@ -175,14 +176,11 @@ class RayCluster:
                and any(n.get("GPU", 0) for n in nodes))
         kind = "GPU" if gpu else "CPU"
         bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
-        have = sum(n.get(kind, 0) for n in nodes)
         need = dp * tp * pp
         shape = " x ".join(f"{name} {n}" for name, n in (("data parallel", dp),
                            ("pipeline parallel", pp), ("tensor parallel", tp)) if n > 1) or "1"
-        if have < need:
-            raise ValueError(f"the Ray cluster has {have:g} {kind} over {len(nodes)} node(s); "
-                             f"{shape} needs {need} workers of {bundle}: add nodes, or lower "
-                             f"the parallel sizes")
+        nodes = self._await_nodes(kind, need, deadline, f"{shape} needs {need} workers of "
+                                                        f"{bundle}")
         groups = layout([n.get(kind, 0) for n in nodes], tp, pp)
         for _ in range(dp):
             slots = []                       # (group, bundle index) by rank
@@ -211,6 +209,24 @@ class RayCluster:
             except ray.exceptions.GetTimeoutError:
                 raise ValueError(f"the Ray worker actors did not start within {timeout_s:.0f} s"
                                  ) from None
+
+    def _await_nodes(self, kind: str, need: int, deadline: float, what: str) -> list[dict]:
+        """The live nodes' resources, once they hold `need` of `kind` in all (nodes may still
+        be joining: a Kubernetes worker pod starts after the head); ValueError at the
+        deadline."""
+        told = time.monotonic()
+        while True:
+            nodes = [n["Resources"] for n in self.ray.nodes() if n.get("Alive")]
+            have = sum(n.get(kind, 0) for n in nodes)
+            if have >= need:
+                return nodes
+            line = f"the Ray cluster has {have:g} {kind} over {len(nodes)} node(s); {what}"
+            if time.monotonic() >= deadline:
+                raise ValueError(f"{line}: add nodes, or lower the parallel sizes")
+            if time.monotonic() - told >= NODES_NOTE_EVERY_S:
+                print(f"conveyor: waiting for Ray nodes: {line}", flush=True)
+                told = time.monotonic()
+            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
 
     def links(self) -> TcpLinks:
         """The TCP links of this launch: on this host's address, a port per worker link and

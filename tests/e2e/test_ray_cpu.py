@@ -1,11 +1,11 @@
 """`conveyor serve --distributed-executor-backend ray` on a local Ray cluster of two nodes (a head
 and a second node started beside it, one CPU and a resource of its own each, node_a and
 node_b): TP 2 must span both nodes (gloo between them, CurveZMQ TCP to the scheduler) and give
-the greedy tokens of one process. What can go wrong says so at once: Ray missing, no cluster at
-RAY_ADDRESS, more workers than the cluster has CPUs, a placement that cannot be satisfied now
-(a timeout), and a worker actor killed while serving (its requests fail with a reason, the
-server exits). The cluster is torn down by the PIDs it started, never with `ray stop`, which
-would stop every Ray cluster of this user on the machine.
+the greedy tokens of one process. What can go wrong says so, and soon: Ray missing, no cluster
+at RAY_ADDRESS, more workers than the cluster has CPUs or a placement that cannot be satisfied
+now (each when the start-up timeout ends), and a worker actor killed while serving (its request
+fails with the reason, the server exits 1). The cluster is torn down by the PIDs it started,
+never with `ray stop`, which would stop every Ray cluster of this user on the machine.
 """
 import json
 import os
@@ -157,7 +157,9 @@ def test_tp2_over_two_ray_nodes_matches_one_process(ray_cluster, model, monkeypa
 
 def test_bad_ray_setups_fail_at_once_saying_why(ray_cluster, model, monkeypatch):
     monkeypatch.setenv("RAY_ADDRESS", ray_cluster)
-    err = _fails_fast(["--model", model, "--tp", "4", *RAY])
+    # nodes may still join (a Kubernetes worker pod starts after the head): it waits for them
+    # as long as its start-up timeout, then says what is missing
+    err = _fails_fast(["--model", model, "--tp", "4", *RAY, "--startup-timeout", "3"])
     assert "the Ray cluster has 2 CPU over 2 node(s); tensor parallel 4 needs 4 workers" in err
 
     closed = f"127.0.0.1:{free_port('127.0.0.1')}"
