@@ -173,3 +173,18 @@ def test_bad_ray_setups_fail_at_once_saying_why(ray_cluster, model, monkeypatch)
                         *RAY], capture_output=True, text=True, timeout=60)
     assert r.returncode == 1
     assert "pip install 'conveyor[ray]'" in r.stderr, r.stderr
+
+
+def test_sigterm_drains_and_leaves_no_actor(ray_cluster, model, monkeypatch):
+    monkeypatch.setenv("RAY_ADDRESS", ray_cluster)
+    server = start_server("--model", model, "--tp", "2", *RAY, timeout=120)
+    try:
+        assert len(_worker_actors()) == 2
+        os.kill(server.proc.pid, signal.SIGTERM)
+        assert server.proc.wait(30) == 0
+        deadline = time.monotonic() + 10     # Ray reaps a killed actor's process shortly
+        while _worker_actors() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _worker_actors() == {}
+    finally:
+        server.kill_all()
