@@ -12,7 +12,8 @@ signal fails what is open and stops at once. A signal during start-up stops what
 dies fails every open request (EngineDead to the frontends) and ends the launch (exit 1);
 with --data-parallel-size > 1 a dying scheduler or worker takes only its replica down (the
 rest of it is stopped, the frontends fail its requests and route around it) while another
-replica serves. Start-up failures print one line.
+replica serves. Start-up failures print one line. With --distributed-executor-backend ray the
+workers are Ray actors on other nodes (ray_workers.py), supervised like the children.
 """
 from __future__ import annotations
 
@@ -281,8 +282,12 @@ class Launcher:
         print(f"conveyor: Ray placement: {self.cluster.describe()}", flush=True)
         self.cfg = dataclasses.replace(self.cfg, links=self.cluster.links())
         self._auth = links.admit_workers(self.ctx, self.cfg)
-        self.controls.append(links.bind(self.ctx, zmq.PULL, self.cfg, "control",
-                                        allowed=(Ready, EngineDead)))
+        try:
+            self.controls.append(links.bind(self.ctx, zmq.PULL, self.cfg, "control",
+                                            allowed=(Ready, EngineDead)))
+        except zmq.ZMQError as e:
+            raise LaunchError(f"cannot listen on {links.address(self.cfg, 'control')} for the "
+                              f"Ray workers: {e}") from None
 
     def _poll(self, timeout_s: float | None) -> tuple[object | None, str | None]:
         """(a control message, or the name of a child that exited), either may be None."""

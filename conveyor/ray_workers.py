@@ -30,6 +30,7 @@ from conveyor.shared.replicas import results_name, worker_name
 
 CONNECT_PROBE_S = 5.0          # a Ray address that accepts no connection in this long is down
 NODES_NOTE_EVERY_S = 15.0      # while waiting for nodes to join: a line this often
+KILL_WAIT_S = 10.0             # the longest wait for Ray to confirm that a killed actor ended
 
 
 class WorkerHost:
@@ -82,7 +83,9 @@ class RayWorker:
     terminate = kill                         # a worker holds nothing to finish
 
     def join(self, timeout: float | None = None) -> None:
-        self._ended.wait(timeout)
+        # NOTE: Ray confirms a killed actor's end within a second or so; one it cannot confirm
+        # (its cluster gone) is given up after KILL_WAIT_S rather than waited for forever
+        self._ended.wait(KILL_WAIT_S if timeout is None else timeout)
 
 
 def layout(per_node: list[float], tp: int, pp: int) -> list[tuple[str, int]]:
