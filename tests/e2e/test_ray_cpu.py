@@ -123,11 +123,15 @@ def _fails_fast(args: list[str], within_s: float = 60) -> str:
     return err
 
 
-def test_tp2_over_two_ray_nodes_matches_one_process(ray_cluster, model, monkeypatch):
+@pytest.fixture(scope="module")
+def reference(model) -> list[list[int]]:
+    """One in-process engine's greedy tokens."""
     llm = LLM(model=model, skip_tokenizer_init=True, max_num_seqs=64,
               kv_cache_memory_bytes=64 << 20, max_model_len=512)
-    reference = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
-    del llm
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+def test_tp2_over_two_ray_nodes_matches_one_process(ray_cluster, model, reference, monkeypatch):
     monkeypatch.setenv("RAY_ADDRESS", ray_cluster)
     server = start_server("--model", model, "--tp", "2", *RAY, timeout=120)
     try:
@@ -175,11 +179,17 @@ def test_bad_ray_setups_fail_at_once_saying_why(ray_cluster, model, monkeypatch)
     assert "pip install 'conveyor[ray]'" in r.stderr, r.stderr
 
 
-def test_sigterm_drains_and_leaves_no_actor(ray_cluster, model, monkeypatch):
+def test_two_replicas_on_two_nodes_then_sigterm_leaves_no_actor(ray_cluster, model, reference,
+                                                                monkeypatch):
+    """-dp 2: a replica (its placement group, its TCP links, its scheduler) per node; SIGTERM
+    drains, exits 0 and ends every actor."""
     monkeypatch.setenv("RAY_ADDRESS", ray_cluster)
-    server = start_server("--model", model, "--tp", "2", *RAY, timeout=120)
+    server = start_server("--model", model, "-dp", "2", *RAY, timeout=120)
     try:
-        assert len(_worker_actors()) == 2
+        assert sorted(_worker_actors().values()) == ["node_a", "node_b"]
+        with Client(server.addresses[0], timeout=60) as client:
+            served = [r.outputs[0].token_ids for r in client.generate(PROMPTS, GREEDY)]
+        assert served == reference
         os.kill(server.proc.pid, signal.SIGTERM)
         assert server.proc.wait(30) == 0
         deadline = time.monotonic() + 10     # Ray reaps a killed actor's process shortly
