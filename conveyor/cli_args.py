@@ -115,6 +115,9 @@ ENGINE_FLAGS: dict[str, tuple[str, str, dict]] = {
                                         "'{\"method\": \"ngram\", \"num_speculative_tokens\": "
                                         "4}' (docs/SPECULATIVE.md)", {"metavar": "JSON"}),
     "tensor_parallel_size": ("parallel", "devices (processes) that split each layer", {}),
+    "pipeline_parallel_size": ("parallel", "stages the layers are split over (serve only), each "
+                                           "a --tp group: PP x TP workers a replica; not with "
+                                           "speculative decoding, LoRA or an fp8 KV cache", {}),
     "data_parallel_size": ("parallel", "engine replicas behind one server, each a scheduler with "
                                        "its own --tp workers (on GPU: replica r takes GPUs "
                                        "r*TP to r*TP+TP-1)", {}),
@@ -136,7 +139,8 @@ ENGINE_FLAGS: dict[str, tuple[str, str, dict]] = {
     "keep_precision": ("quantization", "comma-separated regexes of layers that stay in --dtype "
                                        "when quantizing", {"metavar": "REGEXES"}),
 }
-_ALIASES = {"tensor_parallel_size": ["-tp", "--tp"], "data_parallel_size": ["-dp"]}
+_ALIASES = {"tensor_parallel_size": ["-tp", "--tp"], "pipeline_parallel_size": ["-pp", "--pp"],
+            "data_parallel_size": ["-dp"]}
 GROUPS = {"server": "server", "model": "model", "cache": "KV cache",
           "scheduler": "scheduler", "parallel": "parallel", "quantization": "quantization",
           "lora": "LoRA adapters", "sampling": "sampling", "not built": "not built yet (refused)"}
@@ -144,7 +148,6 @@ GROUPS = {"server": "server", "model": "model", "cache": "KV cache",
 # vLLM flags of features conveyor has not built: (flags, feature, whether it takes a value,
 # values that are what conveyor does anyway and so are accepted)
 NOT_BUILT = [
-    (["--pipeline-parallel-size", "-pp"], "pipeline parallelism", True, ("1",)),
 ]
 
 

@@ -46,6 +46,7 @@ from conveyor.shared.messages.control import (
     ReplicaDead,
 )
 from conveyor.shared.model_files import DEFAULT_MODEL_NAME, read_model_config, resolve_model
+from conveyor.shared.parallel import layer_split
 from conveyor.shared.process import child_main, spawning_children
 from conveyor.shared.replicas import replica_of, scheduler_name, worker_name
 from conveyor.shared.sockets import (
@@ -81,6 +82,14 @@ def check_tensor_parallel(model: ModelConfig, tp: int) -> None:
                           f"multiple of them")
 
 
+def check_pipeline_parallel(model: ModelConfig, pp: int) -> list[range]:
+    """Each stage's layers; a stage without one is refused."""
+    try:
+        return layer_split(model.num_hidden_layers, pp)
+    except ValueError as e:
+        raise LaunchError(f"--pipeline-parallel-size {pp}: {e}") from None
+
+
 def default_frontends() -> int:
     """One frontend process per 4 cores this process may use, 1 to 8: a frontend's event loop
     (HTTP, detokenizing, streaming) takes one core at its busiest, and the scheduler, the
@@ -102,6 +111,7 @@ def serve(engine: EngineConfig, http: HttpConfig, *, host: str = "127.0.0.1", zm
     files = resolve_model(engine.model, engine.revision)
     model = read_model_config(files)
     check_tensor_parallel(model, engine.tensor_parallel_size)
+    stages = check_pipeline_parallel(model, engine.pipeline_parallel_size)
     max_model_len(engine, model)
     try:
         make_policy(engine.scheduling_policy)    # the scheduler process loads it again
@@ -137,6 +147,9 @@ def serve(engine: EngineConfig, http: HttpConfig, *, host: str = "127.0.0.1", zm
             setup_multiprocess_dir(Path(runtime_dir) / "metrics")
         cfg = ServeConfig(engine, str(runtime_dir), os.getpid(), host, zmq_port, num_frontends,
                           curve_keys, http, skip_tokenizer_init, zmq_host)
+        if len(stages) > 1:
+            print(f"conveyor: pipeline stages' layers: "
+                  f"{', '.join(f'{r.start}-{r.stop - 1}' for r in stages)}", flush=True)
         return Launcher(cfg).run(startup_timeout)
     finally:
         remove_runtime_dir(runtime_dir)
@@ -148,14 +161,18 @@ def summary(cfg: ServeConfig, info: dict[str, dict]) -> str:
     """The start-up summary: what runs where, with which limits."""
     e, dp = cfg.engine, cfg.engine.data_parallel_size
     worker, scheduler = info.get(worker_name(0, 0, dp), {}), info.get(scheduler_name(0, dp), {})
+    pp = e.pipeline_parallel_size
     blocks = int(worker.get("num_blocks", 0))
     replicas = (f"data parallel {dp} ({e.dp_routing_policy} routing) x " if dp > 1 else "")
     lines = [f"model {e.model or DEFAULT_MODEL_NAME}, {worker.get('dtype')} on "
-             f"{worker.get('device')}, {replicas}tensor parallel {e.tensor_parallel_size}"
+             f"{worker.get('device')}, {replicas}"
+             f"{f'pipeline parallel {pp} x ' if pp > 1 else ''}"
+             f"tensor parallel {e.tensor_parallel_size}"
              f"{' (workers on Ray)' if cfg.links is not None else ''}, "
              f"{cfg.num_frontends} frontend(s)",
              f"KV cache {blocks:,} blocks of {e.block_size} = {blocks * e.block_size:,} tokens "
-             f"({worker.get('kv_dtype')}{', per replica' if dp > 1 else ''}); "
+             f"({worker.get('kv_dtype')}{', per replica' if dp > 1 else ''}"
+             f"{', each stage its own layers' if pp > 1 else ''}); "
              f"max model length {scheduler.get('max_model_len')}",
              f"a step: up to {scheduler.get('max_num_batched_tokens')} tokens and "
              f"{e.max_num_seqs} sequences; "
@@ -258,7 +275,7 @@ class Launcher:
         for replica in range(dp):
             if not on_ray:
                 roles += [(worker_name(replica, r, dp), worker_main, (r, replica))
-                          for r in range(e.tensor_parallel_size)]
+                          for r in range(e.world_size)]
             roles.append((scheduler_name(replica, dp), scheduler_main, (replica,)))
         roles += [(f"frontend-{i}", frontend_main, (i,)) for i in range(self.cfg.num_frontends)]
         for name, main, args in roles:

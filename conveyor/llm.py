@@ -38,6 +38,10 @@ class LLM:
         if self.config.distributed_executor_backend != "mp":
             raise ValueError("distributed_executor_backend: Ray workers are placed by `conveyor "
                              "serve`; LLM runs one engine in this process ('mp')")
+        if self.config.pipeline_parallel_size > 1:
+            raise ValueError("pipeline_parallel_size: pipeline stages are worker processes of "
+                             "`conveyor serve`; LLM runs one engine in this process "
+                             "(pipeline_parallel_size=1)")
         self.engine, self.runner = EngineCore.local(self.config)
         # without a tokenizer, prompts are token ids and outputs carry token ids only
         c = self.config

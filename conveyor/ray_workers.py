@@ -172,8 +172,8 @@ class RayCluster:
 
         ray = self.ray
         deadline = time.monotonic() + timeout_s
-        tp, dp = engine.tensor_parallel_size, engine.data_parallel_size
-        pp = getattr(engine, "pipeline_parallel_size", 1)
+        tp, pp, dp = (engine.tensor_parallel_size, engine.pipeline_parallel_size,
+                      engine.data_parallel_size)
         nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
         gpu = (engine.device == "cuda" or engine.device == "auto"
                and any(n.get("GPU", 0) for n in nodes))

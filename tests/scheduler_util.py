@@ -6,7 +6,10 @@ writes each computed token into a fake KV pool, and samples from the context it 
 pool, so a wrong block table, a bad cache hit or a mis-planned range changes the output or fails.
 At depth 2 it runs a plan as late as a real pipeline may: after the scheduler planned the next one
 and applied the result before, so blocks freed meanwhile may already be planned for someone else.
-The harness's clock stands still at `Harness.now` unless a test moves it.
+The harness's clock stands still at `Harness.now` unless a test moves it. Under pipeline
+parallelism (`pipeline_parallel_size` P, depth P) it also keeps what a stage that does not sample
+knows of each slot (the NewSeq's tokens and every SeqStep's `token_ids`) and checks that it is
+every token the step reads.
 """
 from __future__ import annotations
 
@@ -54,6 +57,7 @@ class FakeWorker:
         self.queue: deque[tuple[StepPlan, dict]] = deque()   # received, not run yet
         self.prompt_positions: dict[str, list[int]] = {}   # request id -> positions returned
         self.draws: Counter[str] = Counter()               # request id -> tokens sampled for it
+        self.stage_tokens: dict[int, list[int]] = {}       # slot -> tokens a first stage knows
 
     def _kv(self, st: SlotState, p: int) -> int | None:
         return self.pool.get((st.block_ids[p // self.bs], p % self.bs))
@@ -93,6 +97,7 @@ class FakeWorker:
                            ns.num_computed)
             assert all(self._kv(st, p) == st.token_ids[p] for p in range(ns.num_computed))
             self.slots[ns.slot] = st
+            self.stage_tokens[ns.slot] = list(ns.token_ids)
         sampled, logprobs, prompt_logprobs = [], [], []
         for s in plan.seqs:
             st = self.slots[s.slot]
@@ -101,6 +106,11 @@ class FakeWorker:
                 assert s.new_block_ids == []
             st.block_ids += s.new_block_ids
             assert st.block_ids == table
+            if self.sched.pp > 1:
+                self.stage_tokens[s.slot] += s.token_ids
+                assert self.stage_tokens[s.slot] == st.token_ids, "a stage misses tokens"
+            else:
+                assert s.token_ids == []
             start, end = st.num_computed, st.num_computed + s.num_tokens
             assert s.num_tokens >= 1 and end <= len(st.token_ids)
             assert s.sample == (end == len(st.token_ids))

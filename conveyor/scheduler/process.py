@@ -7,8 +7,8 @@ Frontends (DEALERs, one identity each) send AddRequest, Abort and StatsRequest t
 request's outputs go back only to the frontend that added it, in one TokenOutputs per step. The
 launcher sends FrontendDead there when a frontend died: its requests are aborted, which frees
 their blocks. The workers are the engine's executor: every StepPlan is encoded once and pushed to
-every rank; rank 0 pushes back the StepResult. With nothing to do it blocks in poll, so an idle
-server spins no core.
+every rank (PP x TP of them); the sampling rank pushes back the StepResult. With nothing to do
+it blocks in poll, so an idle server spins no core.
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ class Workers:
         self.results = links.bind(ctx, zmq.PULL, cfg, results_name(replica, dp),
                                   allowed=(StepResult, Ready))
         self.ranks = [links.bind(ctx, zmq.PUSH, cfg, worker_name(replica, r, dp))
-                      for r in range(cfg.engine.tensor_parallel_size)]
+                      for r in range(cfg.engine.world_size)]
 
     def submit(self, plan: StepPlan) -> None:
         frames = encode(plan)
@@ -68,7 +68,7 @@ def scheduler_main(ctx: zmq.Context, control: Socket, cfg: ServeConfig, replica:
                        allowed=(AddRequest, Abort, StatsRequest, FrontendDead))
     links.admit_workers(ctx, cfg)            # runs as long as the process
     workers = Workers(ctx, cfg, replica)
-    # rank 0 says how many KV blocks every rank has, and on which device the workers run
+    # the sampling rank says how many KV blocks every rank has, and on which device they run
     _, ready = workers.results.recv()
     num_blocks = int(ready.info["num_blocks"])
     config = cfg.engine.with_defaults(offline=False, cuda=ready.info["device"] == "cuda")

@@ -37,6 +37,9 @@ class Request:
     # NOTE: tokens sampled by planned steps whose results are not applied yet (overlap scheduling):
     # known to exist, value unknown; they follow token_ids. At most one per step in flight.
     num_pending_tokens: int = 0
+    # NOTE: pipeline parallel: tokens of token_ids the workers' slot has (the rest go to them in
+    # the next SeqStep); set when it enters a slot
+    num_sent_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)   # of its full blocks, by content
     num_cached_blocks: int = 0               # leading blocks already offered to the prefix cache

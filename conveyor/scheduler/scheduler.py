@@ -24,6 +24,13 @@ budget, max_tokens, the context, free blocks) as a step of 1 + guesses tokens, a
 says how many were accepted: the request's progress goes back past the rejected ones, its blocks
 past them are freed and never enter the prefix cache. Guesses need the tokens just drawn, so
 while speculating one plan is in flight at a time (no overlap).
+
+Pipeline parallel (`pipeline_parallel_size` P > 1): up to P plans (micro-batches) are in flight,
+one in each stage, and no request is in two of them at once while it samples: a request whose
+drawn token is pending is not planned again until its result is in, since the first stage needs
+that token and only the last one has it (the next SeqStep carries it: `token_ids`). So the
+running requests fall into micro-batches of about a P-th of them each (`_micro_batch_cap`),
+which take turns through the stages.
 """
 from __future__ import annotations
 
@@ -93,7 +100,8 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.slots = SlotPool(config.max_num_seqs)
-        self.max_in_flight = 2 if config.async_scheduling else 1
+        self.pp = config.pipeline_parallel_size
+        self.max_in_flight = self.pp if self.pp > 1 else 2 if config.async_scheduling else 1
         self.spec = config.speculative
         self.spec_counts = SpecCounts()
         self._solo_in_flight = False          # the plan in flight verifies or asks for guesses
@@ -180,11 +188,12 @@ class Scheduler:
         now = self.clock()
         budget = self.config.max_num_batched_tokens
         batch: list[_Planned] = []
-        budget, preempted = self._schedule_running(batch, budget, now, self._speculating())
+        cap = self._micro_batch_cap() if self.pp > 1 else None    # sequences in this plan
+        budget, preempted = self._schedule_running(batch, budget, now, self._speculating(), cap)
         new: list[NewSeq] = []
         # NOTE: after a preemption nothing new is admitted this step, lest it is preempted next.
         if not preempted or not batch:
-            self._admit_waiting(batch, new, budget, now)
+            self._admit_waiting(batch, new, budget, now, cap)
         if not batch:
             return None
         # NOTE: single-token steps (decodes) come first: workers rely on this order.
@@ -312,19 +321,28 @@ class Scheduler:
 
     # --- planning ---------------------------------------------------------------------------
 
+    def _micro_batch_cap(self) -> int:
+        """Pipeline parallel: the sequences of the plan being made, an even share of those that
+        could run over the micro-batches not yet in flight, so that every stage gets work."""
+        ready = sum(not r.num_pending_tokens for r in self.running)
+        ready += min(len(self.waiting), self.slots.num_free)
+        return max(1, -(-ready // (self.pp - len(self._in_flight))))
+
     def _schedule_running(self, batch: list, budget: int, now: float,
-                          speculate: bool) -> tuple[int, bool]:
+                          speculate: bool, cap: int | None) -> tuple[int, bool]:
         preempted = False
         scheduled: set[str] = set()
         # NOTE: decodes get the budget first without sorting: a request is admitted only with
         # budget left after every running one got its whole remainder, so only the last running
         # request can be part-way through its prefill.
         for req in list(self.running):
-            if budget == 0:
+            if budget == 0 or (cap is not None and len(batch) >= cap):
                 break
             # preempted for an earlier one, or its plans in flight end it
             if req.status is not RUNNING or self._ends_in_flight(req):
                 continue
+            if self.pp > 1 and req.num_pending_tokens:
+                continue                     # its token is still on its way through the stages
             num = min(req.num_remaining_tokens, budget)
             guesses = self._guesses(req, budget) if speculate else []
             req.spec_token_ids = []
@@ -348,7 +366,8 @@ class Scheduler:
                 budget -= num
         return budget, preempted
 
-    def _admit_waiting(self, batch: list, new: list[NewSeq], budget: int, now: float) -> None:
+    def _admit_waiting(self, batch: list, new: list[NewSeq], budget: int, now: float,
+                       cap: int | None) -> None:
         if not self.waiting:
             return
         ctx = SchedulingContext(now, self.step_time_s, self.config.max_num_batched_tokens,
@@ -362,7 +381,7 @@ class Scheduler:
         for req in order:
             # NOTE: a request preempted with a sampled token in flight waits for that token: a
             # NewSeq carries every token.
-            if budget == 0 or req.num_pending_tokens:
+            if budget == 0 or req.num_pending_tokens or (cap is not None and len(batch) >= cap):
                 break
             if req.arrival >= cutoff and not self.policy.admit(req, admitted, ctx):
                 continue
@@ -387,6 +406,7 @@ class Scheduler:
             self.running.append(req)
             new.append(NewSeq(req.slot, list(req.token_ids), req.prompt_len, req.sampling,
                               list(req.block_table), num_cached, req.lora))
+            req.num_sent_tokens = req.num_tokens
             batch.append(self._plan(req, num, []))
             budget -= num
             if growth is not None:
@@ -499,6 +519,9 @@ class Scheduler:
         sample = end - len(guesses) == req.num_planned_tokens
         step = SeqStep(req.slot, num, new_block_ids, sample,
                        prompt_logprobs.first_position(req, start, end), guesses)
+        if self.pp > 1:
+            step.token_ids = req.token_ids[req.num_sent_tokens:]
+            req.num_sent_tokens = req.num_tokens
         req.num_computed_tokens = end
         req.num_pending_tokens += sample
         self.num_prompt_tokens += max(0, min(end, req.prompt_len) - start)

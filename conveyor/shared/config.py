@@ -64,6 +64,9 @@ class EngineConfig:
     kv_cache_memory_bytes: int = 1 << 30     # KV pool budget on CPU
     num_kv_blocks: int | None = None         # overrides the sizing (tests use tiny pools)
     tensor_parallel_size: int = 1
+    # layers split over this many stages, one tensor-parallel group each (`serve` only;
+    # docs/ARCHITECTURE.md, "Pipeline parallel")
+    pipeline_parallel_size: int = 1
     # `serve` only: engine replicas (each a scheduler with its own tensor-parallel workers)
     # behind the same frontends, and how the frontends pick one per request (docs/ARCHITECTURE.md)
     data_parallel_size: int = 1
@@ -131,6 +134,7 @@ class EngineConfig:
         check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks",
               "must be at least 1")
         check(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be at least 1")
+        check(self.pipeline_parallel_size >= 1, "pipeline_parallel_size", "must be at least 1")
         check(self.data_parallel_size >= 1, "data_parallel_size", "must be at least 1")
         check(self.dp_routing_policy in DP_ROUTING_POLICIES, "dp_routing_policy",
               f"must be one of {', '.join(DP_ROUTING_POLICIES)}")
@@ -161,11 +165,27 @@ class EngineConfig:
         if self.speculative_config is not None:
             object.__setattr__(self, "speculative_config",
                                SpeculativeConfig.parse(self.speculative_config))
+        if self.pipeline_parallel_size > 1:
+            # NOTE: each of these needs what only one stage has: guesses are verified and
+            # rolled back where they are drawn, adapters span every layer, and the fp8 KV
+            # scales are calibrated by a forward pass through the whole model
+            for name, on in (("speculative_config", self.speculative_config is not None),
+                             ("enable_lora", self.enable_lora),
+                             ("kv_cache_dtype", self.kv_cache_fp8)):
+                if on:
+                    raise ValueError(f"{name} {getattr(self, name)!r} cannot be combined with "
+                                     f"pipeline_parallel_size "
+                                     f"{self.pipeline_parallel_size} (not built)")
 
     @property
     def speculative(self) -> SpeculativeConfig | None:
         """speculative_config, typed (None: no speculative decoding)."""
         return self.speculative_config  # type: ignore[return-value]
+
+    @property
+    def world_size(self) -> int:
+        """Worker ranks of one replica: tensor parallel x pipeline parallel."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
     def keep_patterns(self) -> tuple[re.Pattern, ...]:

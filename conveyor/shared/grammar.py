@@ -9,6 +9,7 @@ sequence a `SeqGrammar` that follows its tokens. `fill_bitmask` fills a batch's 
 """
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -76,11 +77,35 @@ def check(so: StructuredOutputs) -> None:
 
 
 def build_tokenizer(hf_tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]):
-    """llguidance's view of a Hugging Face fast tokenizer (about half a second)."""
-    import llguidance.hf
+    """llguidance's view of a Hugging Face fast tokenizer (about a second).
 
-    return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size,
-                                        eos_token=list(eos_token_ids))
+    NOTE: some converters (transformers' GGUF reader, for one) wrap a byte-level BPE's decoder
+    in a Sequence with SentencePiece steps; llguidance then reads "Ġ" as two bytes, not a space,
+    and its masks disagree with the text. The ByteLevel decoder alone is what such a vocabulary
+    means, so the view is built from that, and checked on the space-led tokens.
+    """
+    import llguidance
+
+    backend = copy.copy(hf_tokenizer.backend_tokenizer)
+    backend.no_padding()
+    backend.no_truncation()
+    spec = json.loads(backend.to_str())
+    decoder = spec.get("decoder") or {}
+    if decoder.get("type") == "Sequence":
+        byte_level = [d for d in decoder.get("decoders", []) if d.get("type") == "ByteLevel"]
+        if byte_level:
+            spec["decoder"] = byte_level[0]
+    view = llguidance.LLTokenizer(json.dumps(spec), n_vocab=vocab_size,
+                                  eos_token=list(eos_token_ids))
+    if decoder and "ByteLevel" in json.dumps(decoder):
+        spaced = [i for t, i in hf_tokenizer.get_vocab().items()
+                  if t.startswith("\u0120") and i < vocab_size][:64]
+        wrong = [i for i in spaced if not view.decode_bytes([i]).startswith(b" ")]
+        if wrong:
+            raise ValueError(f"the grammar library reads token {wrong[0]} of this tokenizer "
+                             f"as {view.decode_bytes([wrong[0]])!r}, not a space-led word: its "
+                             f"decoder ({decoder.get('type')}) is not understood")
+    return view
 
 
 class SeqGrammar:

@@ -17,6 +17,11 @@ from typing import Any
 METHODS = ("ngram", "draft_model")
 
 
+# NOTE: measured on an H200 with the default model and n-gram guesses (docs/BENCHMARKS.md,
+# "Speculative decoding"): 1.97x at batch 1, 1.17x at 4, even at 16, 0.66x at 64
+DISABLE_BY_BATCH_SIZE = 16
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str
@@ -26,9 +31,9 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     model: str | None = None                 # draft_model: its folder or .gguf file
-    # no speculation while at least this many requests run (None: always speculate): a large
-    # batch is compute-bound, where verifying guesses costs more than it saves
-    disable_by_batch_size: int | None = None
+    # no speculation while at least this many requests run: a large batch is compute-bound,
+    # and a step that verifies gives up the overlap of planning with the device
+    disable_by_batch_size: int | None = None          # None: DISABLE_BY_BATCH_SIZE
 
     def __post_init__(self) -> None:
         def fail(key: str, rule: str) -> None:
@@ -46,6 +51,8 @@ class SpeculativeConfig:
         for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
                     "disable_by_batch_size"):
             positive_int(key)
+        if self.disable_by_batch_size is None:
+            object.__setattr__(self, "disable_by_batch_size", DISABLE_BY_BATCH_SIZE)
         if self.num_speculative_tokens > 32:
             fail("num_speculative_tokens", "must be at most 32")
         if self.method == "ngram":
@@ -88,4 +95,4 @@ class SpeculativeConfig:
 
     def speculates(self, num_running: int) -> bool:
         """Whether steps with this many running requests verify guesses."""
-        return self.disable_by_batch_size is None or num_running < self.disable_by_batch_size
+        return num_running < self.disable_by_batch_size

@@ -1,6 +1,8 @@
 """The paged KV pool: one tensor per layer, [num_blocks, 2, block_size, kv_heads, head_dim].
 
-Block ids are the scheduler's; every rank holds its own KV heads of every block. On CPU the pool
+Block ids are the scheduler's; every rank holds its own KV heads of every block, for the layers
+of its pipeline stage (all of them without pipeline parallelism), so a stage of L / P layers
+fits P times the blocks in the same bytes. On CPU the pool
 is sized from a byte budget; on GPU from the memory left after profiling a forward pass. With
 `kv_cache_dtype="fp8"` the pool is float8 e4m3 (one byte an element: twice the blocks for the
 same bytes); K and V are stored divided by per-layer scales (worker/kv_scales.py).
@@ -10,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from conveyor.shared.config import EngineConfig, ModelConfig
+from conveyor.worker.layers.pipeline import stage
 
 FP8_DTYPE = torch.float8_e4m3fn
 
@@ -27,7 +30,7 @@ def kv_heads_per_rank(model: ModelConfig, tp_size: int) -> int:
 def bytes_per_block(model: ModelConfig, config: EngineConfig, dtype: torch.dtype) -> int:
     per_layer = 2 * config.block_size * kv_heads_per_rank(model, config.tensor_parallel_size)
     per_layer *= model.head_dim * torch.empty((), dtype=dtype).element_size()
-    return per_layer * model.num_hidden_layers
+    return per_layer * len(stage().layers(model.num_hidden_layers))
 
 
 def num_blocks_for_budget(model: ModelConfig, config: EngineConfig, dtype: torch.dtype,
@@ -40,4 +43,4 @@ def allocate_kv_cache(model: ModelConfig, config: EngineConfig, num_blocks: int,
     shape = (num_blocks, 2, config.block_size,
              kv_heads_per_rank(model, config.tensor_parallel_size), model.head_dim)
     return [torch.zeros(shape, dtype=dtype, device=device)
-            for _ in range(model.num_hidden_layers)]
+            for _ in stage().layers(model.num_hidden_layers)]

@@ -14,7 +14,8 @@ are a quantized checkpoint's 1-byte weights (config.quantization "fp8" or "int8"
 per-tensor or per-channel `weight_scale` as one scale per row; static `input_scale`s are not
 used (fp8 activations are quantized per token as they come; int8 runs W8A16). Per-layer KV
 cache scales (`self_attn.k_scale` / `v_scale`, or AutoFP8's `k_proj` / `v_proj.output_scale`)
-become `model.checkpoint_kv_scales`, which an fp8 KV pool uses instead of calibrating.
+become `model.checkpoint_kv_scales`, which an fp8 KV pool uses instead of calibrating. A pipeline
+stage loads only the tensors of the modules it holds (layers/pipeline.py).
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from torch import nn
 from conveyor.shared.config import ModelConfig
 from conveyor.shared.model_files import ModelFiles
 from conveyor.worker.layers.linear import LinearBase, default_weight_loader
+from conveyor.worker.layers.pipeline import stage_weight_name
 from conveyor.worker.layers.quantization import Q8_0_GROUP, keep_matches, quantize_model
 from conveyor.worker.models import get_model_class
 
@@ -160,7 +162,10 @@ def _by_module(model: nn.Module, flags: dict[str, bool]
     module name -> (the module, or None if we have none; {checkpoint name: its flag})."""
     modules = dict(model.named_modules())
     grouped: dict[str, tuple[nn.Module | None, dict[str, bool]]] = {}
+    layers, tied = model.config.num_hidden_layers, model.config.tie_word_embeddings
     for name, flag in flags.items():
+        if stage_weight_name(name, layers, tied) is None:
+            continue                             # another pipeline stage's
         module = _packed_name(name, model.packed_modules)[0].removesuffix(".weight")
         grouped.setdefault(module, (modules.get(module), {}))[1][name] = flag
     return grouped
@@ -252,11 +257,15 @@ def load_weights(model: nn.Module, weights: Weights) -> None:
     packed = model.packed_modules
     params = dict(model.named_parameters())
     tied = model.config.tie_word_embeddings
+    layers = model.config.num_hidden_layers
     loaded: dict[str, set] = {}
     unexpected = []
     for name, tensor in weights:
         if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
             continue
+        name = stage_weight_name(name, layers, tied)
+        if name is None:
+            continue                             # another pipeline stage's
         name, shard_id = _packed_name(name, packed)
         param = params.get(name)
         if param is None:

@@ -8,10 +8,16 @@ from per-sequence numbers. The same code runs on CPU and GPU; only rank 0's resu
 Steps are pipelined: `submit` queues a plan's forward pass before it takes the previous step's
 result, so the host never makes the device wait; a decode whose input is the token the previous
 step sampled gets it on the device. `execute` runs one step to its end.
+
+Under pipeline parallelism a runner is one stage (layers/pipeline.py): it runs its layers on the
+previous stage's activations and hands its own to the next; only the last stage samples, and
+the other stages learn the drawn tokens from the plans (SeqStep.token_ids). Stages run each
+plan to its end (`execute`) and eagerly (no CUDA graphs).
 """
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
 from dataclasses import dataclass, field
 
@@ -32,6 +38,7 @@ from conveyor.worker.kv_cache import (
 from conveyor.worker.kv_scales import calibrate_kv_scales, set_kv_scales
 from conveyor.worker.layers.lora import LoRABatch
 from conveyor.worker.layers.parallel import broadcast_tensor, min_over_ranks, tp_rank
+from conveyor.worker.layers.pipeline import recv_activations, send_activations, stage
 from conveyor.worker.layers.quantization import QuantReport, check_device, resolve_mode
 from conveyor.worker.loader import load_model
 from conveyor.worker.sampler import LogprobTensors, SampledTensors, Sampler, SeqSamplingState
@@ -81,9 +88,15 @@ class ModelRunner:
         self.model_config = model_config
         self.files = files
         self.device = device or torch.device(config.device)
+        self.stage = stage()        # of the pipeline: one stage holding every layer without one
         self.dtype = getattr(torch, config.torch_dtype_name)
         self.kv_dtype = kv_cache_dtype(config, self.dtype)    # the pool's: float8 or self.dtype
         torch.manual_seed(config.seed)
+        self._memory_before = 0      # CUDA bytes held before this runner (another engine's)
+        if self.device.type == "cuda":
+            gc.collect()             # an earlier engine of this process that is unreachable
+            torch.cuda.empty_cache()
+            self._memory_before = torch.cuda.memory_allocated(self.device)
         quantization = resolve_mode(config.quantization, model_config.quantization)
         check_device(quantization, self.device)
         self.model = load_model(model_config, files, self.dtype, self.device,
@@ -104,7 +117,7 @@ class ModelRunner:
         self.sampler = Sampler(model_config.vocab_size, model_config.eos_token_ids, config.seed,
                                self.device)
         self.structured = None    # matchers and bitmasks of structured outputs (rank 0 only)
-        if tp_rank() == 0:
+        if tp_rank() == 0 and self.stage.last:
             self.structured = StructuredOutputMasks(files, config.tokenizer,
                                                     model_config.vocab_size,
                                                     model_config.eos_token_ids,
@@ -121,7 +134,9 @@ class ModelRunner:
         self.kv_caches = allocate_kv_cache(model_config, config, self.num_blocks, self.kv_dtype,
                                            self.device)
         self.slots: dict[int, Slot] = {}
-        if self.device.type == "cuda" and not config.enforce_eager:
+        # NOTE: a pipeline stage runs eagerly: a graph would need the received activations as
+        # an input buffer and the send inside it (not built)
+        if self.device.type == "cuda" and not config.enforce_eager and self.stage.count == 1:
             from conveyor.worker.cuda_graph import StepGraphs
 
             self.graphs = StepGraphs(self.model, self.kv_caches, min(config.max_num_seqs, 512),
@@ -162,7 +177,12 @@ class ModelRunner:
         return self._profile_gpu_blocks()
 
     def _profile_gpu_blocks(self) -> int:
-        """Run the largest step once and give the KV pool what is left of the memory budget."""
+        """Run the largest step once and give the KV pool what is left of the memory budget.
+
+        The budget is `gpu_memory_utilization` of the device for this engine alone: memory
+        another engine of the process already holds is not counted against it, and the pool
+        never takes more than is free now.
+        """
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         num_tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
@@ -175,15 +195,19 @@ class ModelRunner:
         self._add_blocks(0, list(range(blocks)))
         self._forward([(0, num_tokens, True, -1, [])], logits_rows=self.config.max_num_seqs)
         self.slots, self.kv_caches = {}, []
-        peak = torch.cuda.max_memory_allocated(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - self._memory_before
         total = torch.cuda.get_device_properties(self.device).total_memory
-        free_bytes = int(total * self.config.gpu_memory_utilization) - peak
+        torch.cuda.empty_cache()
+        # what the peak step needs beyond what is allocated now must stay free as well
+        free = torch.cuda.mem_get_info(self.device)[0] - (
+            peak + self._memory_before - torch.cuda.memory_allocated(self.device))
+        free_bytes = min(int(total * self.config.gpu_memory_utilization) - peak, free)
         num = free_bytes // bytes_per_block(self.model_config, self.config, self.kv_dtype)
         if num < 1:
-            raise RuntimeError(f"no memory left for the KV cache: peak {peak / 2**30:.1f} GiB of "
+            raise RuntimeError(f"no memory left for the KV cache: this engine's peak "
+                               f"{peak / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free of "
                                f"{total / 2**30:.1f} GiB; raise gpu_memory_utilization or lower "
                                f"max_num_batched_tokens")
-        torch.cuda.empty_cache()
         return num
 
     # --- steps --------------------------------------------------------------------------------
@@ -242,6 +266,9 @@ class ModelRunner:
         for s in plan.seqs:
             if s.new_block_ids:
                 self._add_blocks(s.slot, s.new_block_ids)
+            if s.token_ids and not self.stage.last:
+                # pipeline parallel: the tokens the last stage drew since this one last ran it
+                self.slots[s.slot].state.token_ids.extend(s.token_ids)
             steps.append((s.slot, s.num_tokens, s.sample, s.prompt_logprobs_from,
                           s.draft_token_ids))
         if not steps:
@@ -348,6 +375,25 @@ class ModelRunner:
                           num_sampled=counts, proposals=st.proposals,
                           propose_time_s=st.propose_time_s)
 
+    def _stage_forward(self, tokens3: torch.Tensor, ctx: StepContext, profile: bool
+                       ) -> torch.Tensor | None:
+        """A pipeline stage's part of a step: the previous stage's activations in (zeros when
+        profiling), this stage's layers, and its activations out to the next stage. Returns
+        the final hidden states on the last stage, None on the others."""
+        intermediate = None
+        if not self.stage.first:
+            num_tokens, hidden_size = tokens3.shape[1], self.model_config.hidden_size
+            intermediate = (tuple(torch.zeros(num_tokens, hidden_size, dtype=self.dtype,
+                                              device=self.device) for _ in range(2))
+                            if profile else
+                            recv_activations(num_tokens, hidden_size, self.dtype, self.device))
+        out = self.model(tokens3[0], tokens3[1], ctx, intermediate)
+        if self.stage.last:
+            return out
+        if not profile:
+            send_activations(*out)
+        return None
+
     def _lora_step(self, dev: dict[str, torch.Tensor], lora_slots: list[int] | None):
         """The adapters of an eager step, for the model's LoRA layers."""
         if self.lora is None:
@@ -438,7 +484,12 @@ class ModelRunner:
                 num_decodes=num_decodes,
                 decode_order=dev["order"].int() if num_decodes == num_seqs else None)
             with self._lora_step(dev, lora_slots):
-                hidden = self.model(tokens3[0], tokens3[1], ctx)
+                if self.stage.count == 1:
+                    hidden = self.model(tokens3[0], tokens3[1], ctx)
+                else:
+                    hidden = self._stage_forward(tokens3, ctx, bool(logits_rows))
+        if hidden is None:                   # a pipeline stage before the last: nothing to draw
+            return _Launched(step, [], None, [])
         if logits_rows:  # profiling: the largest logits a step can make, and their float32 copy
             self.model.compute_logits(hidden[-1:].expand(logits_rows, -1)).float()
             return _Launched(step, [], None, [])

@@ -1,7 +1,9 @@
-"""A worker process: rank r of a replica's tensor-parallel group, one model shard and its KV pool.
+"""A worker process: rank r of a replica's PP x TP ranks, one model shard and its KV pool.
 
-Every rank pulls every StepPlan and hands it to its executor (the layers all-reduce between
-ranks); rank 0 also tells the scheduler the KV pool size at start (the minimum over ranks) and
+Rank r is tensor-parallel rank r % TP of pipeline stage r // TP (shared/parallel.py). Every rank
+pulls every StepPlan and hands it to its executor (the layers all-reduce within a stage, stages
+pass activations on); the sampling rank (rank 0 without pipeline parallelism, else the last
+stage's first) also tells the scheduler the KV pool size at start (the minimum over ranks) and
 pushes each StepResult. This is the worker end of the scheduler's executor: the step loop itself
 is EngineCore's (conveyor/engine.py).
 """
@@ -17,6 +19,7 @@ from conveyor.shared.config import ServeConfig
 from conveyor.shared.messages.control import Ready, Shutdown
 from conveyor.shared.messages.worker import StepPlan
 from conveyor.shared.model_files import read_model_config, resolve_model
+from conveyor.shared.parallel import reporting_rank
 from conveyor.shared.process import StartupError
 from conveyor.shared.replicas import results_name, worker_name
 from conveyor.shared.sockets import Socket
@@ -34,21 +37,24 @@ def worker_main(ctx: zmq.Context, control: Socket, cfg: ServeConfig, rank: int,
     from conveyor.worker.profiling import StepProfiler, host_phase
 
     engine = cfg.engine.with_defaults(offline=False)   # "auto": decided where torch is
-    tp, dp = engine.tensor_parallel_size, engine.data_parallel_size
+    tp, pp, dp = (engine.tensor_parallel_size, engine.pipeline_parallel_size,
+                  engine.data_parallel_size)
+    world = engine.world_size
     on_ray = engine.distributed_executor_backend == "ray"
     if engine.device == "cuda":
-        # replica r holds GPUs r*tp .. r*tp+tp-1; a Ray actor sees only its own GPU
-        index = 0 if on_ray else replica * tp + rank
+        # replica r holds GPUs r*world .. r*world+world-1; a Ray actor sees only its own GPU
+        index = 0 if on_ray else replica * world + rank
         if index >= torch.cuda.device_count():
-            raise StartupError(f"--data-parallel-size {dp} x --tensor-parallel-size {tp} needs "
-                               f"{dp * tp} GPUs; {torch.cuda.device_count()} are visible")
+            raise StartupError(f"--data-parallel-size {dp} x --pipeline-parallel-size {pp} x "
+                               f"--tensor-parallel-size {tp} needs {dp * world} GPUs; "
+                               f"{torch.cuda.device_count()} are visible")
         device = torch.device("cuda", index)
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
         if not on_ray:                       # Ray sets OMP_NUM_THREADS to the actor's CPUs
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // (tp * dp)))
-    if tp > 1:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // (world * dp)))
+    if world > 1:
         if cfg.links is None:
             # NOTE: a tcp:// rendezvous listens on every interface whatever host it is given; a
             # file in the private runtime folder does not listen at all, and the collectives'
@@ -60,9 +66,13 @@ def worker_main(ctx: zmq.Context, control: Socket, cfg: ServeConfig, rank: int,
             init_method = cfg.links.rendezvous[replica]
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                 init_method=init_method,
-                                rank=rank, world_size=tp,
+                                rank=rank, world_size=world,
                                 device_id=device if device.type == "cuda" else None)
-        if device.type == "cuda" and not engine.disable_custom_all_reduce:
+        if pp > 1:
+            from conveyor.worker.layers.pipeline import join_pipeline
+
+            join_pipeline(rank, tp, pp)
+        if device.type == "cuda" and tp > 1 and not engine.disable_custom_all_reduce:
             from conveyor.worker.layers.parallel import enable_custom_all_reduce
 
             enable_custom_all_reduce(device)
@@ -70,11 +80,13 @@ def worker_main(ctx: zmq.Context, control: Socket, cfg: ServeConfig, rank: int,
     model = read_model_config(files)
     profiler = StepProfiler.from_env(rank, device.type == "cuda")
     runner = ModelRunner(engine, model, files, max_model_len(engine, model), device)
-    executor = LocalExecutor(runner, engine.async_scheduling)
+    # NOTE: a pipeline stage runs each plan to its end: overlapping a plan with the next would
+    # hold a result back until the next plan's activations arrived
+    executor = LocalExecutor(runner, engine.async_scheduling and pp == 1)
     plans = links.connect(ctx, zmq.PULL, cfg, worker_name(replica, rank, dp),
                           allowed=(StepPlan, Shutdown))
     results = None
-    if rank == 0:
+    if rank == reporting_rank(tp, pp):
         results = links.connect(ctx, zmq.PUSH, cfg, results_name(replica, dp))
         results.send(Ready("worker", {"num_blocks": runner.num_blocks,
                                       "device": device.type}))

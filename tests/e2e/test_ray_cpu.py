@@ -7,7 +7,6 @@ now (each when the start-up timeout ends), and a worker actor killed while servi
 fails with the reason, the server exits 1). The cluster is torn down by the PIDs it started,
 never with `ray stop`, which would stop every Ray cluster of this user on the machine.
 """
-import dataclasses
 import json
 import os
 import re
@@ -24,7 +23,6 @@ from serve_util import SMALL, run_serve, start_server
 
 from conveyor import LLM, SamplingParams
 from conveyor.client import Client
-from conveyor.shared.config import EngineConfig
 from conveyor.shared.links import free_port
 
 pytestmark = pytest.mark.slow
@@ -202,9 +200,6 @@ def test_two_replicas_on_two_nodes_then_sigterm_leaves_no_actor(ray_cluster, mod
         server.kill_all()
 
 
-@pytest.mark.skipif("pipeline_parallel_size" not in {f.name for f in
-                                                     dataclasses.fields(EngineConfig)},
-                    reason="pipeline parallelism is not built in this tree")
 def test_pp2_puts_a_stage_on_each_node(ray_cluster, model, reference, monkeypatch):
     """--pp 2: a placement group per stage, stage 0 on one node and stage 1 on the other,
     activations between them over gloo; the tokens of one process."""

@@ -146,7 +146,7 @@ def test_sampled_tokens_keep_their_distribution(tmp_path):
     params = SamplingParams(n=2000, temperature=0.9, top_p=0.95, top_k=6, min_p=0.02,
                             repetition_penalty=1.2, max_tokens=4, ignore_eos=True)
     samples = []
-    for spec in (None, {**NGRAM, "num_speculative_tokens": 2}):
+    for spec in (None, {**NGRAM, "num_speculative_tokens": 2, "disable_by_batch_size": 512}):
         llm = make_llm(path, speculative_config=spec, max_num_seqs=256, seed=11)
         out = llm.generate([prompt], params, use_tqdm=False)[0]
         samples.append([tuple(c.token_ids) for c in out.outputs])

@@ -272,3 +272,38 @@ def test_the_grammar_starts_after_the_start_sequence(vocab):
     assert np.array_equal(both[0], both[1])
     assert set(config.eos_token_ids) <= set(np.nonzero(both[0])[0].tolist())
     assert compiler.start(so, thought + end[:-1]).free           # replayed, still thinking
+
+
+@needs_model
+def test_a_wrapped_byte_level_decoder_is_read_as_bytes(vocab):
+    """transformers' GGUF reader (5.17) wraps the byte-level decoder in a Sequence with
+    SentencePiece steps: the grammar view must still read "Ġ" as a space, so that every token a
+    JSON mask allows is one the matcher then accepts."""
+    import json
+
+    from transformers import PreTrainedTokenizerFast
+
+    hf, _, config = vocab
+    spec = json.loads(hf.backend_tokenizer.to_str())
+    spec["decoder"] = {"type": "Sequence", "decoders": [
+        {"type": "ByteFallback"}, {"type": "Fuse"},
+        {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "}, spec["decoder"]]}
+    from tokenizers import Tokenizer
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)))
+    view = build_tokenizer(wrapped, config.vocab_size, config.eos_token_ids)
+    spaced = hf.convert_tokens_to_ids("\u0120[{")
+    assert view.decode_bytes([spaced]) == b" [{"
+    compiler = GrammarCompiler(view, config.vocab_size, config.eos_token_ids)
+    schema = {"type": "object", "properties": {"name": {"type": "string"},
+                                               "tags": {"type": "array",
+                                                        "items": {"type": "string"}}},
+              "required": ["name", "tags"]}
+    rng = np.random.default_rng(0)
+    grammars = [compiler.start(StructuredOutputs(json=schema), []) for _ in range(4)]
+    for _ in range(40):
+        allowed = _allowed(compiler, grammars)
+        for g, row in zip(grammars, allowed):
+            if not g.ready().is_stopped():
+                g.accept(int(rng.choice(np.flatnonzero(row))))
+                assert not g.ready().is_error(), g.ready().get_error()
+    compiler.close()

@@ -1,7 +1,9 @@
-"""scheduler <-> workers: the StepPlan each rank runs, and rank 0's StepResult.
+"""scheduler <-> workers: the StepPlan each rank runs, and the sampling rank's StepResult.
 
 A plan is a delta: a sequence is sent whole once, when it takes a worker slot (NewSeq); after that
-only what changed (its token count for the step, new block ids) and the slots freed since.
+only what changed (its token count for the step, new block ids, under pipeline parallelism the
+tokens drawn since) and the slots freed since. Every rank gets every plan; the rank that samples
+(the first rank of the last pipeline stage) sends the StepResult.
 """
 from __future__ import annotations
 
@@ -39,6 +41,9 @@ class SeqStep(msgspec.Struct, array_like=True):
     # speculative decoding: guesses of the tokens after its last one, verified in this step
     # (num_tokens is then 1 + their count; rows for each are sampled, see StepResult)
     draft_token_ids: list[int] = []
+    # pipeline parallel: its tokens drawn since the workers last ran it, which the stages that
+    # do not sample append before the step (the last stage drew them itself)
+    token_ids: list[int] = []
 
 
 class StepPlan(msgspec.Struct):

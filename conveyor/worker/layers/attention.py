@@ -1,7 +1,8 @@
 """The attention layer of a model: store this step's K/V in the paged pool, then attend.
 
 q, k, v arrive flat ([T, heads * head_dim], this rank's heads only); the pool of layer
-`layer_idx` is ctx.kv_caches[layer_idx]. The math is the backend's: Triton kernels on CUDA
+`layer_idx` is ctx.kv_caches[cache_index] (layer_idx, but a pipeline stage's pools are its own
+layers' only). The math is the backend's: Triton kernels on CUDA
 (where Triton is installed), plain torch elsewhere, unless a backend is given.
 
 k_scale and v_scale (Python floats, so CUDA graphs capture them) are the fp8 pool's per-layer
@@ -22,11 +23,15 @@ from conveyor.worker.context import StepContext
 
 class Attention(nn.Module):
     def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 scale: float, backend=None, window: int = 0, softcap: float = 0.0):
+                 scale: float, backend=None, window: int = 0, softcap: float = 0.0,
+                 cache_index: int | None = None):
+        """cache_index: this layer's pool in ctx.kv_caches (default layer_idx; a pipeline
+        stage's pools are its own layers only)."""
         super().__init__()
         self.window = window
         self.softcap = softcap
         self.layer_idx = layer_idx
+        self.cache_index = layer_idx if cache_index is None else cache_index
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -41,7 +46,7 @@ class Attention(nn.Module):
         caller already has, fused into its rotary kernel), then attend q [T, heads * head_dim]
         to the pool."""
         t = q.shape[0]
-        kv_cache = ctx.kv_caches[self.layer_idx]
+        kv_cache = ctx.kv_caches[self.cache_index]
         backend = self.backend or default_backend(q.is_cuda)
         if k is not None:
             backend.write_kv(kv_cache, k.view(t, self.num_kv_heads, self.head_dim),
@@ -59,7 +64,7 @@ class Attention(nn.Module):
         if self.backend is not None:
             return {}
         return dict(v=v.view(v.shape[0], self.num_kv_heads, self.head_dim),
-                    kv_cache=ctx.kv_caches[self.layer_idx], slot_mapping=ctx.slot_mapping,
+                    kv_cache=ctx.kv_caches[self.cache_index], slot_mapping=ctx.slot_mapping,
                     k_scale=self.k_scale, v_scale=self.v_scale)
 
 

@@ -1,7 +1,8 @@
 """Tensor-parallel helpers: this rank's place in the group and the collectives layers use.
 
-The group is the default torch.distributed process group; without one, tp_size is 1 and the
-collectives are no-ops, so every layer runs unchanged in a single process.
+The group is the default torch.distributed process group, or with pipeline parallelism this
+stage's group (`set_tp_group`); without one, tp_size is 1 and the collectives are no-ops, so
+every layer runs unchanged in a single process.
 
 On CUDA, the all-reduces of decode steps captured in CUDA graphs (up to 8 MB / W, bf16 or fp16)
 go through the one-shot kernel of kernels/all_reduce.py over PyTorch's symmetric memory once
@@ -14,12 +15,25 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+_tp_group = None     # None: the default group (no pipeline parallelism)
+
+
+def set_tp_group(group) -> None:
+    """Make `group` (a pipeline stage's ranks) the tensor-parallel group of every layer."""
+    global _tp_group
+    _tp_group = group
+
 
 def tp_rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return dist.get_rank(_tp_group) if dist.is_available() and dist.is_initialized() else 0
 
 
 def tp_size() -> int:
+    return (dist.get_world_size(_tp_group) if dist.is_available() and dist.is_initialized()
+            else 1)
+
+
+def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
@@ -45,14 +59,15 @@ class _OneShot:
         buffer = symm_mem.empty(buffer_bytes(world, self.max_bytes), dtype=torch.uint8,
                                 device=device)
         buffer[:FLAG_BYTES].zero_()
-        handle = symm_mem.rendezvous(buffer, dist.group.WORLD.group_name)
+        group = dist.group.WORLD if _tp_group is None else _tp_group
+        handle = symm_mem.rendezvous(buffer, group.group_name)
         offset = buffer.data_ptr() - handle.buffer_ptrs[tp_rank()]
         self.buffer = buffer
         self.bases = torch.tensor([p + offset for p in handle.buffer_ptrs], dtype=torch.int64,
                                   device=device)
         self.counters = torch.zeros(MAX_ROWS, dtype=torch.int32, device=device)
         torch.cuda.synchronize(device)
-        dist.barrier()                       # every rank's flags are zero before any call
+        dist.barrier(group=_tp_group)        # every rank's flags are zero before any call
 
     def takes(self, x: torch.Tensor) -> bool:
         """Decode-sized x, in a CUDA graph being captured. NOTE: eager calls (prefill and mixed
@@ -101,7 +116,7 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
         return x
     if _one_shot is not None and _one_shot.takes(x):
         return _one_shot(x)
-    dist.all_reduce(x)
+    dist.all_reduce(x, group=_tp_group)
     return x
 
 
@@ -119,12 +134,13 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     if tp_size() == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(tp_size())]
-    dist.all_gather(parts, x.contiguous())
+    dist.all_gather(parts, x.contiguous(), group=_tp_group)
     return torch.cat(parts, dim=-1)
 
 
 def min_over_ranks(value: int, device: torch.device) -> int:
-    if tp_size() == 1:
+    """The minimum of value over every rank of the replica (all pipeline stages)."""
+    if _world_size() == 1:
         return value
     t = torch.tensor([value], dtype=torch.long, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
@@ -132,9 +148,11 @@ def min_over_ranks(value: int, device: torch.device) -> int:
 
 
 def broadcast_tensor(t: torch.Tensor) -> torch.Tensor:
-    """Rank 0's t on every rank, in place (each rank passes a tensor of the same shape and dtype).
-    On the device it is queued like a kernel (NCCL): the host does not wait for it."""
+    """The tensor-parallel group's rank 0's t on every rank of the group, in place (each rank
+    passes a tensor of the same shape and dtype). On the device it is queued like a kernel
+    (NCCL): the host does not wait for it."""
     if tp_size() > 1 and t.numel():
         t = t.contiguous()
-        dist.broadcast(t, src=0)
+        src = 0 if _tp_group is None else dist.get_global_rank(_tp_group, 0)
+        dist.broadcast(t, src=src, group=_tp_group)
     return t

@@ -19,13 +19,14 @@ from torch import nn
 from conveyor.shared.config import ModelConfig
 from conveyor.worker.context import StepContext
 from conveyor.worker.layers.activation import gelu_tanh_and_mul
-from conveyor.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from conveyor.worker.layers.embedding import VocabParallelEmbedding
 from conveyor.worker.layers.linear import (
     default_weight_loader,
 )
 from conveyor.worker.layers.norm import RMSNorm
+from conveyor.worker.layers.pipeline import make_layers, stage
 from conveyor.worker.layers.rotary import RotaryEmbedding
-from conveyor.worker.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from conveyor.worker.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, lm_head
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -75,23 +76,30 @@ class GemmaModel(nn.Module):
                  ropes: tuple[RotaryEmbedding, RotaryEmbedding]):
         """ropes: the rotary embeddings of the global and of the sliding-window layers."""
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
+        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
+                             if stage().first else None)
         self.rotary_emb, self.rotary_emb_local = ropes
-        self.layers = nn.ModuleList(
-            GemmaDecoderLayer(config, i, dtype, attention_options)
-            for i in range(config.num_hidden_layers))
-        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.layers, held = make_layers(config.num_hidden_layers, lambda i: GemmaDecoderLayer(
+            config, i, dtype, attention_options))
+        self.held = slice(held.start, held.stop)
+        self.norm = (GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+                     if stage().last else None)
         # NOTE: a Python float rounded to the model dtype, as transformers' embed_scale buffer
         self.normalizer = float(torch.tensor(config.hidden_size ** 0.5, dtype=dtype, device="cpu"))
 
-    def forward(self, input_ids, positions, ctx: StepContext):
-        x = self.embed_tokens(input_ids) * self.normalizer               # [T, hidden]
+    def forward(self, input_ids, positions, ctx: StepContext, intermediate=None):
+        """As LlamaModel.forward."""
+        if intermediate is None:
+            x, residual = self.embed_tokens(input_ids) * self.normalizer, None   # [T, hidden]
+        else:
+            x, residual = intermediate
         rope = {False: self.rotary_emb(positions)}                      # [T, head_dim / 2] each
         rope[True] = (self.rotary_emb_local(positions)
                       if self.rotary_emb_local is not self.rotary_emb else rope[False])
-        residual = None
-        for layer in self.layers:
+        for layer in self.layers[self.held]:
             x, residual = layer(x, residual, *rope[layer.sliding], ctx)
+        if self.norm is None:
+            return x, residual
         return self.norm(x, residual)[0]
 
 
@@ -121,9 +129,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         self.config = config
         self.model = GemmaModel(config, dtype, self.attention_options(config),
                                 self.rotary_embeddings(config))
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.lm_head = lm_head(config, dtype, self.model.embed_tokens)
         self.final_softcap = float(config.extra.get("final_logit_softcapping") or 0.0)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

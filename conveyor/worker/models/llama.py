@@ -22,6 +22,7 @@ from conveyor.worker.layers.linear import (
     RowParallelLinear,
 )
 from conveyor.worker.layers.norm import RMSNorm
+from conveyor.worker.layers.pipeline import make_layers, stage
 from conveyor.worker.layers.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -45,7 +46,8 @@ class LlamaAttention(nn.Module):
         self.q_norm = norm(d, config.rms_norm_eps, dtype) if qk_norm else None
         self.k_norm = norm(d, config.rms_norm_eps, dtype) if qk_norm else None
         self.attn = Attention(layer_idx, heads, kv_heads, d, scale=scale or d ** -0.5,
-                              window=config.window(layer_idx), softcap=softcap)
+                              window=config.window(layer_idx), softcap=softcap,
+                              cache_index=layer_idx - stage().layers(config.num_hidden_layers)[0])
 
     def forward(self, x: torch.Tensor | Fp8Rows, cos: torch.Tensor, sin: torch.Tensor,
                 ctx: StepContext) -> torch.Tensor:
@@ -119,19 +121,28 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, attention_options: dict,
                  rotary_emb: RotaryEmbedding, make_mlp):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
+        # pipeline parallel: the embedding on the first stage, the final norm on the last
+        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
+                             if stage().first else None)
         self.rotary_emb = rotary_emb
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, dtype, attention_options, make_mlp(config, i, dtype))
-            for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.layers, held = make_layers(config.num_hidden_layers, lambda i: LlamaDecoderLayer(
+            config, i, dtype, attention_options, make_mlp(config, i, dtype)))
+        self.held = slice(held.start, held.stop)
+        self.norm = (RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if stage().last
+                     else None)
 
-    def forward(self, input_ids, positions, ctx):
-        x = self.embed_tokens(input_ids)                     # [T, hidden]
+    def forward(self, input_ids, positions, ctx, intermediate=None):
+        """intermediate: the previous pipeline stage's (hidden, residual), in place of the
+        embedding; a stage before the last returns its own (hidden, residual)."""
+        if intermediate is None:
+            x, residual = self.embed_tokens(input_ids), None     # [T, hidden]
+        else:
+            x, residual = intermediate
         cos, sin = self.rotary_emb(positions)                # [T, head_dim / 2] each
-        residual = None
-        for layer in self.layers:
+        for layer in self.layers[self.held]:
             x, residual = layer(x, residual, cos, sin, ctx)
+        if self.norm is None:
+            return x, residual
         return self.norm(x, residual, reduce=True)[0]
 
 
@@ -165,14 +176,13 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config, dtype, self.attention_options(config),
                                 self.rotary_embedding(config), self.make_mlp)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.lm_head = lm_head(config, dtype, self.model.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                ctx: StepContext) -> torch.Tensor:
-        """input_ids, positions [T] -> final hidden states [T, hidden]."""
-        return self.model(input_ids, positions, ctx)
+                ctx: StepContext, intermediate=None) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, hidden] (a pipeline stage before
+        the last: its (hidden, residual); intermediate: those of the stage before)."""
+        return self.model(input_ids, positions, ctx, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] in the model's dtype.
@@ -181,3 +191,15 @@ class LlamaForCausalLM(nn.Module):
         at batch 256 x 151,936 is a 114 us kernel); the torch sampling paths upcast themselves.
         """
         return self.lm_head(hidden)
+
+
+def lm_head(config: ModelConfig, dtype: torch.dtype, embedding: nn.Module | None
+            ) -> ParallelLMHead | None:
+    """The LM head of the last pipeline stage (None on the others); tied to the embedding where
+    this stage also holds it, else loaded with the embedding's weights (loader.py)."""
+    if not stage().last:
+        return None
+    head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype)
+    if config.tie_word_embeddings and embedding is not None:
+        head.weight = embedding.weight
+    return head
