@@ -15,7 +15,12 @@ import re
 import sys
 import typing
 
-from conveyor.shared.config import DP_ROUTING_POLICIES, UVICORN_LOG_LEVELS, EngineConfig
+from conveyor.shared.config import (
+    DP_ROUTING_POLICIES,
+    EXECUTOR_BACKENDS,
+    UVICORN_LOG_LEVELS,
+    EngineConfig,
+)
 
 _UNITS = {"k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -121,6 +126,11 @@ ENGINE_FLAGS: dict[str, tuple[str, str, dict]] = {
                                       "unless it is much busier than the least loaded), "
                                       "least_loaded or round_robin",
                           {"choices": DP_ROUTING_POLICIES}),
+    "distributed_executor_backend": ("parallel", "how workers start: mp (processes on this "
+                                                 "host) or ray (actors on an existing Ray "
+                                                 "cluster, over several nodes; "
+                                                 "docs/MULTI_NODE.md)",
+                                     {"choices": EXECUTOR_BACKENDS}),
     "disable_custom_all_reduce": ("parallel", "all-reduce with NCCL only, not conveyor's "
                                               "one-shot kernel for small messages", {}),
     "quantization": ("quantization", "quantize a full-precision model at load: int8 (W8A16) "
@@ -138,9 +148,6 @@ GROUPS = {"server": "server", "model": "model", "cache": "KV cache",
 # vLLM flags of features conveyor has not built: (flags, feature, whether it takes a value,
 # values that are what conveyor does anyway and so are accepted)
 NOT_BUILT = [
-    (["--distributed-executor-backend"], "multi-node execution (Ray, external launchers); "
-                                         "conveyor runs its processes with multiprocessing",
-     True, ("mp",)),
 ]
 
 

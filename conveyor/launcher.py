@@ -12,7 +12,8 @@ signal fails what is open and stops at once. A signal during start-up stops what
 dies fails every open request (EngineDead to the frontends) and ends the launch (exit 1);
 with --data-parallel-size > 1 a dying scheduler or worker takes only its replica down (the
 rest of it is stopped, the frontends fail its requests and route around it) while another
-replica serves. Start-up failures print one line.
+replica serves. Start-up failures print one line. With --distributed-executor-backend ray the
+workers are Ray actors on other nodes (ray_workers.py), supervised like the children.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from conveyor.frontend.server import frontend_main
 from conveyor.frontend.tokenizer import read_chat_template
 from conveyor.scheduler.policy import make_policy
 from conveyor.scheduler.process import scheduler_main
+from conveyor.shared import links
 from conveyor.shared.config import EngineConfig, HttpConfig, ModelConfig, ServeConfig
 from conveyor.shared.engine_port import secure_engine_port
 from conveyor.shared.generation_config import default_sampling
@@ -165,7 +167,8 @@ def summary(cfg: ServeConfig, info: dict[str, dict]) -> str:
     lines = [f"model {e.model or DEFAULT_MODEL_NAME}, {worker.get('dtype')} on "
              f"{worker.get('device')}, {replicas}"
              f"{f'pipeline parallel {pp} x ' if pp > 1 else ''}"
-             f"tensor parallel {e.tensor_parallel_size}, "
+             f"tensor parallel {e.tensor_parallel_size}"
+             f"{' (workers on Ray)' if cfg.links is not None else ''}, "
              f"{cfg.num_frontends} frontend(s)",
              f"KV cache {blocks:,} blocks of {e.block_size} = {blocks * e.block_size:,} tokens "
              f"({worker.get('kv_dtype')}{', per replica' if dp > 1 else ''}"
@@ -189,6 +192,9 @@ class Launcher:
         self.dead: set[str] = set()          # children whose exit was seen
         self.schedulers: dict[int, Socket] = {}   # by replica: to tell of a dead frontend
         self._unread: list = []              # control messages read early, for _poll to return
+        self.controls = [self.control]       # and, with Ray workers, their TCP link here
+        self.cluster = None                  # the Ray placement, with Ray workers
+        self._auth = None                    # the ZAP handler admitting only Ray workers
         self.ready: set[str] = set()          # children that reported Ready
         self.signals = 0                     # stop signals received
         self.lost: set[int] = set()          # data-parallel replicas that died
@@ -197,7 +203,7 @@ class Launcher:
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         grace, serving = STOP_GRACE_S, False
         try:
-            self._spawn()
+            self._spawn(startup_timeout)
             started = time.monotonic()
             info = self._wait_ready(startup_timeout)
             # NOTE: "serving on" waits until every frontend has taken the Ready: a client that
@@ -237,9 +243,12 @@ class Launcher:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             self._stop_all(grace)
-            for sock in self.schedulers.values():
+            if self.cluster is not None:
+                self.cluster.close()
+            for sock in [*self.schedulers.values(), *self.controls]:
                 sock.close()
-            self.control.close()
+            if self._auth is not None:
+                self._auth.stop()
             self.ctx.destroy(linger=0)
             for s, handler in previous.items():
                 signal.signal(s, handler)
@@ -256,13 +265,17 @@ class Launcher:
         self._await_frontends(self._tell_frontends(EngineDead("the server was stopped")),
                               Drained, FORCED_GRACE_S)
 
-    def _spawn(self) -> None:
+    def _spawn(self, timeout_s: float) -> None:
         spawn = mp.get_context("spawn")
         e = self.cfg.engine
         dp, roles = e.data_parallel_size, []
+        on_ray = e.distributed_executor_backend == "ray"
+        if on_ray:
+            self._place_on_ray(timeout_s)
         for replica in range(dp):
-            roles += [(worker_name(replica, r, dp), worker_main, (r, replica))
-                      for r in range(e.world_size)]
+            if not on_ray:
+                roles += [(worker_name(replica, r, dp), worker_main, (r, replica))
+                          for r in range(e.world_size)]
             roles.append((scheduler_name(replica, dp), scheduler_main, (replica,)))
         roles += [(f"frontend-{i}", frontend_main, (i,)) for i in range(self.cfg.num_frontends)]
         for name, main, args in roles:
@@ -271,19 +284,42 @@ class Launcher:
             with spawning_children():
                 proc.start()
             self.procs[name] = proc
+        if on_ray:
+            self.procs.update(self.cluster.start(self.cfg))
+
+    def _place_on_ray(self, timeout_s: float) -> None:
+        """Place the workers on the Ray cluster (not started yet); the links they will take to
+        this host's scheduler and launcher."""
+        from conveyor.ray_workers import RayCluster
+
+        try:
+            self.cluster = RayCluster.connect(self.cfg.engine, timeout_s)
+        except ValueError as e:
+            raise LaunchError(str(e)) from None
+        print(f"conveyor: Ray placement: {self.cluster.describe()}", flush=True)
+        self.cfg = dataclasses.replace(self.cfg, links=self.cluster.links())
+        self._auth = links.admit_workers(self.ctx, self.cfg)
+        try:
+            self.controls.append(links.bind(self.ctx, zmq.PULL, self.cfg, "control",
+                                            allowed=(Ready, EngineDead)))
+        except zmq.ZMQError as e:
+            raise LaunchError(f"cannot listen on {links.address(self.cfg, 'control')} for the "
+                              f"Ray workers: {e}") from None
 
     def _poll(self, timeout_s: float | None) -> tuple[object | None, str | None]:
         """(a control message, or the name of a child that exited), either may be None."""
         if self._unread:
             return self._unread.pop(0), None
         poller = zmq.Poller()
-        poller.register(self.control.sock, zmq.POLLIN)
+        for control in self.controls:
+            poller.register(control.sock, zmq.POLLIN)
         sentinels = {p.sentinel: name for name, p in self.procs.items() if name not in self.dead}
         for fd in sentinels:
             poller.register(fd, zmq.POLLIN)
         events = dict(poller.poll(None if timeout_s is None else int(timeout_s * 1000)))
-        if self.control.sock in events:
-            return self.control.recv()[1], None
+        for control in self.controls:
+            if control.sock in events:
+                return control.recv()[1], None
         for fd, name in sentinels.items():
             if fd in events:
                 return None, name

@@ -35,6 +35,9 @@ class LLM:
         if self.config.data_parallel_size > 1:
             raise ValueError("data_parallel_size: replicas are served by `conveyor serve`; LLM "
                              "runs one engine in this process (data_parallel_size=1)")
+        if self.config.distributed_executor_backend != "mp":
+            raise ValueError("distributed_executor_backend: Ray workers are placed by `conveyor "
+                             "serve`; LLM runs one engine in this process ('mp')")
         if self.config.pipeline_parallel_size > 1:
             raise ValueError("pipeline_parallel_size: pipeline stages are worker processes of "
                              "`conveyor serve`; LLM runs one engine in this process "

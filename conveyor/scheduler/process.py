@@ -18,6 +18,7 @@ import zmq
 
 from conveyor.engine import EngineCore, max_model_len
 from conveyor.scheduler.scheduler import Scheduler
+from conveyor.shared import links
 from conveyor.shared.config import ServeConfig
 from conveyor.shared.messages import encode
 from conveyor.shared.messages.client import ErrorReply
@@ -41,10 +42,9 @@ class Workers:
 
     def __init__(self, ctx: zmq.Context, cfg: ServeConfig, replica: int = 0):
         dp = cfg.engine.data_parallel_size
-        self.results = Socket(ctx, zmq.PULL, ipc(cfg.runtime_dir, results_name(replica, dp)),
-                              bind=True, allowed=(StepResult, Ready))
-        self.ranks = [Socket(ctx, zmq.PUSH, ipc(cfg.runtime_dir, worker_name(replica, r, dp)),
-                             bind=True)
+        self.results = links.bind(ctx, zmq.PULL, cfg, results_name(replica, dp),
+                                  allowed=(StepResult, Ready))
+        self.ranks = [links.bind(ctx, zmq.PUSH, cfg, worker_name(replica, r, dp))
                       for r in range(cfg.engine.world_size)]
 
     def submit(self, plan: StepPlan) -> None:
@@ -66,6 +66,7 @@ def scheduler_main(ctx: zmq.Context, control: Socket, cfg: ServeConfig, replica:
     name = scheduler_name(replica, cfg.engine.data_parallel_size)
     frontends = Socket(ctx, zmq.ROUTER, ipc(cfg.runtime_dir, name), bind=True,
                        allowed=(AddRequest, Abort, StatsRequest, FrontendDead))
+    links.admit_workers(ctx, cfg)            # runs as long as the process
     workers = Workers(ctx, cfg, replica)
     # the sampling rank says how many KV blocks every rank has, and on which device they run
     _, ready = workers.results.recv()

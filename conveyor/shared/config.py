@@ -9,12 +9,16 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from conveyor.shared.speculative import SpeculativeConfig
 
+if TYPE_CHECKING:
+    from conveyor.shared.links import TcpLinks
+
 QUANTIZATION_MODES = (None, "int8", "fp8")
 DP_ROUTING_POLICIES = ("prefix_affinity", "least_loaded", "round_robin")
+EXECUTOR_BACKENDS = ("mp", "ray")
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 # vLLM's --dtype spellings for conveyor's three
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
@@ -67,6 +71,9 @@ class EngineConfig:
     # behind the same frontends, and how the frontends pick one per request (docs/ARCHITECTURE.md)
     data_parallel_size: int = 1
     dp_routing_policy: str = "prefix_affinity"   # prefix_affinity | least_loaded | round_robin
+    # `serve` only: how workers start. "mp": processes on this host; "ray": actors placed on an
+    # existing Ray cluster, possibly over several nodes (docs/MULTI_NODE.md)
+    distributed_executor_backend: str = "mp"
     quantization: str | None = None          # None, "int8" (W8A16) or "fp8" (W8A8)
     # comma-separated regexes (re.search on module names such as model.layers.3.mlp.down_proj):
     # matched layers stay in --dtype when quantizing; "" quantizes every layer it can
@@ -131,6 +138,8 @@ class EngineConfig:
         check(self.data_parallel_size >= 1, "data_parallel_size", "must be at least 1")
         check(self.dp_routing_policy in DP_ROUTING_POLICIES, "dp_routing_policy",
               f"must be one of {', '.join(DP_ROUTING_POLICIES)}")
+        check(self.distributed_executor_backend in EXECUTOR_BACKENDS,
+              "distributed_executor_backend", f"must be one of {', '.join(EXECUTOR_BACKENDS)}")
         check(self.quantization in QUANTIZATION_MODES, "quantization",
               "must be None, 'int8' or 'fp8'")
         try:
@@ -439,6 +448,8 @@ class ServeConfig:
     http: HttpConfig = field(default_factory=HttpConfig)
     skip_tokenizer_init: bool = False        # no tokenizer: clients send and get token ids
     zmq_host: str = "127.0.0.1"              # the ZMQ engine port's address (see engine_port.py)
+    # workers on other hosts (Ray): the scheduler's worker links over CurveZMQ TCP; None: ipc://
+    links: TcpLinks | None = None
 
     def __post_init__(self) -> None:
         if self.num_frontends < 1:

@@ -22,9 +22,9 @@ import time
 
 import zmq
 
+from conveyor.shared import links
 from conveyor.shared.config import ServeConfig
 from conveyor.shared.messages.control import EngineDead
-from conveyor.shared.sockets import Socket, ipc
 
 log = logging.getLogger(__name__)
 
@@ -110,9 +110,15 @@ def child_main(name: str, role_main, cfg: ServeConfig, *args) -> None:
     follow_launcher(cfg.launcher_pid)                # first: before any other thread starts
     set_title(f"conveyor::{name}")
     die_with_parent(cfg.launcher_pid)
+    os._exit(run_role(name, role_main, cfg, "launcher", *args))
+
+
+def run_role(name: str, role_main, cfg: ServeConfig, control_link: str, *args) -> int:
+    """role_main(ctx, control, cfg, *args), with `control` the link to the launcher named
+    control_link (shared/links.py); an exception becomes an EngineDead there. The exit code."""
     logging.basicConfig(level=logging.WARNING, format=f"%(levelname)s {name}: %(message)s")
     ctx = zmq.Context()
-    control = Socket(ctx, zmq.PUSH, ipc(cfg.runtime_dir, "launcher"), bind=False)
+    control = links.connect(ctx, zmq.PUSH, cfg, control_link)
     code = 0
     try:
         role_main(ctx, control, cfg, *args)
@@ -126,4 +132,4 @@ def child_main(name: str, role_main, cfg: ServeConfig, *args) -> None:
     finally:
         control.close(linger_ms=1000)
         ctx.destroy(linger=0)
-    os._exit(code)
+    return code

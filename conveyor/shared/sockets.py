@@ -34,8 +34,10 @@ class _WithId(msgspec.Struct):
 class Socket:
     def __init__(self, ctx: zmq.Context, kind: int, address: str, *, bind: bool,
                  allowed: tuple[type, ...] = MESSAGE_TYPES, identity: bytes | None = None,
-                 max_bytes: int = MAX_MESSAGE_BYTES, curve_keys: tuple[bytes, bytes] | None = None):
-        """curve_keys: (public, secret) of a CurveZMQ server; clients must know the public key."""
+                 max_bytes: int = MAX_MESSAGE_BYTES, curve_keys: tuple[bytes, bytes] | None = None,
+                 curve_server_key: bytes | None = None):
+        """curve_keys: this socket's CurveZMQ (public, secret) keys: a server's (clients must
+        know the public key), or with curve_server_key (the server's public key) a client's."""
         self.sock = ctx.socket(kind)
         self.kind = kind
         self.allowed = allowed
@@ -50,7 +52,10 @@ class Socket:
             self.sock.setsockopt(zmq.IDENTITY, identity)
         if curve_keys is not None:
             self.sock.curve_publickey, self.sock.curve_secretkey = curve_keys
-            self.sock.curve_server = True
+            if curve_server_key is None:
+                self.sock.curve_server = True
+            else:
+                self.sock.curve_serverkey = curve_server_key
         if bind:
             self.sock.bind(address)
         else:

@@ -14,6 +14,7 @@ import os
 import zmq
 
 from conveyor.engine import max_model_len
+from conveyor.shared import links
 from conveyor.shared.config import ServeConfig
 from conveyor.shared.messages.control import Ready, Shutdown
 from conveyor.shared.messages.worker import StepPlan
@@ -21,7 +22,7 @@ from conveyor.shared.model_files import read_model_config, resolve_model
 from conveyor.shared.parallel import reporting_rank
 from conveyor.shared.process import StartupError
 from conveyor.shared.replicas import results_name, worker_name
-from conveyor.shared.sockets import Socket, ipc
+from conveyor.shared.sockets import Socket
 
 _POLL_MS = 1     # while a step runs on the device: how often to look whether it is done
 
@@ -39,8 +40,10 @@ def worker_main(ctx: zmq.Context, control: Socket, cfg: ServeConfig, rank: int,
     tp, pp, dp = (engine.tensor_parallel_size, engine.pipeline_parallel_size,
                   engine.data_parallel_size)
     world = engine.world_size
+    on_ray = engine.distributed_executor_backend == "ray"
     if engine.device == "cuda":
-        index = replica * world + rank       # replica r holds GPUs r*world .. r*world+world-1
+        # replica r holds GPUs r*world .. r*world+world-1; a Ray actor sees only its own GPU
+        index = 0 if on_ray else replica * world + rank
         if index >= torch.cuda.device_count():
             raise StartupError(f"--data-parallel-size {dp} x --pipeline-parallel-size {pp} x "
                                f"--tensor-parallel-size {tp} needs {dp * world} GPUs; "
@@ -49,15 +52,20 @@ def worker_main(ctx: zmq.Context, control: Socket, cfg: ServeConfig, rank: int,
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // (world * dp)))
+        if not on_ray:                       # Ray sets OMP_NUM_THREADS to the actor's CPUs
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // (world * dp)))
     if world > 1:
-        # NOTE: a tcp:// rendezvous listens on every interface whatever host it is given; a file
-        # in the private runtime folder does not listen at all, and the collectives' own
-        # sockets stay on loopback (all ranks are on this host)
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+        if cfg.links is None:
+            # NOTE: a tcp:// rendezvous listens on every interface whatever host it is given; a
+            # file in the private runtime folder does not listen at all, and the collectives'
+            # own sockets stay on loopback (all ranks are on this host)
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+            init_method = f"file://{cfg.runtime_dir}/distributed-{replica}"
+        else:                                # ranks on several hosts: rank 0's node listens
+            init_method = cfg.links.rendezvous[replica]
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                init_method=f"file://{cfg.runtime_dir}/distributed-{replica}",
+                                init_method=init_method,
                                 rank=rank, world_size=world,
                                 device_id=device if device.type == "cuda" else None)
         if pp > 1:
@@ -75,11 +83,11 @@ def worker_main(ctx: zmq.Context, control: Socket, cfg: ServeConfig, rank: int,
     # NOTE: a pipeline stage runs each plan to its end: overlapping a plan with the next would
     # hold a result back until the next plan's activations arrived
     executor = LocalExecutor(runner, engine.async_scheduling and pp == 1)
-    plans = Socket(ctx, zmq.PULL, ipc(cfg.runtime_dir, worker_name(replica, rank, dp)), bind=False,
-                   allowed=(StepPlan, Shutdown))
+    plans = links.connect(ctx, zmq.PULL, cfg, worker_name(replica, rank, dp),
+                          allowed=(StepPlan, Shutdown))
     results = None
     if rank == reporting_rank(tp, pp):
-        results = Socket(ctx, zmq.PUSH, ipc(cfg.runtime_dir, results_name(replica, dp)), bind=False)
+        results = links.connect(ctx, zmq.PUSH, cfg, results_name(replica, dp))
         results.send(Ready("worker", {"num_blocks": runner.num_blocks,
                                       "device": device.type}))
     control.send(Ready(worker_name(replica, rank, dp), runner.describe()))

@@ -49,6 +49,9 @@ def test_vllm_flag_names_and_value_forms():
         2, 4000, ["a", "b", "c"])
     assert (args.max_num_batched_tokens, args.kv_cache_memory_bytes) == (8192, 1 << 30)
     assert (args.data_parallel_size, args.dp_routing_policy) == (2, "prefix_affinity")
+    assert args.distributed_executor_backend == "mp"
+    assert parse("serve", "--distributed-executor-backend", "ray").distributed_executor_backend \
+        == "ray"
     assert args.pipeline_parallel_size == 3
     from conveyor.cli import engine_kwargs
     config = EngineConfig.from_kwargs(**engine_kwargs(args))
@@ -68,11 +71,9 @@ def test_vllm_flag_names_and_value_forms():
         human_int("lots")
 
 
-def test_flags_of_features_not_built_are_refused_saying_so(capsys):
-    for argv in (["--distributed-executor-backend", "ray"],):
-        line = refusal(capsys, "serve", *argv)
-        assert argv[0] in line and "not built yet" in line, line
-        assert "unrecognized" not in line
+def test_an_unknown_executor_backend_is_refused(capsys):
+    line = refusal(capsys, "serve", "--distributed-executor-backend", "torchrun")
+    assert "invalid choice: 'torchrun'" in line, line
 
 
 def test_a_misspelt_flag_gets_the_closest_one(capsys):
@@ -96,8 +97,7 @@ def test_every_flag_has_help_and_serve_groups_them():
         for action in command._actions:
             assert action.help and action.help != argparse.SUPPRESS, (name, action.dest)
     titles = {g.title for g in sub.choices["serve"]._action_groups}
-    assert {"server", "model", "KV cache", "scheduler", "parallel", "quantization",
-            "not built yet (refused)"} <= titles
+    assert {"server", "model", "KV cache", "scheduler", "parallel", "quantization"} <= titles
     help_text = sub.choices["serve"].format_help()
     assert "-tp" in help_text and "--max-model-len N" in help_text
 

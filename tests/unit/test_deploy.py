@@ -139,6 +139,174 @@ def test_service_targets_the_container_port(manifest, container):
     assert port["targetPort"] in (target["containerPort"], target["name"])
 
 
+# ---- Kubernetes, several nodes on KubeRay (deploy/kubernetes-ray.yaml) ---------------------------
+
+# The RayCluster fields the manifest may use (KubeRay's ray.io/v1 CRD); a misspelt one fails
+RAYCLUSTER_SPEC = {"rayVersion", "headGroupSpec", "workerGroupSpecs", "enableInTreeAutoscaling",
+                   "autoscalerOptions", "suspend", "managedBy", "headServiceAnnotations",
+                   "gcsFaultToleranceOptions"}
+HEAD_GROUP = {"rayStartParams", "template", "serviceType", "headService", "enableIngress"}
+WORKER_GROUP = {"groupName", "replicas", "minReplicas", "maxReplicas", "numOfHosts",
+                "rayStartParams", "template", "scaleStrategy", "idleTimeoutSeconds", "suspend"}
+
+
+@pytest.fixture(scope="module")
+def ray_manifest() -> dict[str, dict]:
+    docs = [d for d in yaml.safe_load_all((DEPLOY / "kubernetes-ray.yaml").read_text()) if d]
+    kinds = [d["kind"] for d in docs]
+    assert sorted(kinds) == ["NetworkPolicy", "RayCluster", "Service"], kinds
+    return {d["kind"]: d for d in docs}
+
+
+def ray_pods(manifest) -> list[tuple[dict, int]]:
+    """(pod template, how many such pods) of the head and of each worker group."""
+    spec = manifest["RayCluster"]["spec"]
+    return [(spec["headGroupSpec"]["template"], 1)] + [
+        (g["template"], g["replicas"] * g.get("numOfHosts", 1)) for g in spec["workerGroupSpecs"]]
+
+
+def script_line(container: dict, start: str) -> list[str]:
+    """The words of the line of the container's bash script that starts with `start`."""
+    import shlex
+
+    assert container["command"][-2:] == ["/bin/bash", "-c"], container["command"]
+    (script,) = container["args"]
+    lines = [ln.strip().removeprefix("exec ") for ln in script.splitlines()]
+    (line,) = [ln for ln in lines if ln.startswith(start)]
+    return shlex.split(line)
+
+
+def gpus(template: dict) -> int:
+    (c,) = template["spec"]["containers"]
+    return int(c["resources"]["limits"]["nvidia.com/gpu"])
+
+
+@pytest.fixture(scope="module")
+def ray_head(ray_manifest) -> dict:
+    (c,) = ray_manifest["RayCluster"]["spec"]["headGroupSpec"]["template"]["spec"]["containers"]
+    return c
+
+
+def test_ray_manifest_matches_the_schemas(ray_manifest):
+    """The pod templates against the Kubernetes API's models, the RayCluster's own fields
+    against KubeRay's CRD, the Service and NetworkPolicy as in the one-node manifest."""
+    from kubernetes import client
+
+    cluster = ray_manifest["RayCluster"]
+    assert cluster["apiVersion"] == "ray.io/v1"
+    spec = cluster["spec"]
+    assert set(spec) <= RAYCLUSTER_SPEC, set(spec) - RAYCLUSTER_SPEC
+    assert set(spec["headGroupSpec"]) <= HEAD_GROUP
+    for group in spec["workerGroupSpecs"]:
+        assert set(group) <= WORKER_GROUP, set(group) - WORKER_GROUP
+        assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
+    for group in [spec["headGroupSpec"], *spec["workerGroupSpecs"]]:
+        assert all(isinstance(v, str) for v in group["rayStartParams"].values())
+    for template, _ in ray_pods(ray_manifest):
+        client.V1PodTemplateSpec.model_validate(template)
+    # the containers' commands are used as written only with this annotation
+    assert cluster["metadata"]["annotations"]["ray.io/overwrite-container-cmd"] == "true"
+    for kind in ("Service", "NetworkPolicy"):
+        doc = ray_manifest[kind]
+        getattr(client, f"{doc['apiVersion'].rpartition('/')[2].capitalize()}{kind}"
+                ).model_validate(doc)
+
+
+def test_ray_serve_command_parses_and_fits_the_pods(ray_manifest, ray_head):
+    """`conveyor serve` through the real parser, on Ray, its TP x PP workers filling the pods'
+    GPUs exactly, a TP group inside one pod, each pod's Ray node offering its GPUs."""
+    words = script_line(ray_head, "conveyor serve")
+    args = parse_serve(words[2:])
+    assert args.distributed_executor_backend == "ray"
+    assert (args.host, args.device) == ("0.0.0.0", "cuda")
+    assert args.port == http_port(ray_head)["containerPort"]
+    from conveyor.shared.engine_port import is_loopback
+
+    assert is_loopback(args.zmq_host)
+    tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
+    pods = ray_pods(ray_manifest)
+    assert sum(gpus(t) * n for t, n in pods) == tp * pp
+    assert tp <= min(gpus(t) for t, _ in pods), "a TP group must fit one pod"
+    for template, _ in pods:
+        (c,) = template["spec"]["containers"]
+        start = script_line(c, "ray start")
+        assert f"--num-gpus={gpus(template)}" in start, start
+        mounts = {m["mountPath"] for m in c["volumeMounts"]}
+        assert {"/models", "/dev/shm", "/tmp", "/var/cache/conveyor"} <= mounts
+    assert args.model.startswith("/models/")
+    assert args.startup_timeout >= 600       # the worker pods join, then the model loads
+
+
+def test_ray_workers_join_the_head(ray_manifest, ray_head):
+    head = script_line(ray_head, "ray start")
+    assert "--head" in head and "--port=6379" in head
+    env = {e["name"]: e for e in ray_head["env"]}
+    assert env["RAY_ADDRESS"]["value"].endswith(":6379")
+    assert env["CONVEYOR_API_KEY"]["valueFrom"]["secretKeyRef"]["name"]
+    for template, _ in ray_pods(ray_manifest)[1:]:
+        (c,) = template["spec"]["containers"]
+        start = script_line(c, "ray start")
+        assert "--address=${FQ_RAY_IP}:6379" in start and "--block" in start, start
+
+
+def test_ray_head_probes_get_health(ray_head, ray_manifest):
+    port = http_port(ray_head)
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        get = ray_head[probe]["httpGet"]
+        assert get["path"] == "/health" and get["port"] in (port["containerPort"], port["name"])
+    startup = ray_head["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 600
+    shutdown = float(flag_value(script_line(ray_head, "conveyor serve"), "--shutdown-timeout")
+                     or DEFAULT_SHUTDOWN_TIMEOUT)
+    live = ray_head["livenessProbe"]
+    assert live["periodSeconds"] * live["failureThreshold"] > shutdown
+    head = ray_manifest["RayCluster"]["spec"]["headGroupSpec"]["template"]["spec"]
+    assert head["terminationGracePeriodSeconds"] > shutdown
+    assert ray_head["command"][:2] == ["tini", "--"]     # the launcher gets SIGTERM
+
+
+def test_ray_service_reaches_the_head_s_http_port_only(ray_manifest, ray_head):
+    service = ray_manifest["Service"]["spec"]
+    pods = ray_pods(ray_manifest)
+    labels = [t["metadata"]["labels"] for t, _ in pods]
+    assert service["selector"].items() <= labels[0].items()
+    assert not any(service["selector"].items() <= w.items() for w in labels[1:])
+    (port,) = service["ports"]
+    assert port["port"] == 8000
+    assert port["targetPort"] in (http_port(ray_head)["containerPort"], "http")
+
+
+def test_ray_pods_admit_http_and_each_other_only(ray_manifest):
+    policy = ray_manifest["NetworkPolicy"]["spec"]
+    labels = [t["metadata"]["labels"] for t, _ in ray_pods(ray_manifest)]
+    selector = policy["podSelector"]["matchLabels"]
+    assert all(selector.items() <= pod.items() for pod in labels)
+    assert "Ingress" in policy["policyTypes"]
+    for rule in policy["ingress"]:
+        if "from" in rule:                   # from the cluster's own pods, on any port
+            assert "ports" not in rule
+            for peer in rule["from"]:
+                assert set(peer) == {"podSelector"}
+                assert peer["podSelector"]["matchLabels"].items() <= selector.items()
+        else:                                # from anywhere: the HTTP port alone
+            assert [(p["port"], p.get("protocol", "TCP")) for p in rule["ports"]] == [
+                (8000, "TCP")]
+
+
+def test_ray_pods_are_non_root_and_read_only(ray_manifest):
+    for template, _ in ray_pods(ray_manifest):
+        pod = template["spec"]
+        (c,) = pod["containers"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["automountServiceAccountToken"] is False
+        assert c["securityContext"]["allowPrivilegeEscalation"] is False
+        assert c["securityContext"]["readOnlyRootFilesystem"] is True
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["models"]["persistentVolumeClaim"]["claimName"] == "conveyor-models"
+        assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
+        assert {"cpu", "memory", "nvidia.com/gpu"} <= c["resources"]["limits"].keys()
+
+
 # ---- Dockerfiles ---------------------------------------------------------------------------------
 
 def instructions(path: Path) -> list[tuple[str, str]]:
