@@ -158,11 +158,15 @@ class CostModel:
 def fit(samples: list[tuple[StepShape, float]], knots: list[float] | None = None
         ) -> tuple[list[tuple[float, float]], float, float, float]:
     """(knots, c_seq, c_kv, c_attn) fitted to measured (shape, seconds) steps by non-negative
-    least squares on relative error (short and long steps weigh alike). Knots default to the
-    distinct token counts measured."""
+    least squares on relative error (short and long steps weigh alike). Knots default to 1,
+    4, 16, ... (x4) up to the largest step measured, and that step's tokens: fewer unknowns
+    than shapes, so the fit smooths noise instead of following it."""
     if not samples:
         raise ValueError("no measured steps to fit")
-    xs = sorted(set(knots or [s.tokens for s, _ in samples]))
+    if knots is None:
+        top = max(s.tokens for s, _ in samples)
+        knots = [4 ** i for i in range(12) if 4 ** i < top] + [top]
+    xs = sorted(set(knots))
     rows, ts = [], []
     for s, t in samples:
         hat = np.zeros(len(xs))

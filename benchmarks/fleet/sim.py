@@ -13,6 +13,7 @@ request overhead (client, frontend, sockets).
 """
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import math
@@ -59,6 +60,26 @@ class Workload:
                     out_len=int(outs[i]), group=int(groups[i]),
                     shared_blocks=shared // block_size if groups[i] >= 0 else 0)
                 for i in range(n)]
+
+    def prompt(self, seq: Seq, n: int | None = None) -> list[int]:
+        """The first n token ids of the prompt of `seq` (all if None): its group's prefix, then
+        its own tokens (the first two name it, so no two prompts share more than the prefix)."""
+        n = seq.prompt_len if n is None else min(n, seq.prompt_len)
+        shared = []
+        if seq.group >= 0:
+            shared = _group_prefix(self.seed, seq.group, self.prefix_len)[:n]
+        own_len = n - len(shared)
+        own = [10 + seq.rid % 40000, 10 + seq.rid // 40000 % 40000][:own_len]
+        if own_len > 2:
+            rnd = random.Random(f"{self.seed} request {seq.rid}")
+            own += [rnd.randrange(10, 30000) for _ in range(own_len - 2)]
+        return shared + own
+
+
+@functools.lru_cache(maxsize=4096)
+def _group_prefix(seed: int, group: int, length: int) -> list[int]:
+    rnd = random.Random(f"{seed} group {group}")
+    return [rnd.randrange(10, 30000) for _ in range(length)]
 
 
 @dataclass
@@ -160,21 +181,8 @@ def simulate(cost: CostModel, workload: Workload, dp: int = 1, tp: int = 1, pp: 
                       on_outputs=lambda outputs: None, on_stats=lambda stats: None)
                for _ in range(frontends)]
     sampling = SamplingParams(max_tokens=1)
-    group_heads: dict[int, list[int]] = {}
     head_len = PREFIX_BLOCKS * bs
     rng = random.Random(seed)
-
-    def head(seq: Seq) -> list[int]:
-        """The prompt's first tokens, all the router reads: the group's, then its own."""
-        shared = []
-        if seq.group >= 0:
-            shared = group_heads.get(seq.group)
-            if shared is None:
-                g = random.Random(f"group {seq.group}")
-                shared = group_heads[seq.group] = [g.randrange(10, 50000) for _ in range(head_len)]
-            shared = shared[:min(head_len, seq.shared_blocks * bs)]
-        own = [10 + seq.rid % 40000, 10 + seq.rid // 40000] + list(range(100, 100 + head_len))
-        return (shared + own)[:min(head_len, seq.prompt_len)]
 
     for seq in seqs:
         seq.frontend = rng.randrange(frontends)
@@ -189,8 +197,8 @@ def simulate(cost: CostModel, workload: Workload, dp: int = 1, tp: int = 1, pp: 
                 heapq.heappush(events, (seqs[what + 1].arrival, next(tie), None, what + 1))
             sid = f"{seq.rid}/0"
             arriving[sid] = seq
-            routers[seq.frontend].send(AddRequest(id=sid, token_ids=head(seq),
-                                                  sampling=sampling))
+            routers[seq.frontend].send(AddRequest(
+                id=sid, token_ids=workload.prompt(seq, head_len), sampling=sampling))
             continue
         done = lane.update(now)
         for seq in done:
