@@ -188,6 +188,7 @@ class Lane:
         self.running: list[Seq] = []         # in admission order
         self.in_flight: deque[list[Part]] = deque()
         self.num_preemptions = 0
+        self.sampled = 0                     # tokens sampled so far
 
     @property
     def load(self) -> int:
@@ -245,6 +246,7 @@ class Lane:
                 continue
             seq.pending -= 1
             seq.n_out += 1
+            self.sampled += 1
             if seq.n_out == 1:
                 seq.first_token = now
             if seq.n_out >= seq.out_len or seq.known >= self.max_len:

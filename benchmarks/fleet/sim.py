@@ -91,6 +91,9 @@ class Result:
     ttft_ms: dict                            # p50, p90, p99, mean
     e2e_ms: dict
     tpot_ms: float                           # mean of (e2e - ttft) / (output - 1)
+    # output tokens a second while every replica had requests waiting after the last arrival
+    # (a burst's steady rate, without its drain); 0 if none had
+    saturated_tok_per_s: float
     prefix_hit_rate: float                   # prompt tokens found in the prefix cache
     requests_per_replica: list[int]
     steps: int
@@ -113,6 +116,7 @@ class Replica:
         self.stage_free = [0.0] * pp
         self.steps = 0
         self.busy_s = 0.0
+        self.saturated: tuple[float, int] | None = None   # (until, tokens by then)
 
     def add(self, seq: Seq) -> Lane:
         lane = min(self.lanes, key=lambda lane: lane.load)
@@ -189,10 +193,18 @@ def simulate(cost: CostModel, workload: Workload, dp: int = 1, tp: int = 1, pp: 
     if seqs:
         heapq.heappush(events, (seqs[0].arrival, next(tie), None, 0))
     finished: list[Seq] = []
+    last = len(seqs) - 1
+
+    def events_left(replica: Replica) -> bool:
+        """Whether arrivals are still to come or replica has requests waiting."""
+        return not arriving_done[0] or any(lane.waiting for lane in replica.lanes)
+
+    arriving_done = [not seqs]
     while events:
         now, _, lane, what = heapq.heappop(events)
         if lane is None:                     # the arrival of seqs[what]
             seq = seqs[what]
+            arriving_done[0] = what == last
             if what + 1 < len(seqs):
                 heapq.heappush(events, (seqs[what + 1].arrival, next(tie), None, what + 1))
             sid = f"{seq.rid}/0"
@@ -201,6 +213,8 @@ def simulate(cost: CostModel, workload: Workload, dp: int = 1, tp: int = 1, pp: 
                 id=sid, token_ids=workload.prompt(seq, head_len), sampling=sampling))
             continue
         done = lane.update(now)
+        if what.saturated is None and not events_left(what):
+            what.saturated = (now, sum(lane.sampled for lane in what.lanes))
         for seq in done:
             finished.append(seq)
             routers[seq.frontend].on_message(seq.replica, TokenOutputs(
@@ -221,6 +235,7 @@ def _result(cost: CostModel, seqs: list[Seq], finished: list[Seq],
     tpot = [(s.finished - s.first_token) / (s.n_out - 1) for s in seqs if s.n_out > 1]
     pools = [lane.pool for r in replicas for lane in r.lanes]
     queries = sum(p.queries for p in pools)
+    sat = [r.saturated for r in replicas if r.saturated is not None and r.saturated[0] > 0]
     per_replica = [0] * len(replicas)
     for s in seqs:
         per_replica[s.replica] += 1
@@ -229,6 +244,7 @@ def _result(cost: CostModel, seqs: list[Seq], finished: list[Seq],
         tok_per_s=tokens / makespan if makespan > 0 else math.inf,
         ttft_ms=_quantiles(ttft), e2e_ms=_quantiles(e2e),
         tpot_ms=float(np.mean(tpot)) * 1e3 if tpot else 0.0,
+        saturated_tok_per_s=sum(n / t for t, n in sat) * len(replicas) / len(sat) if sat else 0.0,
         prefix_hit_rate=sum(p.hits for p in pools) / queries if queries else 0.0,
         requests_per_replica=per_replica, steps=sum(r.steps for r in replicas),
         preemptions=sum(lane.num_preemptions for r in replicas for lane in r.lanes),
