@@ -100,7 +100,7 @@ def fleet_row(cost: CostModel, dp: int, tp: int, pp: int, load_per_gpu: float, a
     simulated as max_replicas of them carrying their share of the load (and of the prefix
     groups): the routers' choices are local, so the others only repeat them."""
     k = min(dp, max_replicas)
-    per = max(1, cost.max_num_seqs) * 4
+    per = max(1, cost.max_num_seqs) * 2
     burst = Workload(per * k, math.inf, args.input_len, args.output_len, seed=args.seed)
     sat = _sim(cost, burst, args, dp=k, tp=tp, pp=pp, policy=args.policy)
     rate = load_per_gpu * tp * pp * k
@@ -114,7 +114,7 @@ def fleet_row(cost: CostModel, dp: int, tp: int, pp: int, load_per_gpu: float, a
             "simulated replicas": k,
             "saturated tok/s": sat.saturated_tok_per_s * scale,
             "tok/s per GPU": sat.saturated_tok_per_s / (k * tp * pp),
-            "rate req/s": rate * scale, "served tok/s": lat.tok_per_s * scale,
+            "rate req/s": rate * scale,
             "TTFT p50 ms": lat.ttft_ms["p50"], "TTFT p99 ms": lat.ttft_ms["p99"],
             "TPOT ms": lat.tpot_ms}
 
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="requests a second a GPU (default: half a TP1 replica's capacity)")
     p.add_argument("--duration", type=float, default=60.0,
                    help="seconds of Poisson arrivals at least")
-    p.add_argument("--max-replicas", type=int, default=16)
+    p.add_argument("--max-replicas", type=int, default=8)
     p.add_argument("--json", help="also write the rows here")
     _workload_args(p, 64, "100:1024", "100:1024", "inf")
     _engine_args(p)

@@ -155,36 +155,43 @@ class CostModel:
         return cls.from_json(json.loads(path.read_text()))
 
 
-def fit(samples: list[tuple[StepShape, float]], knots: list[float] | None = None
-        ) -> tuple[list[tuple[float, float]], float, float, float]:
+def fit(samples: list[tuple[StepShape, float]], knots: list[float] | None = None,
+        trim: float = 3.0) -> tuple[list[tuple[float, float]], float, float, float]:
     """(knots, c_seq, c_kv, c_attn) fitted to measured (shape, seconds) steps by non-negative
-    least squares on relative error (short and long steps weigh alike). Knots default to 1,
-    4, 16, ... (x4) up to the largest step measured, and that step's tokens: fewer unknowns
-    than shapes, so the fit smooths noise instead of following it."""
+    least squares on relative error (short and long steps weigh alike). base(T) is fitted as
+    its value at the first knot plus a non-negative slope a segment, so it never falls as
+    steps grow. Knots default to 1, 4, 16, ... (x4) below the largest step measured, and
+    that step's tokens: fewer unknowns than shapes, so the fit smooths noise instead of
+    following it. Steps off the first fit by more than `trim` times the median relative error
+    (a shared machine's hiccups) are dropped and the rest fitted again."""
     if not samples:
         raise ValueError("no measured steps to fit")
     if knots is None:
         top = max(s.tokens for s, _ in samples)
         knots = [4 ** i for i in range(12) if 4 ** i < top] + [top]
     xs = sorted(set(knots))
-    rows, ts = [], []
-    for s, t in samples:
-        hat = np.zeros(len(xs))
-        if s.tokens <= xs[0] or len(xs) == 1:
-            hat[0] = 1.0
-        elif s.tokens >= xs[-1]:             # along the last segment
-            w = (s.tokens - xs[-2]) / (xs[-1] - xs[-2])
-            hat[-2], hat[-1] = 1 - w, w
-        else:
-            j = int(np.searchsorted(xs, s.tokens)) - 1
-            w = (s.tokens - xs[j]) / (xs[j + 1] - xs[j])
-            hat[j], hat[j + 1] = 1 - w, w
-        rows.append(np.concatenate([hat, [s.seqs, s.kv, s.attn]]) / t)
-        ts.append(1.0)
-    a, b = np.array(rows), np.array(ts)
-    coef = nnls(a, b)
+
+    def row(s: StepShape) -> list[float]:
+        ramps = [min(max(s.tokens - a, 0), b - a) for a, b in zip(xs[:-2], xs[1:-1])]
+        if len(xs) > 1:                      # the last segment goes on past its knot
+            ramps.append(max(s.tokens - xs[-2], 0))
+        return [1.0, *ramps, s.seqs, s.kv, s.attn]
+
+    def solve(kept):
+        a = np.array([row(s) for s, _ in kept]) / np.array([[t] for _, t in kept])
+        return nnls(a, np.ones(len(kept)))
+
+    coef = solve(samples)
+    errors = [abs(float(np.dot(row(s), coef)) / t - 1) for s, t in samples]
+    cut = trim * float(np.median(errors))
+    kept = [st for st, e in zip(samples, errors) if e <= cut]
+    if cut > 0 and len(kept) >= len(coef) and len(kept) < len(samples):
+        coef = solve(kept)
+    ys = [float(coef[0])]
+    for j in range(len(xs) - 1):
+        ys.append(ys[-1] + float(coef[1 + j]) * (xs[j + 1] - xs[j]))
     n = len(xs)
-    return ([(float(x), float(y)) for x, y in zip(xs, coef[:n])],
+    return ([(float(x), y) for x, y in zip(xs, ys)],
             float(coef[n]), float(coef[n + 1]), float(coef[n + 2]))
 
 
