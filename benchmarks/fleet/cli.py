@@ -72,12 +72,14 @@ def cmd_run(args) -> None:
     r = _sim(cost, _workload(args), args, dp=args.dp, tp=args.tp, pp=args.pp,
              policy=args.policy)
     print(describe(cost))
-    print(json.dumps(dataclasses.asdict(r), indent=1) if args.json else _summary(r))
+    print(json.dumps(dataclasses.asdict(r), indent=1) if args.json
+          else _summary(r, math.isinf(args.rate)))
 
 
-def _summary(r: Result) -> str:
+def _summary(r: Result, burst: bool) -> str:
+    steady = f" (saturated {r.saturated_tok_per_s:,.0f})" if burst else ""
     return (f"{r.requests} requests, {r.output_tokens} output tokens in {r.makespan_s:.2f} s: "
-            f"{r.tok_per_s:,.0f} tok/s (saturated {r.saturated_tok_per_s:,.0f}); TTFT p50 "
+            f"{r.tok_per_s:,.0f} tok/s{steady}; TTFT p50 "
             f"{r.ttft_ms['p50']:.1f} ms, p99 {r.ttft_ms['p99']:.1f} ms; TPOT {r.tpot_ms:.2f} ms; "
             f"prefix-cache hit rate {r.prefix_hit_rate:.1%}; requests per replica "
             f"{min(r.requests_per_replica)}-{max(r.requests_per_replica)}; "
@@ -229,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dp", type=int, default=8)
     p.add_argument("--tp", type=int, default=1)
     _workload_args(p, 8000, "50:300", "50:300", "400")
-    p.set_defaults(prefix_groups=64, prefix_len=2048, zipf=1.0)
+    p.set_defaults(prefix_groups=4096, prefix_len=1024, zipf=1.0)
     _engine_args(p)
     p.set_defaults(func=cmd_routers)
 

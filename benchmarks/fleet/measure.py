@@ -147,13 +147,14 @@ def measure(name: str, engine_args: dict, grid: dict, threads: int | None = None
     samples = [(StepShape(*f), statistics.median(ts)) for f, ts in by_shape.items()]
     knots, c_seq, c_kv, c_attn = fit(samples)
     s = docs[0]["settings"]
+    when = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
     return CostModel(
         name=name, knots=knots, c_seq=c_seq, c_kv=c_kv, c_attn=c_attn,
         block_size=s["block_size"], max_num_batched_tokens=s["max_num_batched_tokens"],
         max_num_seqs=s["max_num_seqs"], async_scheduling=True, num_blocks=s["num_blocks"],
         source=(f"measured: {len(samples)} step shapes of {s['model'] or 'the default model'} "
                 f"on {s['device']}, {copies} measuring process(es) at once with "
-                f"{s['threads']} torch thread(s) each, {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC")
+                f"{s['threads']} torch thread(s) each, {when} UTC")
     ), samples
 
 
