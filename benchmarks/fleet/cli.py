@@ -144,17 +144,29 @@ def cmd_table(args) -> None:
 
 
 def cmd_routers(args) -> None:
+    from conveyor.frontend import router
+
     cost = CostModel.load(args.costs)
     print(describe(cost))
     workload = _workload(args)
+    own = router.MAX_IMBALANCE
+    runs = [("round_robin", own), ("least_loaded", own)] + [
+        ("prefix_affinity", m) for m in args.max_imbalance or [own]]
     rows = []
-    for policy in POLICIES:
-        r = _sim(cost, workload, args, dp=args.dp, tp=args.tp, policy=policy)
-        rows.append({"policy": policy, "prefix-cache hit rate": f"{r.prefix_hit_rate:.1%}",
-                     "tok/s": r.tok_per_s, "TTFT p50 ms": r.ttft_ms["p50"],
-                     "TTFT p99 ms": r.ttft_ms["p99"],
-                     "requests per replica (min-max)":
-                         f"{min(r.requests_per_replica)}-{max(r.requests_per_replica)}"})
+    try:
+        for policy, imbalance in runs:
+            # NOTE: a what-if: the Router reads its threshold from the module at each choice
+            router.MAX_IMBALANCE = imbalance
+            r = _sim(cost, workload, args, dp=args.dp, tp=args.tp, policy=policy)
+            name = policy if policy != "prefix_affinity" else f"{policy} ({imbalance})"
+            rows.append({"policy (imbalance threshold)": name,
+                         "prefix-cache hit rate": f"{r.prefix_hit_rate:.1%}",
+                         "tok/s": r.tok_per_s, "TTFT p50 ms": r.ttft_ms["p50"],
+                         "TTFT p99 ms": r.ttft_ms["p99"],
+                         "requests per replica (min-max)":
+                             f"{min(r.requests_per_replica)}-{max(r.requests_per_replica)}"})
+    finally:
+        router.MAX_IMBALANCE = own
     print(_markdown(rows))
 
 
@@ -230,6 +242,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--costs", default="h200-qwen3-0.6b")
     p.add_argument("--dp", type=int, default=8)
     p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--max-imbalance", type=lambda s: [int(x) for x in s.split(",")],
+                   help="prefix_affinity's thresholds to compare (default: the router's own)")
     _workload_args(p, 8000, "50:300", "50:300", "400")
     p.set_defaults(prefix_groups=4096, prefix_len=1024, zipf=1.0)
     _engine_args(p)

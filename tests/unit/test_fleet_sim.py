@@ -125,7 +125,7 @@ def test_tensor_and_pipeline_parallel_costs():
     assert one / 2 < tp2 < one                       # faster, not twice as fast
     stage, total = cost.parallel_step(shape, pp=2)
     assert stage == pytest.approx(total / 2) and total > one
-    w = Workload(400, input_len=(20, 200), output_len=(20, 200))
+    w = Workload(150, input_len=(20, 200), output_len=(20, 200))
     flat = simulate(cost, w, dp=1)
     piped = simulate(cost, w, dp=1, pp=2)            # two micro-batches keep both stages busy
     assert piped.saturated_tok_per_s > 1.2 * flat.saturated_tok_per_s
@@ -187,3 +187,22 @@ def test_cost_files_load_and_fill_a_replica():
 def test_bad_policy_is_refused():
     with pytest.raises(ValueError, match="policy"):
         simulate(linear_cost(), Workload(1), policy="random")
+
+
+def test_a_sampled_fleet_predicts_the_whole_one():
+    """`table` simulates a large fleet as a few replicas with their share of the load."""
+    import argparse
+
+    from benchmarks.fleet.cli import fleet_row, layouts
+
+    assert layouts(16, 8) == [(16, 1, 1), (8, 2, 1), (2, 8, 1), (1, 8, 2)]
+    args = argparse.Namespace(input_len=(20, 100), output_len=(20, 100), seed=0, requests=50,
+                              duration=40.0, prefix_groups=0, prefix_len=0, zipf=0.0,
+                              policy="round_robin", max_num_seqs=8, max_num_batched_tokens=None,
+                              no_prefix_caching=False, frontends=1)
+    cost = linear_cost()
+    whole = fleet_row(cost, 4, 1, 1, 5.0, args, max_replicas=4)
+    sampled = fleet_row(cost, 4, 1, 1, 5.0, args, max_replicas=2)
+    assert sampled["simulated replicas"] == 2
+    assert sampled["saturated tok/s"] == pytest.approx(whole["saturated tok/s"], rel=0.05)
+    assert sampled["TTFT p50 ms"] == pytest.approx(whole["TTFT p50 ms"], rel=0.2)
