@@ -164,7 +164,8 @@ def simulate(cost: CostModel, workload: Workload, dp: int = 1, tp: int = 1, pp: 
                         caching)
                 for r in range(dp)]
     seqs = workload.requests(bs)
-    events: list = []                        # (time, tie, lane or None, replica or seq)
+    # (time, tie, lane, its replica) for a step's end; (time, tie, None, index) for an arrival
+    events: list = []
     tie = itertools.count()
     now = 0.0
     arriving: dict[str, Seq] = {}
@@ -193,18 +194,12 @@ def simulate(cost: CostModel, workload: Workload, dp: int = 1, tp: int = 1, pp: 
     if seqs:
         heapq.heappush(events, (seqs[0].arrival, next(tie), None, 0))
     finished: list[Seq] = []
-    last = len(seqs) - 1
-
-    def events_left(replica: Replica) -> bool:
-        """Whether arrivals are still to come or replica has requests waiting."""
-        return not arriving_done[0] or any(lane.waiting for lane in replica.lanes)
-
-    arriving_done = [not seqs]
+    all_arrived = not seqs
     while events:
         now, _, lane, what = heapq.heappop(events)
         if lane is None:                     # the arrival of seqs[what]
             seq = seqs[what]
-            arriving_done[0] = what == last
+            all_arrived = what == len(seqs) - 1
             if what + 1 < len(seqs):
                 heapq.heappush(events, (seqs[what + 1].arrival, next(tie), None, what + 1))
             sid = f"{seq.rid}/0"
@@ -213,7 +208,8 @@ def simulate(cost: CostModel, workload: Workload, dp: int = 1, tp: int = 1, pp: 
                 id=sid, token_ids=workload.prompt(seq, head_len), sampling=sampling))
             continue
         done = lane.update(now)
-        if what.saturated is None and not events_left(what):
+        if (what.saturated is None and all_arrived
+                and not any(lane.waiting for lane in what.lanes)):
             what.saturated = (now, sum(lane.sampled for lane in what.lanes))
         for seq in done:
             finished.append(seq)
