@@ -13,6 +13,7 @@ prompt tokens) on N replicas with those costs.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import re
@@ -84,8 +85,8 @@ def validate(workload: Workload, dps: list[int], policy: str, grid: dict,
 
     cores = os.cpu_count() or 1
     doc = {"date": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "cores": cores,
-           "workload": workload.__dict__ | {"rate": str(workload.rate)}, "policy": policy,
-           "runs": []}
+           "workload": dataclasses.asdict(workload) | {"rate": str(workload.rate)},
+           "policy": policy, "runs": []}
     for dp in dps:
         threads = max(1, cores // dp)
         if dp in costs:
