@@ -1,0 +1,35 @@
+"""The fleet simulator's measuring mode on the default model: the steps it times have the
+shapes the grid asks for, read from the scheduler's own plans, and the fit gives a cost file
+the simulator loads. Times are not checked (a shared machine's are noise)."""
+import pytest
+
+from benchmarks.fleet.cost import CostModel, StepShape
+from benchmarks.fleet.measure import measure_steps
+from conveyor.shared.model_files import default_model_path
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not default_model_path().is_file(),
+                                                   reason="default model not fetched")]
+
+
+def test_measured_steps_have_the_grid_shapes(tmp_path):
+    from benchmarks.fleet.cost import fit
+
+    grid = {"prefill": [16, 40], "batches": [2], "contexts": [24], "decode_steps": 2}
+    samples, settings = measure_steps({"max_model_len": 256}, grid, threads=None, seed=0)
+    shapes = [s for s, _ in samples]
+    # single prompts: one step each, its whole prompt, one sampled sequence
+    assert StepShape(16, 1, 0, 16 * 17 / 2) in shapes
+    assert StepShape(40, 1, 0, 40 * 41 / 2) in shapes
+    # two prompts of 24 in one step, then two decodes reading 25 and 26 tokens each
+    assert StepShape(48, 2, 0, 2 * 24 * 25 / 2) in shapes
+    assert StepShape(2, 2, 50, 0.0) in shapes and StepShape(2, 2, 52, 0.0) in shapes
+    # a prompt joining 16 decodes: a mixed step
+    assert any(s.seqs == 17 and s.kv > 0 and s.attn > 0 for s in shapes)
+    assert all(t > 0 for _, t in samples)
+    assert settings["num_blocks"] > 0 and settings["max_num_batched_tokens"] >= 40
+    knots, c_seq, c_kv, c_attn = fit(samples)
+    cost = CostModel(name="cpu", knots=knots, c_seq=c_seq, c_kv=c_kv, c_attn=c_attn,
+                     num_blocks=settings["num_blocks"])
+    cost.save(tmp_path / "cpu.json")
+    assert CostModel.load(tmp_path / "cpu.json") == cost
+    assert cost.step_time(StepShape(16, 1, 0, 136.0)) > 0
