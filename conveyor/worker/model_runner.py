@@ -21,8 +21,10 @@ import gc
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from conveyor.kernels.token_bitmask import apply_token_bitmask
 from conveyor.shared.config import EngineConfig, ModelConfig
 from conveyor.shared.lora import LoRARequest
 from conveyor.shared.messages.worker import StepPlan, StepResult
@@ -329,7 +331,7 @@ class ModelRunner:
             # proposes is never overlapped with the next (the scheduler plans none meanwhile)
             self._read(st)
             t0 = time.perf_counter()
-            # NOTE: no guesses for constrained outputs: the verify rows carry no grammar mask
+            # NOTE: no guesses for constrained outputs: a grammar masks one row, not a run of them
             st.proposals = [[] if state.params.structured_outputs is not None else guess
                             for state, guess in zip(
                                 st.states, self.proposer.propose(st.sample_slots, st.states))]
@@ -343,6 +345,10 @@ class ModelRunner:
         if rank0:
             q = (self.drafter.draft_probs(st.sample_slots, st.drafts, st.states)
                  if self.drafter is not None else None)
+            first_rows = np.cumsum([0] + [len(d) + 1 for d in st.drafts[:-1]]).tolist()
+            allowed = self.structured.masks(st.states, first_rows)
+            if allowed is not None:   # constrained sequences: no guesses, so one row each
+                apply_token_bitmask(st.logits[:rows, :self.sampler.vocab_size], *allowed)
             v = verify(self.sampler, st.logits[:rows], st.states, st.drafts, q)
             packed = torch.cat([v.token_ids, v.num_accepted.long()])
             drawn = SampledTensors(v.token_ids, v.logprob_rows, v.logprobs)
@@ -382,6 +388,9 @@ class ModelRunner:
             kept_lp += logprobs[row:row + a + 1]
             counts.append(a + 1)
             state.token_ids.extend(new)
+            if state.grammar is not None:
+                for token in new:
+                    state.grammar.accept(token)
             slot = self.slots[slot_id]
             slot.num_computed -= len(drafts) - a
             slot.num_blocks = min(slot.num_blocks, -(-slot.num_computed // self.block_size))

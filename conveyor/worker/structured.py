@@ -48,10 +48,12 @@ class StructuredOutputMasks:
         """Give `state` a matcher; its output so far (a resumed sequence's) is replayed."""
         state.grammar = self.compiler.start(so, state.token_ids[state.prompt_len:])
 
-    def masks(self, states: list[SeqSamplingState]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def masks(self, states: list[SeqSamplingState], row_of: list[int] | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(bitmask [R, W] int32, rows [R] int64) on the device for the constrained rows of a
-        step's sampling batch, or None if it has none. Waits for grammars still compiling. A
-        sequence whose constraint has not started (`SeqGrammar.free`: a thought) takes no mask."""
+        step's sampling batch, or None if it has none; states[i]'s row is i, or row_of[i].
+        Waits for grammars still compiling. A sequence whose constraint has not started
+        (`SeqGrammar.free`: a thought) takes no mask."""
         rows = [i for i, s in enumerate(states) if s.grammar is not None and not s.grammar.free]
         if not rows:
             return None
@@ -63,4 +65,5 @@ class StructuredOutputMasks:
         host = self._host[:len(rows)]
         self.compiler.fill_bitmask([states[i].grammar for i in rows], host.numpy())
         mask = host.to(self.device, non_blocking=True) if self.device.type == "cuda" else host
-        return mask, _tensor(rows, self.device, torch.long)
+        return mask, _tensor([row_of[i] for i in rows] if row_of else rows, self.device,
+                             torch.long)

@@ -58,3 +58,29 @@ def test_tokens_after_a_stop_string_in_one_output_are_dropped():
     assert c.finish_reason == "stop" and c.text == " the quick "
     assert c.token_ids == ids[:stop_at + 1] and len(c.logprobs) == stop_at + 1
     assert isinstance(sent[-1], Abort)
+
+
+def test_a_constrained_request_among_speculating_ones_keeps_its_grammar():
+    """A JSON request batched with rewrites that verify guesses: its row in a verify step is
+    masked and its matcher follows every token, so the output still parses and fits the schema,
+    while the others still speculate."""
+    import json
+
+    import jsonschema
+
+    from conveyor.shared.structured_outputs import StructuredOutputs
+
+    schema = {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "rooms": {"type": "array", "items": {"type": "integer"}, "maxItems": 3}},
+        "required": ["city", "rooms"], "additionalProperties": False}
+    llm = LLM(speculative_config=NGRAM)
+    free = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    constrained = SamplingParams(temperature=0.8, seed=3, max_tokens=60,
+                                 structured_outputs=StructuredOutputs(json=schema))
+    outs = llm.generate([PROMPTS[0], "Describe a hotel as JSON:", PROMPTS[0]],
+                        [free, constrained, free], use_tqdm=False)
+    jsonschema.validate(json.loads(outs[1].outputs[0].text), schema)
+    assert outs[1].outputs[0].finish_reason == "stop"
+    assert llm.engine.scheduler.stats().spec_num_accepted_tokens > 10
+    llm.engine.scheduler.check_integrity()
