@@ -48,10 +48,12 @@ def lora_ref(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
 
 
 @jit
-def _shrink_kernel(x_ptr, a_ptr, h_ptr, order_ptr, starts_ptr, K, stride_x, stride_as,
+def _shrink_kernel(x_ptr, a_ptr, h_ptr, order_ptr, starts_ptr, K, K_SPLIT, stride_x, stride_as,
                    stride_ai, stride_ar, stride_h, NUM_SLICES: tl.constexpr, R: tl.constexpr,
-                   IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_m, i, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+                   SPLIT: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
+    pid_m, i, pid_sk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    s, ks = pid_sk // SPLIT, pid_sk % SPLIT
     start = tl.load(starts_ptr + s)
     count = tl.load(starts_ptr + s + 1) - start
     if pid_m * BLOCK_M >= count:
@@ -63,8 +65,9 @@ def _shrink_kernel(x_ptr, a_ptr, h_ptr, order_ptr, starts_ptr, K, stride_x, stri
     rk = tl.arange(0, BLOCK_K)
     a_base = a_ptr + s.to(tl.int64) * stride_as + i * stride_ai
     acc = tl.zeros([BLOCK_M, R], dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        k_ok = k + rk < K
+    k_end = tl.minimum(K, (ks + 1) * K_SPLIT)
+    for k in range(ks * K_SPLIT, k_end, BLOCK_K):
+        k_ok = k + rk < k_end
         xt = tl.load(x_ptr + rows[:, None] * stride_x + (k + rk)[None, :],
                      mask=m_ok[:, None] & k_ok[None, :], other=0.0)      # [BLOCK_M, BLOCK_K]
         at = tl.load(a_base + rr[None, :] * stride_ar + (k + rk)[:, None], mask=k_ok[:, None],
@@ -73,7 +76,11 @@ def _shrink_kernel(x_ptr, a_ptr, h_ptr, order_ptr, starts_ptr, K, stride_x, stri
             acc = tl.dot(xt, at, acc, input_precision="ieee")
         else:
             acc = tl.dot(xt, at, acc)
-    tl.store(h_ptr + rows[:, None] * stride_h + i * R + rr[None, :], acc, mask=m_ok[:, None])
+    h_ptrs = h_ptr + rows[:, None] * stride_h + i * R + rr[None, :]
+    if SPLIT == 1:
+        tl.store(h_ptrs, acc, mask=m_ok[:, None])
+    else:
+        tl.atomic_add(h_ptrs, acc, mask=m_ok[:, None])
 
 
 @jit
@@ -113,6 +120,18 @@ def _block_m(num_tokens: int) -> int:
     return 16 if num_tokens <= 256 else 64
 
 
+def _split_k(num_tokens: int, k: int, block_k: int) -> int:
+    """Parts of K that the shrink of a decode-sized step sums with atomics.
+
+    NOTE: a decode step has few row tiles (T / 16) for a whole weight's K (4,096-14,336), so
+    one program per tile would run K / BLOCK_K dependent steps while most SMs idle; parts of
+    at most 512 columns spread it. Prefill-sized steps have tiles enough, and keep one part
+    (plain stores, no zeroing)."""
+    if num_tokens > 256:
+        return 1
+    return max(1, -(-k // max(512, block_k)))
+
+
 def lora_shrink(x: torch.Tensor, A: torch.Tensor, order: torch.Tensor,
                 starts: torch.Tensor) -> torch.Tensor:
     """h [T, slices, R] float32 (rows of tokens of no adapter are left unset)."""
@@ -122,12 +141,15 @@ def lora_shrink(x: torch.Tensor, A: torch.Tensor, order: torch.Tensor,
     check(KA == K and x.stride(1) == 1 and A.is_contiguous(), "lora_shrink: bad x or A")
     check(R >= 16 and R & (R - 1) == 0, f"lora_shrink: R must be a power of two >= 16, got {R}")
     check(order.numel() >= T and starts.numel() == S + 1, "lora_shrink: bad order or starts")
-    h = torch.empty(T, num_slices, R, dtype=torch.float32, device=x.device)
-    bm = _block_m(T)
-    _shrink_kernel[(triton_cdiv(T, bm), num_slices, S)](
-        x, A, h, order, starts, K, x.stride(0), A.stride(0), A.stride(1), A.stride(2),
-        h.stride(0), NUM_SLICES=num_slices, R=R, IEEE=x.dtype == torch.float32, BLOCK_M=bm,
-        BLOCK_K=64, num_warps=4)
+    bm, bk = _block_m(T), 64
+    split = _split_k(T, K, bk)
+    k_split = triton_cdiv(triton_cdiv(K, split), bk) * bk
+    h = (torch.zeros if split > 1 else torch.empty)(T, num_slices, R, dtype=torch.float32,
+                                                      device=x.device)
+    _shrink_kernel[(triton_cdiv(T, bm), num_slices, S * split)](
+        x, A, h, order, starts, K, k_split, x.stride(0), A.stride(0), A.stride(1), A.stride(2),
+        h.stride(0), NUM_SLICES=num_slices, R=R, SPLIT=split, IEEE=x.dtype == torch.float32,
+        BLOCK_M=bm, BLOCK_K=bk, num_warps=4)
     return h
 
 

@@ -44,6 +44,7 @@ def run_both(dtype, num_tokens, slices, k, slots, rank, token_slots):
     (7, [123], 77),                        # odd widths, one slice (o / down)
     (37, [200, 200], 130),                 # gate/up-like
     (300, [512, 128, 128], 256),           # a prefill-sized step (BLOCK_M 64)
+    (5, [64, 48], 1100),                   # K in three parts summed by atomics (split-K)
 ])
 @pytest.mark.parametrize("rank", [4, 16, 40])
 def test_decode_tokens_interleaved(dtype, num_tokens, slices, k, rank):
