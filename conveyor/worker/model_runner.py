@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
-from conveyor.kernels.token_bitmask import apply_token_bitmask
 from conveyor.shared.config import EngineConfig, ModelConfig
 from conveyor.shared.lora import LoRARequest
 from conveyor.shared.messages.worker import StepPlan, StepResult
@@ -345,11 +344,10 @@ class ModelRunner:
         if rank0:
             q = (self.drafter.draft_probs(st.sample_slots, st.drafts, st.states)
                  if self.drafter is not None else None)
-            first_rows = np.cumsum([0] + [len(d) + 1 for d in st.drafts[:-1]]).tolist()
+            first_rows = list(itertools.accumulate((len(d) + 1 for d in st.drafts[:-1]),
+                                                   initial=0))
             allowed = self.structured.masks(st.states, first_rows)
-            if allowed is not None:   # constrained sequences: no guesses, so one row each
-                apply_token_bitmask(st.logits[:rows, :self.sampler.vocab_size], *allowed)
-            v = verify(self.sampler, st.logits[:rows], st.states, st.drafts, q)
+            v = verify(self.sampler, st.logits[:rows], st.states, st.drafts, q, allowed)
             packed = torch.cat([v.token_ids, v.num_accepted.long()])
             drawn = SampledTensors(v.token_ids, v.logprob_rows, v.logprobs)
         else:

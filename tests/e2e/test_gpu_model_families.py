@@ -5,7 +5,7 @@ step budget; the prompts share a 32-token prefix). Equal, or at the first diverg
 side's token is in the other's top-5. Phi-3's sequences stay below its LongRoPE switch, past
 which transformers re-rotates the whole sequence and a paged cache does not (README, "Models")."""
 import pytest
-import torch
+from gpu_reference import assert_matches_hf, hf_greedy_with_tops
 from models_util import make_tiny_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
@@ -18,35 +18,14 @@ NEW_TOKENS, TOP = 16, 5
 @pytest.mark.parametrize("arch", ["mistral", "gemma2", "gemma3", "phi3", "qwen3-moe",
                                   "mixtral"])
 def test_family_on_the_gpu_matches_transformers(arch, tmp_path):
-    from transformers import AutoModelForCausalLM
-
     from conveyor import LLM, SamplingParams
 
     extra = {"original_max_position_embeddings": 128} if arch == "phi3" else {}
     path = make_tiny_model(arch, tmp_path / arch, **extra)
-    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
-    hf = []
-    with torch.inference_mode():
-        for p in PROMPTS:
-            out = ref.generate(torch.tensor([p], device="cuda"), max_new_tokens=NEW_TOKENS,
-                               min_new_tokens=NEW_TOKENS, do_sample=False, output_scores=True,
-                               return_dict_in_generate=True, pad_token_id=0,
-                               attention_mask=torch.ones(1, len(p), device="cuda",
-                                                         dtype=torch.long))
-            hf.append((out.sequences[0, len(p):].tolist(),
-                       [s[0].float().topk(TOP).indices.tolist() for s in out.scores]))
-    del ref
+    hf = hf_greedy_with_tops(path, PROMPTS, NEW_TOKENS, TOP)
     llm = LLM(model=str(path), device="cuda", dtype="bfloat16", skip_tokenizer_init=True,
               max_num_seqs=4, max_model_len=128, max_num_batched_tokens=16,
               enable_prefix_caching=True, gpu_memory_utilization=0.3)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS,
                             ignore_eos=True, logprobs=TOP)
-    for (hf_tokens, hf_tops), out in zip(hf, llm.generate(PROMPTS, params, use_tqdm=False)):
-        tokens = out.outputs[0].token_ids
-        for j, (a, b) in enumerate(zip(tokens, hf_tokens)):
-            if a != b:
-                ours_top = set(out.outputs[0].logprobs[j])
-                assert a in hf_tops[j] and b in ours_top, (
-                    f"{arch}: first divergence at token {j}: ours {a} (HF top {hf_tops[j]}), "
-                    f"HF {b} (our top {sorted(ours_top)})")
-                break
+    assert_matches_hf(hf, llm.generate(PROMPTS, params, use_tqdm=False), arch)

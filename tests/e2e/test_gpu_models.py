@@ -6,6 +6,7 @@ import gc
 
 import pytest
 import torch
+from gpu_reference import assert_matches_hf, hf_greedy_with_tops
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
@@ -17,28 +18,13 @@ TOP = 5
 
 @pytest.mark.parametrize("shape", ["qwen3-0.6b", "llama3.1-8b"])
 def test_greedy_matches_transformers(shape, tmp_path):
-    from transformers import AutoModelForCausalLM
-
     from benchmarks.models import build_random_model
     from conveyor import LLM, SamplingParams
 
     # a wider init than HF's 0.02 so the next-token distributions are not flat
     path = build_random_model(shape, tmp_path / shape, num_hidden_layers=4,
                               initializer_range=0.05)
-    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
-    hf = []
-    with torch.inference_mode():
-        for p in PROMPTS:
-            out = ref.generate(torch.tensor([p], device="cuda"), max_new_tokens=NEW_TOKENS,
-                               min_new_tokens=NEW_TOKENS, do_sample=False, output_scores=True,
-                               return_dict_in_generate=True, pad_token_id=0,
-                               attention_mask=torch.ones(1, len(p), device="cuda",
-                                                         dtype=torch.long))
-            tokens = out.sequences[0, len(p):].tolist()
-            tops = [s[0].float().topk(TOP).indices.tolist() for s in out.scores]
-            hf.append((tokens, tops))
-    del ref
-    torch.cuda.empty_cache()
+    hf = hf_greedy_with_tops(path, PROMPTS, NEW_TOKENS, TOP)
 
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=TOP)
     for async_scheduling in (True, False):
@@ -47,16 +33,7 @@ def test_greedy_matches_transformers(shape, tmp_path):
                   async_scheduling=async_scheduling)
         ours = llm.generate(PROMPTS, params, use_tqdm=False)
         release(llm)
-        for (hf_tokens, hf_tops), out in zip(hf, ours):
-            tokens = out.outputs[0].token_ids
-            for j, (a, b) in enumerate(zip(tokens, hf_tokens)):
-                if a != b:
-                    our_top = set(out.outputs[0].logprobs[j])
-                    assert a in hf_tops[j] and b in our_top, (
-                        f"{shape} (async {async_scheduling}): first divergence at token {j}: "
-                        f"ours {a} (HF top-{TOP} {hf_tops[j]}), HF {b} (our top-{TOP} "
-                        f"{sorted(our_top)})")
-                    break
+        assert_matches_hf(hf, ours, f"{shape} (async {async_scheduling})")
 
 
 def release(llm) -> None:

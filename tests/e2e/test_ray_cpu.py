@@ -109,6 +109,12 @@ def _worker_actors() -> dict[int, str]:
             if procs.get(pid, ("",))[0].startswith("ray::WorkerHost")}
 
 
+def _served(server) -> list[list[int]]:
+    """The greedy tokens of PROMPTS through the server's ZMQ port."""
+    with Client(server.addresses[0], timeout=60) as client:
+        return [r.outputs[0].token_ids for r in client.generate(PROMPTS, GREEDY)]
+
+
 def _fails_fast(args: list[str], within_s: float = 60) -> str:
     """`conveyor serve ARGS` must exit 1 within `within_s`; its stderr."""
     started = time.monotonic()
@@ -138,9 +144,7 @@ def test_tp2_over_two_ray_nodes_matches_one_process(ray_cluster, model, referenc
         placed = _worker_actors()
         assert sorted(placed.values()) == ["node_a", "node_b"], placed   # one on each node
         assert not any(t.startswith("conveyor::worker") for t in server.children)
-        with Client(server.addresses[0], timeout=60) as client:
-            served = [r.outputs[0].token_ids for r in client.generate(PROMPTS, GREEDY)]
-        assert served == reference
+        assert _served(server) == reference
 
         # both CPUs are taken: a second launch cannot be placed and says so when its start-up
         # timeout ends, not never
@@ -187,9 +191,7 @@ def test_two_replicas_on_two_nodes_then_sigterm_leaves_no_actor(ray_cluster, mod
     server = start_server("--model", model, "-dp", "2", *RAY, timeout=120)
     try:
         assert sorted(_worker_actors().values()) == ["node_a", "node_b"]
-        with Client(server.addresses[0], timeout=60) as client:
-            served = [r.outputs[0].token_ids for r in client.generate(PROMPTS, GREEDY)]
-        assert served == reference
+        assert _served(server) == reference
         os.kill(server.proc.pid, signal.SIGTERM)
         assert server.proc.wait(30) == 0
         deadline = time.monotonic() + 10     # Ray reaps a killed actor's process shortly
@@ -207,8 +209,6 @@ def test_pp2_puts_a_stage_on_each_node(ray_cluster, model, reference, monkeypatc
     server = start_server("--model", model, "--pp", "2", *RAY, timeout=120)
     try:
         assert sorted(_worker_actors().values()) == ["node_a", "node_b"]
-        with Client(server.addresses[0], timeout=60) as client:
-            served = [r.outputs[0].token_ids for r in client.generate(PROMPTS, GREEDY)]
-        assert served == reference
+        assert _served(server) == reference
     finally:
         server.kill_all()

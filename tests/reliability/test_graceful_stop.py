@@ -42,6 +42,19 @@ def _runtime_dirs() -> set[Path]:
     return {p.parent for p in Path(tempfile.gettempdir()).glob(f"{RUNTIME_PREFIX}*/{OWNER_FILE}")}
 
 
+def _assert_nothing_left(children: dict, runtime_dirs: set[Path]) -> None:
+    """No child process of the server alive and its runtime directories gone."""
+    time.sleep(0.5)
+    assert not [n for n, pid in children.items() if pid_alive(pid, n)]
+    assert runtime_dirs and not any(d.exists() for d in runtime_dirs)
+
+
+def _kill_if_running(proc) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+
+
 def test_sigterm_to_the_group_during_start_up_stops_everything_with_exit_0():
     before = _runtime_dirs()
     proc = subprocess.Popen([sys.executable, "-m", "conveyor.cli", "serve", "--port", "0",
@@ -60,13 +73,9 @@ def test_sigterm_to_the_group_during_start_up_stops_everything_with_exit_0():
         _, err = proc.communicate()
         assert code == 0, err
         assert "stopped during start-up" in err and "Traceback" not in err, err
-        time.sleep(0.5)
-        assert not [n for n, pid in children.items() if pid_alive(pid, n)]
-        assert mine and not any(d.exists() for d in mine)
+        _assert_nothing_left(children, mine)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
+        _kill_if_running(proc)
 
 
 def test_a_second_signal_stops_at_once_failing_what_is_open():
@@ -136,10 +145,6 @@ def test_sigterm_to_pid_1_drains_the_same_way(tmp_path):
         assert last.outputs[0].finish_reason == "length", last
         # unshare exits with its child's code
         assert proc.wait(60) == 0, (tmp_path / "stderr").read_text()[-2000:]
-        time.sleep(0.5)
-        assert not [n for n, pid in children.items() if pid_alive(pid, n)]
-        assert mine and not any(d.exists() for d in mine)
+        _assert_nothing_left(children, mine)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
+        _kill_if_running(proc)

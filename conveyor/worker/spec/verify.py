@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from conveyor.kernels.token_bitmask import apply_token_bitmask
 from conveyor.worker.sampler import (
     LogprobTensors,
     Sampler,
@@ -43,13 +44,18 @@ class Verified:
 
 
 def verify(sampler: Sampler, logits: torch.Tensor, states: list[SeqSamplingState],
-           drafts: list[list[int]], draft_probs: torch.Tensor | None = None) -> Verified:
+           drafts: list[list[int]], draft_probs: torch.Tensor | None = None,
+           allowed: tuple[torch.Tensor, torch.Tensor] | None = None) -> Verified:
     """logits: [R, >= V], the rows of sequence s back to back (len(drafts[s]) + 1 of them);
     draft_probs: [R, V] the proposer's distribution on the rows with a guess (None: point
-    masses). Nothing here waits for the device."""
+    masses); allowed: structured outputs' (bitmask, rows), as `Sampler.sample_tensors` takes
+    it, rows indexing `logits` (a constrained sequence has no guesses: one row). Nothing here
+    waits for the device."""
     V = sampler.vocab_size
     dev = logits.device
     raw = logits[:, :V]
+    if allowed is not None:
+        apply_token_bitmask(raw, *allowed)
     x = raw.float().clone()                                           # [R, V]
     # per row: its sequence, its guess (or -1), and its sampling state with the guesses before
     # it counted as output
