@@ -1,4 +1,4 @@
-"""The W4A16 Triton kernel against the torch reference (dequantize, then matmul): one row
+"""The W4A16 Triton kernels against the torch reference (dequantize, then matmul): one row
 (decode) to prefill sizes, N and K off the tiles, group sizes 32, 64, 128 and whole rows, with
 a bias and with an act-order column order, bf16 and fp16."""
 import pytest
@@ -31,11 +31,13 @@ def test_w4a16_matches_reference(dtype, m, n, k, group, bias, act_order):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("m,group,act_order", [(1, 32, False), (5, 64, True), (70, 0, False)])
-def test_w4a16_small(m, group, act_order, device):
-    """Small shapes, also under Triton's interpreter on the CPU."""
+@pytest.mark.parametrize("m,k,group,act_order", [(1, 128, 32, False), (5, 128, 64, True),
+                                                (70, 128, 0, False), (40, 48, 16, True)])
+def test_w4a16_small(m, k, group, act_order, device):
+    """Small shapes, also under Triton's interpreter on the CPU: the tiled kernel (a few rows)
+    and dequantize-then-cuBLAS (many)."""
     gen = torch.Generator(device=device).manual_seed(m)
-    n, k = 40, 128
+    n = 40
     groups = k // group if group else 1
     q = torch.randint(0, 16, (n, k), device=device, generator=gen, dtype=torch.uint8)
     scale = torch.rand(n, groups, device=device, generator=gen) / 20
@@ -45,3 +47,17 @@ def test_w4a16_small(m, group, act_order, device):
     want = w4a16_ref(x.float(), pack_int4(q), scale, zero, None, perm)
     got = w4a16_gemm(x, pack_int4(q), scale, zero, None, perm)
     torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
+
+
+
+@pytest.mark.interpreter
+def test_w4a16_takes_groups_of_16_inputs(device):
+    """The tiled kernel steps through K inside one group: groups of 24 inputs (or a float32 x)
+    go to dequantize-then-matmul instead, which linear() picks through `takes`."""
+    from conveyor.kernels.w4a16_gemm import takes
+
+    words = torch.zeros(8, 48 // 8, dtype=torch.int32, device=device)
+    x = torch.zeros(1, 48, dtype=torch.bfloat16, device=device)
+    assert takes(x, words, torch.zeros(8, 3, device=device))          # groups of 16
+    assert not takes(x, words, torch.zeros(8, 2, device=device))      # groups of 24
+    assert not takes(x.float(), words, torch.zeros(8, 3, device=device))

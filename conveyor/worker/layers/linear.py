@@ -40,7 +40,7 @@ def linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, bias: torch.Tensor |
 
         if silu_mul:
             x = silu_and_mul(x)
-        if x.is_cuda and triton_available() and x.dtype != torch.float32:
+        if x.is_cuda and triton_available() and w4a16_gemm.takes(x, weight, scale):
             return w4a16_gemm.w4a16_gemm(x, weight, scale, zero, bias, perm)
         return w4a16_gemm.w4a16_ref(x, weight, scale, zero, bias, perm)
     if isinstance(x, Fp8Rows):
