@@ -10,6 +10,7 @@ from models_util import make_tiny_model
 from test_engine_tiny import assert_same_outputs
 from test_speculative import (
     GREEDY,
+    NEW,
     SCENARIOS,
     SMALL_VOCAB,
     assert_clean,
@@ -147,16 +148,20 @@ def test_served_with_tp2_matches_tp1(tmp_path):
 @pytest.mark.gpu
 def test_cuda_graphs_of_the_draft(tiny):
     """On a GPU the draft runs from its own CUDA graphs (beside the target's mixed and decode
-    graphs, and its k decode steps): greedy tokens equal the engine's without speculation, and
-    the target drafting for itself has nearly every guess accepted."""
-    kw = dict(device="cuda", dtype="float32")     # float32: tokens equal, not just close
-    reference = make_llm(tiny, **kw).generate(prompts(), GREEDY, use_tqdm=False)
+    graphs, and its k decode steps): greedy tokens match the engine's without speculation by
+    STYLE.md's top-5 rule (bf16: the GPU attention kernels take 16-bit floats, and a verify
+    step sums in another order than a decode step), and the target drafting for itself has
+    nearly every guess accepted."""
+    from serve_util import assert_top5_close
+
+    kw = dict(device="cuda", dtype="bfloat16")
+    top5 = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, logprobs=5)
+    reference = make_llm(tiny, **kw).generate(prompts(), top5, use_tqdm=False)
     for spec in (SELF, FIRST_LAYER):
         llm = make_llm(tiny, speculative_config=spec, **kw)
         assert llm.runner.drafter.graphs is not None
-        outs = llm.generate(prompts(), GREEDY, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outs] == \
-            [o.outputs[0].token_ids for o in reference]
+        outs = llm.generate(prompts(), top5, use_tqdm=False)
+        assert_top5_close([o.outputs[0] for o in reference], [o.outputs[0] for o in outs])
         stats = llm.engine.scheduler.stats()
         if spec is SELF:
             assert stats.spec_num_accepted_tokens >= 0.9 * stats.spec_num_draft_tokens > 0
