@@ -14,7 +14,8 @@ The last lines add up one decode step's GEMMs (per layer qkv, o, gate_up, silu+d
 Weight-quantized GEMMs (--tables quant): the same shapes at M = 1, 16, 256 and 4,096 through
 linear(), as the model runs them, with bf16, int8 (W8A16: the skinny GEMV at M = 1, the Triton
 GEMM, from 1,024 rows dequantize + cuBLAS) and fp8 (the skinny GEMV over fp8 weights at M = 1,
-per-token quantization + _scaled_mm above) weights; from 256 rows also both int8 prefill
+per-token quantization + _scaled_mm above) and 4-bit (W4A16, group 128: the tiled Triton kernel
+below 32 rows, dequantize + cuBLAS from there) weights; from 256 rows also both int8 prefill
 choices on their own (to check int8_gemm.CUBLAS_FROM_M). GB/s counts the weight's bytes as
 stored. Its last lines add up a decode step's GEMMs with the LM head kept in bf16 (the default
 --keep-precision).
@@ -49,6 +50,7 @@ from conveyor.kernels.sample import sample
 from conveyor.kernels.sample_nucleus import sample_nucleus
 from conveyor.kernels.silu_and_mul import silu_and_mul
 from conveyor.kernels.skinny_gemm import skinny_gemm
+from conveyor.kernels.w4a16_gemm import pack_int4
 from conveyor.worker.layers.linear import linear
 from conveyor.worker.layers.quantization import quantize_weight
 
@@ -127,14 +129,19 @@ def bench_quant(n: int, k: int, m: int, fused_silu: bool) -> dict[str, float]:
     dt = torch.bfloat16
     base = torch.randn(n, k, device="cuda", dtype=dt) / k ** 0.5
     x = torch.randn(m, 2 * k if fused_silu else k, device="cuda", dtype=dt)
-    variants = {"bf16": (base, None)}
+    variants = {"bf16": (base, None, None)}
     for mode in ("int8", "fp8"):
-        variants[mode] = quantize_weight(base, mode)
+        variants[mode] = (*quantize_weight(base, mode), None)
+    groups = k // 128                       # int4: random words, groups of 128, zero point 8
+    variants["int4"] = (pack_int4(torch.randint(0, 16, (n, k), device="cuda")),
+                        torch.full((n, groups), 1e-3, device="cuda"),
+                        torch.full((n, groups), 8.0, device="cuda"))
     out = {}
-    for name, (w, scale) in variants.items():
+    for name, (w, scale, zero) in variants.items():
         ws = [(w.clone(), scale) for _ in range(copies(w.numel() * w.element_size()))]
         pick = cycled(ws)
-        out[name] = graph_us([lambda w=w, s=s: linear(x, w, silu_mul=fused_silu, scale=s)
+        out[name] = graph_us([lambda w=w, s=s, z=zero: linear(x, w, silu_mul=fused_silu,
+                                                              scale=s, zero=z)
                               for w, s in pick])
         if name == "int8" and m >= 256:   # both prefill choices, whichever linear() takes
             a = silu_and_mul(x) if fused_silu else x    # (their times leave the SiLU out)
@@ -154,9 +161,9 @@ def _cell(times: dict[str, float], variant: str, nbytes: int) -> str:
 def quant_table(shapes: list[str]) -> None:
     print("\nWeight-quantized GEMMs through linear(): GPU us per call (GB/s of the stored "
           "weight); speed-up over bf16")
-    print("| GEMM | M | bf16 us | int8 us | fp8 us | int8 Triton us | int8 deq+cuBLAS us | "
-          "int8 x | fp8 x |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| GEMM | M | bf16 us | int8 us | fp8 us | int4 us | int8 Triton us | "
+          "int8 deq+cuBLAS us | int8 x | fp8 x | int4 x |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     decode = []
     for shape in shapes:
         for m in QUANT_M:
@@ -167,22 +174,24 @@ def quant_table(shapes: list[str]) -> None:
                     if name == "lm_head" and m > 1:
                         continue
                     t = step[label] = bench_quant(n, k, m, fused)
-                    cells = [_cell(t, v, n * k * (2 if v == "bf16" else 1))
-                             for v in ("bf16", "int8", "fp8", "int8 Triton",
+                    size = {"bf16": 2, "int4": 0.5}
+                    cells = [_cell(t, v, n * k * size.get(v, 1))
+                             for v in ("bf16", "int8", "fp8", "int4", "int8 Triton",
                                        "int8 deq+cuBLAS")]
                     print(f"| {shape} {label} [{n}x{k}] | {m} | {' | '.join(cells)} | "
-                          f"{t['bf16'] / t['int8']:.2f} | {t['bf16'] / t['fp8']:.2f} |",
-                          flush=True)
+                          f"{t['bf16'] / t['int8']:.2f} | {t['bf16'] / t['fp8']:.2f} | "
+                          f"{t['bf16'] / t['int4']:.2f} |", flush=True)
             if m == 1:
                 head = step["lm_head"]["bf16"]          # kept in bf16 by default
                 decode.append((shape, {v: LAYERS[shape] * sum(step[g][v] for g in LAYER) + head
-                                       for v in ("bf16", "int8", "fp8")}))
+                                       for v in ("bf16", "int8", "fp8", "int4")}))
     print("\nGEMMs of one single-stream decode step (layers x (qkv, o, gate_up, silu+down) + "
           "bf16 lm_head):")
     for shape, t in decode:
         print(f"  {shape} M=1: bf16 {t['bf16'] / 1e3:.3f} ms, int8 {t['int8'] / 1e3:.3f} ms "
               f"({t['bf16'] / t['int8']:.2f}x), fp8 {t['fp8'] / 1e3:.3f} ms "
-              f"({t['bf16'] / t['fp8']:.2f}x)")
+              f"({t['bf16'] / t['fp8']:.2f}x), int4 {t['int4'] / 1e3:.3f} ms "
+              f"({t['bf16'] / t['int4']:.2f}x)")
 
 
 FP8_M = (16, 64, 128, 192, 256)
