@@ -45,7 +45,7 @@ from conveyor.worker.sampler import LogprobTensors, SampledTensors, Sampler, Seq
 from conveyor.worker.spec import ModelProposer, make_proposer
 from conveyor.worker.spec.verify import verify
 from conveyor.worker.step_inputs import StepInputs
-from conveyor.worker.structured import StructuredOutputMasks
+from conveyor.worker.structured import PendingMasks, StructuredOutputMasks
 
 _PROFILE_PARAMS = SamplingParams(temperature=0)
 
@@ -70,6 +70,9 @@ class _Launched:
     drafts: list[list[int]] | None = None
     sample_slots: list[int] = field(default_factory=list)
     propose: bool = False                            # guess next tokens once the draw is read
+    # sampling waits for the next submit or flush, while `masks` fills on a thread (rank 0)
+    deferred: bool = False
+    masks: PendingMasks | None = None
     sampled: torch.Tensor | None = None              # [S] int64 on the device, once sampled
     host: SampledTensors | None = None               # host copies of the draw
     host_accepted: torch.Tensor | None = None        # with drafts: [S] accepted guesses, host
@@ -251,15 +254,22 @@ class ModelRunner:
         nearly), then the sampling of `plan` (penalties and min_tokens count those tokens).
         Every rank makes the same collective calls in the same order: forward, then sampling.
         """
+        self._sample_deferred()
         launched = self._launch(plan)
         result = self.flush()
-        self._sample(launched)
+        if self._defers(launched):
+            launched.deferred = True
+            launched.masks = (self.structured.fill(launched.states)
+                              if tp_rank() == 0 else None)
+        else:
+            self._sample(launched)
         self._pending = launched
         return result
 
     @torch.inference_mode()
     def flush(self) -> StepResult | None:
         """The result of the step in flight, waiting for it; None if there is none."""
+        self._sample_deferred()
         pending, self._pending = self._pending, None
         return None if pending is None else self._finish(pending)
 
@@ -269,9 +279,29 @@ class ModelRunner:
         return self._pending is not None
 
     def step_done(self) -> bool:
-        """Whether flush() would not wait: no step in flight, or it is done on the device."""
+        """Whether flush() would not wait long: no step in flight, its bitmask filled if its
+        sampling waits for one, and it is done on the device."""
         p = self._pending
-        return p is None or p.done is None or p.done.query()
+        if p is None:
+            return True
+        if p.deferred:
+            return p.masks is None or p.masks.ready()
+        return p.done is None or p.done.query()
+
+    def _defers(self, st: _Launched) -> bool:
+        """Whether a launched step's sampling waits for the next submit (or flush): a step
+        with constrained rows, whose bitmask is then filled on a thread while the engine
+        plans. Decided from the requests' parameters, which every rank holds alike, so the
+        ranks' collective calls stay in one order; not with guesses or pipeline stages."""
+        return (st.drafts is None and not st.propose and self.stage.first and self.stage.last
+                and any(s.params.structured_outputs is not None for s in st.states))
+
+    def _sample_deferred(self) -> None:
+        """Sample the step in flight if its sampling was deferred (before the next forward
+        pass, which reads its tokens on the device)."""
+        p = self._pending
+        if p is not None and p.deferred:
+            self._sample(p)
 
     def _launch(self, plan: StepPlan) -> _Launched:
         for slot in plan.freed:
@@ -302,11 +332,13 @@ class ModelRunner:
         """Queue the sampling of a launched step and the copies of its results to the host."""
         num = len(st.states)
         rank0 = tp_rank() == 0
+        st.deferred = False
         if st.drafts is not None:
             num = self._verify(st, rank0)
         elif num:
             if rank0:
-                allowed = self.structured.masks(st.states)
+                allowed = (st.masks.get() if st.masks is not None
+                           else self.structured.masks(st.states))
                 drawn = self.sampler.sample_tensors(st.logits[:num], st.states, allowed)
             else:
                 drawn = SampledTensors(torch.empty(num, dtype=torch.long, device=self.device),

@@ -3,13 +3,14 @@ each step's token bitmask for the sampler (docs/ARCHITECTURE.md, "Structured out
 
 The model runner calls `start` when a sequence takes a slot (a resumed one replays its output so
 far), `SeqGrammar.accept` as each sampled token reaches the host (at the flush of its step), and
-`masks` for a step's sampling rows, between that flush and the sampling: on a GPU the step's
-forward pass is already queued, so the matchers advance and the bitmask is filled while it runs.
+`fill` for a step's sampling rows after that flush: the bitmask is filled on a thread while the
+step's forward pass runs on the device and the engine plans the next step, and the sampling
+waits for it at the next submit (docs/ARCHITECTURE.md, "Structured outputs").
 The vocabulary view is built by the first constrained sequence (about a second, once).
 """
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -28,6 +29,7 @@ class StructuredOutputMasks:
         self._compiler: GrammarCompiler | None = None
         self._max_rows = max_rows
         self._host: torch.Tensor | None = None     # [max_rows, W] int32, pinned on CUDA
+        self._fill_thread: ThreadPoolExecutor | None = None
 
     @property
     def compiler(self) -> GrammarCompiler:
@@ -54,16 +56,51 @@ class StructuredOutputMasks:
         step's sampling batch, or None if it has none; states[i]'s row is i, or row_of[i].
         Waits for grammars still compiling. A sequence whose constraint has not started
         (`SeqGrammar.free`: a thought) takes no mask."""
+        return self.fill(states, row_of, later=False).get()
+
+    def fill(self, states: list[SeqSamplingState], row_of: list[int] | None = None,
+             later: bool = True) -> PendingMasks:
+        """Start filling the bitmask of masks(states, row_of): on the fill thread if `later`
+        (llguidance drops the GIL, so the step loop goes on meanwhile), else here.
+        `PendingMasks.get()` waits for it and gives masks()'s value."""
         rows = [i for i, s in enumerate(states) if s.grammar is not None and not s.grammar.free]
         if not rows:
-            return None
+            return PendingMasks(None, None, None, self.device)
         if self._host is None:
             self._host = torch.empty(self._max_rows, bitmask_width(self.vocab_size),
                                      dtype=torch.int32, pin_memory=self.device.type == "cuda")
         # NOTE: the buffer is reused: the previous step's copy from it is done, since the
-        # runner waited for that step's results before this step's sampling.
+        # runner waited for that step's results before this step's fill began.
         host = self._host[:len(rows)]
-        self.compiler.fill_bitmask([states[i].grammar for i in rows], host.numpy())
-        mask = host.to(self.device, non_blocking=True) if self.device.type == "cuda" else host
-        return mask, _tensor([row_of[i] for i in rows] if row_of else rows, self.device,
-                             torch.long)
+        grammars = [states[i].grammar for i in rows]
+        if later:
+            if self._fill_thread is None:
+                self._fill_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-fill")
+            done = self._fill_thread.submit(self.compiler.fill_bitmask, grammars, host.numpy())
+        else:
+            self.compiler.fill_bitmask(grammars, host.numpy())
+            done = None
+        return PendingMasks(host, [row_of[i] for i in rows] if row_of else rows, done,
+                            self.device)
+
+
+class PendingMasks:
+    """A bitmask being filled (or filled): `get()` waits for the fill, then queues the copy to
+    the device."""
+
+    def __init__(self, host: torch.Tensor | None, rows: list[int] | None, done: Future | None,
+                 device: torch.device):
+        self.host, self.rows, self.done, self.device = host, rows, done, device
+
+    def ready(self) -> bool:
+        """Whether get() would not wait for the fill."""
+        return self.done is None or self.done.done()
+
+    def get(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.host is None:
+            return None
+        if self.done is not None:
+            self.done.result()               # re-raises what the fill raised
+        mask = (self.host.to(self.device, non_blocking=True) if self.device.type == "cuda"
+                else self.host)
+        return mask, _tensor(self.rows, self.device, torch.long)

@@ -172,3 +172,41 @@ def test_offline_with_preemption():
         for c in o.outputs:
             assert c.finish_reason == "stop", c.text
             jsonschema.validate(json.loads(c.text), SCHEMA)
+
+
+def test_tp3_mixed_batch_equals_one_process():
+    """At TP 3 (gloo on the CPU) rank 0 fills a constrained step's bitmask on its fill thread
+    while every rank holds back that step's sampling to the next submit: greedy JSON, regex and
+    unconstrained requests in one batch give the in-process engine's tokens (STYLE.md's top-5
+    rule) and each constrained one validates."""
+    import asyncio
+
+    from serve_util import assert_top5_close
+
+    from conveyor import LLM
+    from conveyor.client import AsyncClient
+
+    greedy = dict(temperature=0, max_tokens=60, logprobs=5)
+    params = [SamplingParams(**greedy, structured_outputs=StructuredOutputs(json=SCHEMA)),
+              SamplingParams(**greedy, structured_outputs=StructuredOutputs(regex=PHONE)),
+              SamplingParams(**greedy)]
+    prompts = ["A user record as JSON:", "My phone number is", "The three primary colors are"]
+    reference = [o.outputs[0] for o in
+                 LLM(max_model_len=512).generate(prompts, params, use_tqdm=False)]
+
+    async def served(address):
+        client = AsyncClient(address)
+        try:
+            outs = await asyncio.gather(*(client.generate(p, s) for p, s in zip(prompts, params)))
+        finally:
+            client.close()
+        return [o.outputs[0] for o in outs]
+
+    server = start_server("--tp", "3", "--max-model-len", "512", "--port", "-1")
+    try:
+        got = asyncio.run(served(server.addresses[0]))
+    finally:
+        server.kill_all()
+    assert_top5_close(reference, got)
+    jsonschema.validate(json.loads(got[0].text), SCHEMA)
+    assert re.fullmatch(PHONE, got[1].text), got[1].text
