@@ -29,15 +29,6 @@ def test_generate_chat_mode(capsys):
     assert out.startswith("What is the capital of France?\n") and "Paris" in out
 
 
-@needs_model
-def test_chat_streams_replies():
-    proc = subprocess.run(
-        [sys.executable, "-m", "conveyor.cli", "chat", "--max-tokens", "40", "--max-num-seqs", "2"],
-        input="What is the capital of France?\n", capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    assert "Paris" in proc.stdout
-
-
 def test_missing_model_is_one_clear_line(capsys, tmp_path):
     assert main(["generate", "--model", str(tmp_path / "nope"), "hi"]) == 2
     err = capsys.readouterr().err
@@ -59,9 +50,10 @@ def test_bad_engine_argument_is_a_clear_error(capsys):
 
 
 @needs_model
-def test_chat_ctrl_c_stops_a_reply_then_reset_and_exit():
+def test_chat_streams_replies_ctrl_c_stops_one_then_reset_and_exit():
     """Ctrl-C during a reply stops it and the prompt comes back; /reset forgets the
-    conversation; /exit quits with 0; Ctrl-C at the prompt exits cleanly too."""
+    conversation; /exit quits with 0. In a second chat a question typed at the prompt gets its
+    reply streamed (greedy: it names Paris) and the prompt again, where Ctrl-C exits cleanly."""
     import signal
     import threading
     import time
@@ -97,11 +89,19 @@ def test_chat_ctrl_c_stops_a_reply_then_reset_and_exit():
             proc.wait()
 
     at_prompt = subprocess.Popen(
-        [sys.executable, "-m", "conveyor.cli", "chat", "--max-num-seqs", "2"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [sys.executable, "-m", "conveyor.cli", "chat", "--max-tokens", "40", "--max-num-seqs",
+         "2"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert "conveyor chat:" in at_prompt.stderr.readline()   # the REPL is up
         assert at_prompt.stdout.read(2) == "> "                    # and waits at its prompt
+        at_prompt.stdin.write("What is the capital of France?\n")
+        at_prompt.stdin.flush()
+        reply = ""
+        while not reply.endswith("\n> "):                         # the reply, then the prompt
+            char = at_prompt.stdout.read(1)
+            assert char, (reply, at_prompt.stderr.read())
+            reply += char
+        assert "Paris" in reply
         time.sleep(0.2)
         at_prompt.send_signal(signal.SIGINT)
         _, err = at_prompt.communicate(timeout=60)

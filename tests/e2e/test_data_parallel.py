@@ -41,12 +41,9 @@ def _get(server, path: str):
         return r.read().decode()
 
 
-def test_greedy_outputs_equal_one_engine(server):
-    from conveyor import LLM
-
-    llm = LLM(max_num_seqs=64, kv_cache_memory_bytes=64 << 20, max_model_len=512,
-              async_scheduling=False)
-    reference = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+def test_greedy_outputs_equal_one_engine(server, small_llm):
+    reference = [o.outputs[0].token_ids for o in small_llm.generate(PROMPTS, GREEDY,
+                                                                      use_tqdm=False)]
     with Client(server.addresses[0], timeout=120) as c:
         assert [r.token_ids for r in c.generate(PROMPTS, GREEDY)] == reference
         stats = c.stats()

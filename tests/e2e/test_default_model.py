@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from conveyor import LLM, SamplingParams
+from conveyor import SamplingParams
 from conveyor.shared.model_files import default_model_path
 
 pytestmark = pytest.mark.skipif(not default_model_path().is_file(),
@@ -17,18 +17,8 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def llm():
-    return LLM()
-
-
-@pytest.fixture(scope="module")
-def hf():
-    from transformers import AutoModelForCausalLM
-
-    path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                 dtype=torch.float32)
-    return model.eval()
+def llm(default_llm):
+    return default_llm
 
 
 def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
@@ -38,23 +28,23 @@ def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-def test_greedy_matches_transformers(llm, hf):
+def test_greedy_matches_transformers(llm, hf_default_model):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
     for prompt, out in zip(PROMPTS, outs):
         ids = llm.tokenizer.encode(prompt)
         assert out.prompt_token_ids == ids
-        assert out.outputs[0].token_ids == hf_greedy(hf, ids, 24), prompt
+        assert out.outputs[0].token_ids == hf_greedy(hf_default_model, ids, 24), prompt
         assert out.outputs[0].text == llm.tokenizer.decode(out.outputs[0].token_ids,
                                                            skip_special_tokens=True)
 
 
-def test_chat_matches_transformers(llm, hf):
+def test_chat_matches_transformers(llm, hf_default_model):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0]
     ids = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     ids = llm.tokenizer.encode(ids, add_special_tokens=False)
-    expected = hf_greedy(hf, ids, 40)
+    expected = hf_greedy(hf_default_model, ids, 40)
     eos = llm.tokenizer.eos_token_id
     expected = expected[:expected.index(eos) + 1] if eos in expected else expected
     assert out.outputs[0].token_ids == expected

@@ -42,9 +42,8 @@ def oai(server):
 
 
 @pytest.fixture(scope="module")
-def llm():
-    from conveyor import LLM
-    return LLM(max_num_seqs=64, kv_cache_memory_bytes=64 << 20, max_model_len=512)
+def llm(small_llm):
+    return small_llm
 
 
 def _post(server, path: str, body, key: str | None = KEYS[0], **kw) -> httpx.Response:
@@ -333,7 +332,7 @@ def test_rate_limit_gives_429(limited):
 
 
 def test_sigterm_drains_then_exits_0(limited):
-    time.sleep(6)                                      # refill the rate-limit bucket
+    time.sleep(1)                      # refill the rate-limit bucket: 5 a second, 2 needed
     cm, resp = _stream(limited, tokens=48, key=None)   # in flight at SIGTERM, done well in 60 s
     lines = resp.iter_lines()
     assert next(lines).startswith("data:")

@@ -23,9 +23,10 @@ def evaluate(model: str, model_args: dict) -> dict:
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    return lm_eval.simple_evaluate(
-        model=model, model_args=model_args, tasks=TASKS, log_samples=True,
-        task_manager=TaskManager(include_path=str(ROOT / "tests" / "lm_eval")))
+    # NOTE: only our tasks: indexing lm-eval's thousands of built-in ones takes ~10 s
+    tasks = TaskManager(include_path=str(ROOT / "tests" / "lm_eval"), include_defaults=False)
+    return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=TASKS,
+                                   log_samples=True, task_manager=tasks)
 
 
 def by_doc(result: dict, task: str) -> list:
@@ -33,7 +34,7 @@ def by_doc(result: dict, task: str) -> list:
                                                 key=lambda s: s["doc_id"])]
 
 
-def test_local_completions_scores_as_the_hf_model_does(monkeypatch):
+def test_local_completions_scores_as_the_hf_model_does(monkeypatch, hf_default_model):
     pytest.importorskip("lm_eval")
     monkeypatch.chdir(ROOT)                  # the tasks name their data files from here
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -47,9 +48,10 @@ def test_local_completions_scores_as_the_hf_model_does(monkeypatch):
             "max_retries": 1})
     finally:
         server.kill_all()
-    path = default_model_path()
-    hf = evaluate("hf", {"pretrained": str(path.parent), "gguf_file": path.name,
-                         "dtype": "float32", "device": "cpu", "batch_size": 1})
+    # transformers' load of the same file (float32, CPU), shared with other tests; lm-eval's
+    # `hf` reads the tokenizer from the file
+    hf = evaluate("hf", {"pretrained": hf_default_model, "gguf_file": default_model_path().name,
+                         "batch_size": 1})
 
     mc_ours, mc_hf = by_doc(ours, "conveyor_mc"), by_doc(hf, "conveyor_mc")
     assert len(mc_ours) == len(mc_hf) == 8

@@ -306,21 +306,15 @@ def test_gpu_mixed_batch_with_cuda_graphs(models):
 
 
 @pytest.mark.slow
-def test_default_model_from_gguf(tmp_path):
+def test_default_model_from_gguf(tmp_path, hf_default_model):
     """SmolLM2-135M from its GGUF file (q and k rows un-permuted at load) with an adapter peft
     made on transformers' load of the same file: the same greedy tokens."""
+    import copy
+
     from peft import LoraConfig, PeftModel, get_peft_model
-    from transformers import AutoModelForCausalLM
 
-    from conveyor.shared.model_files import default_model_path
-
-    path = default_model_path()
-    if not path.is_file():
-        pytest.skip("default model not fetched (make model)")
-
-    def hf():
-        return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                    dtype=torch.float32).eval()
+    def hf():                                # peft wraps the model it gets in place
+        return copy.deepcopy(hf_default_model)
 
     model = get_peft_model(hf(), LoraConfig(r=8, lora_alpha=16, target_modules=[
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))

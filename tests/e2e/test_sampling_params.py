@@ -13,8 +13,8 @@ STORY = [{"role": "user", "content": "Write a short story about a robot who lear
 
 
 @pytest.fixture(scope="module")
-def llm():
-    return LLM()
+def llm(default_llm):
+    return default_llm
 
 
 @pytest.fixture(scope="module")
@@ -32,11 +32,11 @@ def texts(outs):
 def test_seed_reproducible_and_distinct(llm, PROMPT):
     p = SamplingParams(temperature=1.0, max_tokens=24, seed=7)
     a = llm.generate([PROMPT], p, use_tqdm=False)[0].outputs[0].token_ids
-    # same seed, different batch company and position: same tokens
-    b = llm.generate(["Hello there", PROMPT], [SamplingParams(max_tokens=5), p],
-                     use_tqdm=False)[1].outputs[0].token_ids
-    c = llm.generate([PROMPT], SamplingParams(temperature=1.0, max_tokens=24, seed=8),
-                     use_tqdm=False)[0].outputs[0].token_ids
+    # same seed, different batch company and position: same tokens; another seed beside it
+    outs = llm.generate(["Hello there", PROMPT, PROMPT],
+                        [SamplingParams(max_tokens=5), p,
+                         SamplingParams(temperature=1.0, max_tokens=24, seed=8)], use_tqdm=False)
+    b, c = (o.outputs[0].token_ids for o in outs[1:])
     assert a == b
     assert a != c
 
@@ -75,19 +75,15 @@ def test_min_tokens(llm):
 def test_stop_strings_and_stop_token_ids(llm, PROMPT):
     base = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=40),
                         use_tqdm=False)[0].outputs[0]
-    word = base.text.split()[3]
-    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=40, stop=[word]),
-                       use_tqdm=False)[0].outputs[0]
+    word, tok = base.text.split()[3], base.token_ids[5]
+    # one batch: each row stops by its own parameters
+    out, kept, comp = (o.outputs[0] for o in llm.generate([PROMPT] * 3, [
+        SamplingParams(temperature=0, max_tokens=40, stop=[word]),
+        SamplingParams(temperature=0, max_tokens=40, stop=[word], include_stop_str_in_output=True),
+        SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[tok])], use_tqdm=False))
     assert out.finish_reason == "stop" and out.stop_reason == word
     assert out.text == base.text[:base.text.index(word)]
-    kept = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=40, stop=[word],
-                                                 include_stop_str_in_output=True),
-                        use_tqdm=False)[0].outputs[0]
     assert kept.text.endswith(word)
-    tok = base.token_ids[5]
-    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=40,
-                                                stop_token_ids=[tok]), use_tqdm=False)[0]
-    comp = out.outputs[0]
     assert comp.finish_reason == "stop" and comp.stop_reason == tok
     assert comp.token_ids == base.token_ids[:base.token_ids.index(tok) + 1]
     stats = llm.engine.scheduler.stats()
@@ -95,23 +91,25 @@ def test_stop_strings_and_stop_token_ids(llm, PROMPT):
 
 
 def test_penalties_change_greedy_output(llm, PROMPT):
-    base = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)
-    for field in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
-        value = 1.5 if field == "repetition_penalty" else 1.0
-        other = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=40,
-                                                      **{field: value}), use_tqdm=False)
-        assert texts(other) != texts(base), field
+    """One batch: the plain greedy row and one row per penalty."""
+    fields = ("repetition_penalty", "presence_penalty", "frequency_penalty")
+    params = [SamplingParams(temperature=0, max_tokens=40)] + [
+        SamplingParams(temperature=0, max_tokens=40,
+                       **{f: 1.5 if f == "repetition_penalty" else 1.0}) for f in fields]
+    base, *others = llm.generate([PROMPT] * len(params), params, use_tqdm=False)
+    for field, other in zip(fields, others):
+        assert texts([other]) != texts([base]), field
 
 
 def test_filters_make_sampling_greedy_like(llm, PROMPT):
-    greedy = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=16),
-                          use_tqdm=False)[0].outputs[0].token_ids
-    for kw in (dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0)):
-        out = llm.generate([PROMPT], SamplingParams(temperature=1.5, max_tokens=16, seed=3, **kw),
-                           use_tqdm=False)[0].outputs[0].token_ids
+    """One batch: a greedy row, a row per filter, and the same sampling without a filter."""
+    filters = (dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0))
+    params = [SamplingParams(temperature=0, max_tokens=16)] + [
+        SamplingParams(temperature=1.5, max_tokens=16, seed=3, **kw) for kw in (*filters, {})]
+    greedy, *filtered, loose = (o.outputs[0].token_ids for o in llm.generate(
+        [PROMPT] * len(params), params, use_tqdm=False))
+    for kw, out in zip(filters, filtered):
         assert out == greedy, kw
-    loose = llm.generate([PROMPT], SamplingParams(temperature=1.5, max_tokens=16, seed=3),
-                         use_tqdm=False)[0].outputs[0].token_ids
     assert loose != greedy
 
 

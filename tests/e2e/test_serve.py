@@ -1,7 +1,8 @@
-"""`conveyor serve` end to end on CPU: TP=3 equals TP=1 and the in-process LLM without async
-scheduling (sync and async clients, 64 concurrent requests), as does a server without it;
-streaming, cancellation freeing blocks, malformed frames, and a client written with plain zmq +
-msgpack. (The default model has 9 heads: --tp 2 cannot split it.)
+"""`conveyor serve` end to end on CPU: TP=1 (async scheduling, the default) and TP=3 without
+async scheduling equal the in-process LLM without it (sync and async clients, 64 concurrent
+requests); streaming, cancellation freeing blocks, malformed frames, and a client written with
+plain zmq + msgpack. (The default model has 9 heads: --tp 2 cannot split it. TP > 1 with async
+scheduling is checked against TP 1 in test_tp_cpu.py.)
 """
 import asyncio
 import contextlib
@@ -35,27 +36,15 @@ def tp1():
 
 @pytest.fixture(scope="module")
 def tp3():
-    server = start_server("--tp", "3", "--frontends", "2")
+    server = start_server("--tp", "3", "--frontends", "2", "--no-async-scheduling")
     yield server
     server.kill_all()
 
 
 @pytest.fixture(scope="module")
-def reference():
-    from conveyor import LLM
-    # one step at a time: the servers (async scheduling, the default) must give the same tokens
-    llm = LLM(max_num_seqs=64, kv_cache_memory_bytes=64 << 20, max_model_len=512,
-              async_scheduling=False)
-    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
-
-
-def test_server_without_async_scheduling_matches(reference):
-    server = start_server("--no-async-scheduling")
-    try:
-        with Client(server.addresses[0], timeout=120) as c:
-            assert [r.token_ids for r in c.generate(PROMPTS[:16], GREEDY)] == reference[:16]
-    finally:
-        server.kill_all()
+def reference(small_llm):
+    # one step at a time: the servers, with async scheduling or without, give the same tokens
+    return [o.outputs[0].token_ids for o in small_llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
 def _wait_all_free(client: Client, timeout: float = 10.0):

@@ -6,6 +6,7 @@ writes that call again: a real output, read by the real parsers on the real serv
 import json
 import re
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -196,11 +197,16 @@ def test_required_and_named_calls_always_parse(oai, choice):
     allows more properties; asked an unrelated question, the model may fill them until
     max_tokens cuts the call short.)"""
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
-    for seed in range(5):
-        r = oai.chat.completions.create(model="x", messages=messages, tools=TOOLS,
-                                        tool_choice=choice, max_tokens=200, temperature=1,
-                                        seed=seed, extra_body={"chat_template_kwargs": {
-                                            "enable_thinking": False}})
+
+    def ask(seed: int):
+        return oai.chat.completions.create(model="x", messages=messages, tools=TOOLS,
+                                           tool_choice=choice, max_tokens=200, temperature=1,
+                                           seed=seed, extra_body={"chat_template_kwargs": {
+                                               "enable_thinking": False}})
+
+    with ThreadPoolExecutor(5) as pool:                  # five seeds, batched by the server
+        responses = list(pool.map(ask, range(5)))
+    for r in responses:
         calls = r.choices[0].message.tool_calls
         assert calls and all(c.function.name == "get_weather" for c in calls)
         for c in calls:

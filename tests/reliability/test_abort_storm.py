@@ -1,4 +1,4 @@
-"""1,000 streamed requests, alternately HTTP SSE and ZMQ `Client.stream`, half of them left at
+"""400 streamed requests, alternately HTTP SSE and ZMQ `Client.stream`, half of them left at
 a random point: every KV block is free again, the block manager's integrity holds, each request
 ended exactly once (its client saw one finish or left; the server counted each once), no
 frontend keeps any state, and memory is back near where it started.
@@ -19,11 +19,10 @@ def server():
         yield s
 
 
-def test_a_thousand_streams_half_cancelled_leave_nothing_behind(server):
-    r = abort_storm(server, requests=1000, concurrency=64, max_tokens=4,
-                           max_growth_mib=64)
+def test_four_hundred_streams_half_cancelled_leave_nothing_behind(server):
+    r = abort_storm(server, requests=400, concurrency=64, max_tokens=4, max_growth_mib=64)
     assert r.problems == [], r
-    assert r.sent == r.finished + r.aborted == 1000 and r.lost == 0
-    assert r.aborted > 300 and r.finished > 300
+    assert r.sent == r.finished + r.aborted == 400 and r.lost == 0
+    assert r.aborted > 120 and r.finished > 120
     assert r.leaked_blocks == 0 and r.integrity_ok
     assert r.frontend_leftovers == {"frontend-0": 0}

@@ -70,8 +70,9 @@ def test_ints_beyond_64_bits_are_a_400_and_leave_nothing_open(server):
 
 # --- bugs that once stopped the server they hit: a server of their own -------------------------
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def fragile():
+    """Shared by the bug tests: each checks that it still serves after its probe."""
     with launch("--max-num-seqs", "4") as s:
         yield s
 

@@ -249,23 +249,12 @@ def test_attention_backend_matches_naive(block_size, heads, kv_heads, head_dim, 
 
 
 @pytest.mark.slow
-def test_default_gguf_matches_transformers(monkeypatch):
-    path = default_model_path()
-    if not path.is_file():
-        pytest.skip(f"the default model is not at {path} (fetch it with `make model`)")
-    import gguf
-    from transformers import AutoModelForCausalLM
-
-    from conveyor.shared.gguf_reader import FastGGUFReader
-
-    monkeypatch.setattr(gguf, "GGUFReader", FastGGUFReader)   # same arrays, faster metadata
-
-    files = resolve_model(str(path))
+def test_default_gguf_matches_transformers(hf_default_model):
+    files = resolve_model(str(default_model_path()))
     started = time.perf_counter()
     ours = load_model(read_model_config(files), files, torch.float32, "cpu")
     print(f"GGUF load: {time.perf_counter() - started:.2f} s")
-    ref = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                               dtype=torch.float32).eval()
+    ref = hf_default_model
     prompt = [1, 504, 3575, 282, 4649, 314, 2114, 30, 378, 1789, 282]
     pool = pool_for(ours, num_blocks=16, block_size=4)
     tokens = {0: list(prompt)}
