@@ -10,6 +10,7 @@ The vocabulary view is built by the first constrained sequence (about a second, 
 """
 from __future__ import annotations
 
+import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -18,6 +19,13 @@ from conveyor.shared.grammar import GrammarCompiler, bitmask_width, build_tokeni
 from conveyor.shared.model_files import ModelFiles
 from conveyor.shared.structured_outputs import StructuredOutputs
 from conveyor.worker.sampler import SeqSamplingState, _tensor
+
+# NOTE: the fill thread takes the GIL to start llguidance's fill and again to return from it;
+# while the step loop runs Python, each take waits for the loop's thread to yield, which it does
+# every switch interval (CPython's default is 5 ms: a 0.5-1.5 ms fill then took 5-6 ms and the
+# decode step with it). So the first fill on the thread lowers the process's interval to this
+# (measured in docs/BENCHMARKS.md, "Structured outputs").
+GIL_SWITCH_S = 0.0002
 
 
 class StructuredOutputMasks:
@@ -76,6 +84,7 @@ class StructuredOutputMasks:
         if later:
             if self._fill_thread is None:
                 self._fill_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-fill")
+                sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_S))
             done = self._fill_thread.submit(self.compiler.fill_bitmask, grammars, host.numpy())
         else:
             self.compiler.fill_bitmask(grammars, host.numpy())

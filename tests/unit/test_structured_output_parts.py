@@ -275,6 +275,42 @@ def test_the_grammar_starts_after_the_start_sequence(vocab):
 
 
 @needs_model
+def test_a_fill_on_the_thread_equals_one_here_and_lowers_the_switch_interval(vocab, monkeypatch):
+    """`fill(later=True)` gives the same rows and bits as the inline fill, and the first one
+    lowers the process's GIL switch interval (restored after the test), so that the fill thread
+    gets the GIL back promptly while the step loop runs Python."""
+    import sys
+
+    from conveyor.worker import structured
+    from conveyor.worker.structured import StructuredOutputMasks
+
+    hf, compiler, config = vocab
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(0.005)
+    try:
+        masks = StructuredOutputMasks(None, None, config.vocab_size, config.eos_token_ids, 4,
+                                      torch.device("cpu"))
+        masks._compiler = compiler
+        states = []
+        for text in ('{"a": 1', '{"a": "x', ""):
+            g = compiler.start(StructuredOutputs(json={"type": "object"}), [])
+            for t in hf.encode(text, add_special_tokens=False):
+                g.accept(t)
+            st = SeqSamplingState.new(SamplingParams(), [1], 1, "cpu")
+            st.grammar = g
+            states.append(st)
+        here = [t.clone() for t in masks.fill(states, later=False).get()]
+        assert sys.getswitchinterval() == 0.005
+        pending = masks.fill(states, later=True)
+        bits, rows = pending.get()
+        assert pending.ready()
+        assert torch.equal(bits, here[0]) and torch.equal(rows, here[1])
+        assert sys.getswitchinterval() <= structured.GIL_SWITCH_S
+    finally:
+        sys.setswitchinterval(old)
+
+
+@needs_model
 def test_a_wrapped_byte_level_decoder_is_read_as_bytes(vocab):
     """transformers' GGUF reader (5.17) wraps the byte-level decoder in a Sequence with
     SentencePiece steps: the grammar view must still read "Ġ" as a space, so that every token a
