@@ -81,8 +81,12 @@ def worker_main(ctx: zmq.Context, control: Socket, cfg: ServeConfig, rank: int,
     profiler = StepProfiler.from_env(rank, device.type == "cuda")
     runner = ModelRunner(engine, model, files, max_model_len(engine, model), device)
     # NOTE: a pipeline stage runs each plan to its end: overlapping a plan with the next would
-    # hold a result back until the next plan's activations arrived
-    executor = LocalExecutor(runner, engine.async_scheduling and pp == 1)
+    # hold a result back until the next plan's activations arrived. Nor does a CPU worker
+    # overlap: its step computes inside submit, so a result held until the next submit would
+    # wait for the next step's whole forward pass (a step's time more on every token); the
+    # scheduler still plans the next step while this one computes (another process).
+    executor = LocalExecutor(runner, engine.async_scheduling and pp == 1
+                             and device.type == "cuda")
     plans = links.connect(ctx, zmq.PULL, cfg, worker_name(replica, rank, dp),
                           allowed=(StepPlan, Shutdown))
     results = None
