@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--costs-dp2", help="... (two replicas sharing the host)")
     p.add_argument("--output", help="results JSON (cost files and server logs beside it)")
     p.add_argument("server_flags", nargs="*", help="after --: more `conveyor serve` flags")
-    _workload_args(p, 24, "32:256", "16:64", "1.0")
+    _workload_args(p, 60, "32:256", "16:64", "1.0")
     p.set_defaults(func=cmd_validate)
 
     args = ap.parse_args(argv)
