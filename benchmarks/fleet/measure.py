@@ -22,7 +22,7 @@ import time
 
 from benchmarks.fleet.cost import CostModel, StepShape, fit, part_features
 
-CPU_GRID = {"prefill": [16, 64, 256, 1024], "batches": [1, 4, 16], "contexts": [64, 256],
+CPU_GRID = {"prefill": [16, 64, 256, 1024], "batches": [1, 2, 4, 16], "contexts": [64, 256],
             "decode_steps": 3}
 CUDA_GRID = {"prefill": [16, 64, 256, 512, 1024, 2048, 4096, 8192],
              "batches": [1, 8, 32, 64, 128, 256], "contexts": [128, 1024, 2048], "decode_steps": 4}

@@ -17,6 +17,12 @@ from conveyor.worker.layers.activation import silu_and_mul
 from conveyor.worker.layers.parallel import all_reduce, divide, tp_rank, tp_size
 
 
+# NOTE: on the CPU, torch's F.linear (x W^T) of 2 to 4 rows takes a path 1.3-5x slower than
+# W x^T (the vocabulary projection of the default model: 28 against 5 ms for 2 rows, slower than
+# for 4 rows), so small batches multiply the other way round (docs/BENCHMARKS.md, "CPU")
+CPU_TRANSPOSED_ROWS = (2, 4)
+
+
 def linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, bias: torch.Tensor | None = None,
            silu_mul: bool = False, scale: torch.Tensor | None = None,
            zero: torch.Tensor | None = None, perm: torch.Tensor | None = None) -> torch.Tensor:
@@ -61,6 +67,10 @@ def linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, bias: torch.Tensor |
     if silu_mul:
         x = silu_and_mul(x)
     if scale is None:
+        lo, hi = CPU_TRANSPOSED_ROWS
+        if not x.is_cuda and x.dim() == 2 and lo <= x.shape[0] <= hi:
+            y = torch.mm(weight, x.t()).t().contiguous()
+            return y if bias is None else y + bias
         return F.linear(x, weight, bias)
     if weight.dtype == torch.float8_e4m3fn and scale.shape[1] > 1:
         # block-scaled fp8 checkpoints, run W8A16: the weight dequantized for this product
