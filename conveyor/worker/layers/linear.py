@@ -16,7 +16,6 @@ from conveyor.kernels._util import Fp8Rows
 from conveyor.worker.layers.activation import silu_and_mul
 from conveyor.worker.layers.parallel import all_reduce, divide, tp_rank, tp_size
 
-
 # NOTE: on the CPU, torch's F.linear (x W^T) of 2 to 4 rows takes a path 1.3-5x slower than
 # W x^T (the vocabulary projection of the default model: 28 against 5 ms for 2 rows, slower than
 # for 4 rows), so small batches multiply the other way round (docs/BENCHMARKS.md, "CPU")
