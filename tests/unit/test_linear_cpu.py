@@ -17,4 +17,3 @@ def test_every_row_count_equals_f_linear(rows, bias):
     y = linear(x, w, b)
     assert y.shape == (rows, 130) and y.is_contiguous()
     torch.testing.assert_close(y, F.linear(x, w, b), atol=1e-5, rtol=1e-5)
-

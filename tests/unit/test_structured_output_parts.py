@@ -275,7 +275,7 @@ def test_the_grammar_starts_after_the_start_sequence(vocab):
 
 
 @needs_model
-def test_a_fill_on_the_thread_equals_one_here_and_lowers_the_switch_interval(vocab, monkeypatch):
+def test_a_fill_on_the_thread_equals_one_here_and_lowers_the_switch_interval(vocab):
     """`fill(later=True)` gives the same rows and bits as the inline fill, and the first one
     lowers the process's GIL switch interval (restored after the test), so that the fill thread
     gets the GIL back promptly while the step loop runs Python."""

@@ -19,7 +19,15 @@ from conveyor.worker.layers.parallel import all_reduce, divide, tp_rank, tp_size
 # NOTE: on the CPU, torch's F.linear (x W^T) of 2 to 4 rows takes a path 1.3-5x slower than
 # W x^T (the vocabulary projection of the default model: 28 against 5 ms for 2 rows, slower than
 # for 4 rows), so small batches multiply the other way round (docs/BENCHMARKS.md, "CPU")
-CPU_TRANSPOSED_ROWS = (2, 4)
+CPU_TRANSPOSED_MAX_ROWS = 4
+
+
+def _dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x, weight, bias) of a full-precision weight, by the faster form on the CPU."""
+    if not x.is_cuda and x.dim() == 2 and 1 < x.shape[0] <= CPU_TRANSPOSED_MAX_ROWS:
+        y = torch.mm(weight, x.t()).t().contiguous()
+        return y if bias is None else y + bias
+    return F.linear(x, weight, bias)
 
 
 def linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -66,17 +74,13 @@ def linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, bias: torch.Tensor |
     if silu_mul:
         x = silu_and_mul(x)
     if scale is None:
-        lo, hi = CPU_TRANSPOSED_ROWS
-        if not x.is_cuda and x.dim() == 2 and lo <= x.shape[0] <= hi:
-            y = torch.mm(weight, x.t()).t().contiguous()
-            return y if bias is None else y + bias
-        return F.linear(x, weight, bias)
+        return _dense(x, weight, bias)
     if weight.dtype == torch.float8_e4m3fn and scale.shape[1] > 1:
         # block-scaled fp8 checkpoints, run W8A16: the weight dequantized for this product
         from conveyor.kernels import dequantize
 
         w = (dequantize.dequantize if gpu else dequantize.dequantize_ref)(weight, scale, x.dtype)
-        return F.linear(x, w, bias)
+        return _dense(x, w, bias)
     if weight.dtype == torch.int8:
         from conveyor.kernels import int8_gemm
 
