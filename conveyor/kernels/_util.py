@@ -25,6 +25,24 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+# per device: one int32 count per output tile of a split-K kernel, at 0 between calls (the last
+# program of a tile resets it; one stream at a time uses them)
+_tile_counts: dict[torch.device, torch.Tensor] = {}
+
+
+def tile_counts(device: torch.device, tiles: int, who: str) -> torch.Tensor:
+    """The split-K tile counts of `device`, at least `tiles` of them (grown outside CUDA graph
+    capture only: a graph keeps the buffer it captured)."""
+    counts = _tile_counts.get(device)
+    if counts is None or counts.numel() < tiles:
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        check(not capturing, f"{who}: run a split-K shape once before capturing it in a CUDA "
+              "graph (its tile counts are allocated then)")
+        counts = _tile_counts[device] = torch.zeros(max(tiles, 1024), dtype=torch.int32,
+                                                    device=device)
+    return counts
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 

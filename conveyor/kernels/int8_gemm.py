@@ -11,7 +11,7 @@ Design and figures: docs/QUANTIZATION.md.
 import torch
 
 from conveyor.kernels._triton import jit, require_triton, tl, weight_major_tile
-from conveyor.kernels._util import check, next_pow2
+from conveyor.kernels._util import check, next_pow2, tile_counts
 from conveyor.kernels.dequantize import dequantize_ref
 from conveyor.kernels.skinny_gemm import int8_to_float, scale_fits
 
@@ -24,8 +24,6 @@ _MAX_SPLIT = 4
 # calls cuBLAS instead: compute bound there, cuBLAS's bf16 kernels beat this one by more than
 # the dequantization costs (docs/QUANTIZATION.md; bench_kernels.py --tables quant times both)
 CUBLAS_FROM_M = 1024
-# per device: one int32 count per tile, at 0 between calls (one stream at a time uses them)
-_counts: dict[torch.device, torch.Tensor] = {}
 
 
 @jit
@@ -95,17 +93,6 @@ def tiling(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
     return block_m, block_k, 4, num_stages, split
 
 
-def _tile_counts(device: torch.device, tiles: int) -> torch.Tensor:
-    counts = _counts.get(device)
-    if counts is None or counts.numel() < tiles:
-        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        check(not capturing, "int8_gemm: run a split-K shape "
-              "once before capturing it in a CUDA graph (its tile counts are allocated then)")
-        counts = _counts[device] = torch.zeros(max(tiles, 1024), dtype=torch.int32,
-                                               device=device)
-    return counts
-
-
 def takes(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> bool:
     return (x.dim() == 2 and x.dtype in (torch.float16, torch.bfloat16) and x.stride(-1) == 1
             and weight.dim() == 2 and weight.dtype == torch.int8 and weight.stride(1) == 1
@@ -133,7 +120,7 @@ def int8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     part = counts = y
     if split > 1:
         part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-        counts = _tile_counts(x.device, tiles)
+        counts = tile_counts(x.device, tiles, "int8_gemm")
     _int8_gemm_kernel[(tiles, split)](
         x, weight, scale, bias if bias is not None else y, y, part, counts, m, n, k, k // split,
         x.stride(0), weight.stride(0), groups, y.stride(0),

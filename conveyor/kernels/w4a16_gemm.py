@@ -7,13 +7,14 @@ The layout every 4-bit checkpoint (AWQ, GPTQ) is converted to at load (worker/in
   layer's input in the weight's column order).
 `dequantize_int4` is the reference and the CPU path (dequantize, then F.linear). `w4a16_gemm`
 takes one of two Triton paths by the number of rows M:
-  M < CUBLAS_FROM_M (decode): tiles of y; each K step loads BLOCK_K / 8 consecutive words of
-  each weight row (coalesced), unpacks them in registers and feeds the tensor cores, the weight
-  tile never going back to memory;
+  M < CUBLAS_FROM_M (decode): tiles of y^T, the weight rows as the tensor cores' register
+  operand: each 128-input step loads 16 consecutive words of each row (coalesced) and unpacks
+  them in registers a nibble plane at a time, the weight never going back to memory; K is
+  split among programs (the last of a tile sums the parts), so enough bytes are in flight;
   more rows: the weight dequantized to x's dtype in one pass, then cuBLAS (the pass costs about
   as much as reading a bf16 weight once, which a prefill-sized product amortizes).
-Both subtract the group's zero and multiply by its scale in float32, and take a nibble to
-float by OR-ing it into the mantissa of 2^23 (exact, and no I2F).
+Both take a nibble to a float without a conversion instruction (by OR-ing it into the mantissa
+of a power of two, exact) and apply the group's zero and scale in float32.
 """
 from __future__ import annotations
 
@@ -21,11 +22,14 @@ import torch
 import torch.nn.functional as F
 
 from conveyor.kernels._triton import jit, require_triton, tl
-from conveyor.kernels._util import check
+from conveyor.kernels._util import check, tile_counts
 
 # rows from which the weight is dequantized to x's dtype and multiplied by cuBLAS (the tiled
 # kernel's dequantization per tile costs more than the one pass once a step has this many rows)
 CUBLAS_FROM_M = 32
+# NOTE: weight rows a tile (one tensor-core operand of two warpgroup M's, 4 warps); the sweep's
+# best at one to sixteen rows, 64 took 1.1-1.3x longer
+BLOCK_N = 128
 
 
 def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
@@ -70,37 +74,81 @@ def _nibbles_as_float(words, shifts):
     return bits.to(tl.float32, bitcast=True)
 
 
+@jit
+def _nibble_plane(words, i: tl.constexpr):
+    """Nibble i of each word as bfloat16 128 + q (0x4300 | q is that number's bit pattern:
+    exact, two integer ops and no conversion)."""
+    return (((words >> (4 * i)) & 15) | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
 @jit(do_not_specialize=["M"])
-def _w4a16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, GROUP,
-                  stride_xm, stride_wn, stride_sn, stride_ym, HAS_BIAS: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """A [BLOCK_M, BLOCK_N] tile of y; each K step loads BLOCK_K / 8 consecutive words of each
-    weight row, and BLOCK_K divides the group, so one scale and zero per row serve the step."""
-    pid_m = tl.program_id(1)
-    pid_n = tl.program_id(0)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok = offs_m < M
-    n_ok = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
-    shifts = tl.arange(0, 8) * 4
-    rows_n = offs_n.to(tl.int64)
-    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
-    w_ptrs = w_ptr + rows_n[:, None] * stride_wn + tl.arange(0, BLOCK_K // 8)[None, :]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        x = tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0)               # [BM, BK]
-        words = tl.load(w_ptrs + k0 // 8, mask=n_ok[:, None], other=0)       # [BN, BK / 8]
-        g = k0 // GROUP
-        s = tl.load(s_ptr + rows_n * stride_sn + g, mask=n_ok, other=0.0)    # [BN]
-        z = tl.load(z_ptr + rows_n * stride_sn + g, mask=n_ok, other=0.0) + 8388608.0
-        q = tl.reshape(_nibbles_as_float(words, shifts), (BLOCK_N, BLOCK_K))  # k = 8 word + i
-        w = ((q - z[:, None]) * s[:, None]).to(x.dtype)                      # [BN, BK]
-        acc = tl.dot(x, tl.trans(w), acc)
+def _w4a16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, GROUP,
+                  K_SPLIT, stride_xm, stride_wn, stride_sn, stride_ym, HAS_BIAS: tl.constexpr,
+                  GROUP_STEPS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """y^T tile [BLOCK_N, BLOCK_M] = W_tile x_tile^T, 128 inputs (16 words a weight row) a step.
+
+    Nibble i of word w is input 8 w + i: a step is eight dots of [BLOCK_N, 16] weights (plane
+    i of the 16 words, unpacked in registers, the tensor cores' register operand) by the inputs
+    8 w + i, so the words never change layout (unpacking them into k order did: 3x slower).
+    With GROUP_STEPS (groups of a multiple of 128 inputs) the dots take 128 + q unscaled and
+    the step's sum is scaled after: s (x.(128 + q) - (128 + zero) sum(x)); smaller groups scale
+    each word's column before the dots."""
+    tile = tl.program_id(0)
+    split = tl.program_id(1)
+    rn = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    # out-of-range rows load a valid row again (wrapped); the store drops them
+    wn = (rn % N).to(tl.int64)
+    xm = (rm % M).to(tl.int64)
+    kw = tl.arange(0, 16)
+    w_ptrs = w_ptr + wn[:, None] * stride_wn + kw[None, :]             # [BLOCK_N, 16] words
+    x_ptrs = x_ptr + xm[None, :] * stride_xm + 8 * kw[:, None]          # [16, BLOCK_M], plane 0
+    s_ptrs = s_ptr + wn * stride_sn
+    z_ptrs = z_ptr + wn * stride_sn
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    k0 = split * K_SPLIT
+    for k in tl.range(k0, tl.minimum(k0 + K_SPLIT, K), 128):
+        k_ok = k + 8 * kw < K
+        if EVEN_K:
+            words = tl.load(w_ptrs + k // 8)
+        else:
+            words = tl.load(w_ptrs + k // 8, mask=k_ok[None, :], other=0)
+        if GROUP_STEPS:
+            s = tl.load(s_ptrs + k // GROUP)
+            z = tl.load(z_ptrs + k // GROUP)
+            part = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            xs = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for i in tl.static_range(8):
+                xi = tl.load(x_ptrs + k + i)
+                part = tl.dot(_nibble_plane(words, i).to(xi.dtype), xi, part)
+                xs += tl.sum(xi.to(tl.float32), axis=0)
+            acc += part * s[:, None] - (s * (z + 128.0))[:, None] * xs[None, :]
+        else:
+            g = (k + 8 * kw) // GROUP                                  # a word's group
+            s = tl.load(s_ptrs[:, None] + g[None, :], mask=k_ok[None, :], other=0.0)
+            z = tl.load(z_ptrs[:, None] + g[None, :], mask=k_ok[None, :], other=0.0) + 128.0
+            for i in tl.static_range(8):
+                xi = tl.load(x_ptrs + k + i, mask=(k + 8 * kw + i < K)[:, None], other=0.0)
+                w = (_nibble_plane(words, i).to(tl.float32) - z) * s
+                acc = tl.dot(w.to(xi.dtype), xi, acc)
+    offs = rm[None, :].to(tl.int64) * N + rn[:, None]                  # y^T tile, dense [M, N]
+    mask = (rm[None, :] < M) & (rn[:, None] < N)
+    last = True
+    if SPLIT_K > 1:
+        tl.store(part_ptr + split * M * N + offs, acc, mask=mask)
+        tl.debug_barrier()              # every thread's partial is stored before the count
+        last = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1
+        if last:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            for p in tl.static_range(SPLIT_K):      # in split order: the same sum every run
+                acc += tl.load(part_ptr + p * M * N + offs, mask=mask, other=0.0,
+                               cache_modifier=".cg")
+            tl.store(count_ptr + tile, 0)
     if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :],
-             acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        acc += tl.load(b_ptr + wn).to(tl.float32)[:, None]
+    tl.store(y_ptr + rm[None, :].to(tl.int64) * stride_ym + rn[:, None],
+             acc.to(y_ptr.dtype.element_ty), mask=mask & last)
 
 
 @jit
@@ -121,12 +169,14 @@ def _dequantize_int4_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, GROUP, stride_wn
              w.to(out_ptr.dtype.element_ty), mask=ok[:, :, None])
 
 
-def _tiles(m: int, group: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) below CUBLAS_FROM_M rows; BLOCK_K
-    divides the group. From a sweep on an H200 (Llama-3.1-8B's four layer shapes,
-    docs/QUANTIZATION.md): narrow weight tiles, so that even 4,096 rows make 256 programs."""
-    bk = next(b for b in (128, 64, 32, 16) if group % b == 0)
-    return (16, 16, bk, 2, 4) if m <= 16 else (32, 32, bk, 4, 4)
+def _tiling(m: int, k: int) -> tuple[int, int]:
+    """(BLOCK_M, SPLIT_K) below CUBLAS_FROM_M rows. A decode-sized product is a stream of
+    weight bytes: K is split in up to eight parts of at least two 128-input steps, which put
+    more bytes in flight (on an H200 Llama-3.1-8B's four layer shapes took 3.45 ms over 32
+    layers at 8 parts of 128-row tiles, 4.2 at 4, 5.4 at 2; docs/QUANTIZATION.md)."""
+    steps = -(-k // 128)
+    split = next(p for p in (8, 4, 2, 1) if steps >= 2 * p or p == 1)
+    return (16 if m <= 16 else 32), split
 
 
 def takes(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> bool:
@@ -159,14 +209,22 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero
     if m >= CUBLAS_FROM_M:
         return F.linear(x, dequantize_int4_gpu(qweight, scale, zero, x.dtype), bias)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0:
+    if m == 0 or n == 0:
         return y
-    bm, bn, bk, warps, stages = _tiles(m, k // g)
-    grid = (-(-n // bn), -(-m // bm))
-    _w4a16_kernel[grid](x, qweight, scale, zero, bias if bias is not None else y, y, m, n, k,
-                        k // g, x.stride(0), qweight.stride(0), scale.stride(0), y.stride(0),
-                        HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                        num_warps=warps, num_stages=stages)
+    block_m, split = _tiling(m, k)
+    k_split = -(-k // split // 128) * 128
+    split = -(-k // k_split)
+    tiles = -(-n // BLOCK_N)
+    part = counts = y
+    if split > 1:
+        part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+        counts = tile_counts(x.device, tiles, "w4a16_gemm")
+    group = k // g
+    _w4a16_kernel[(tiles, split)](
+        x, qweight, scale, zero, bias if bias is not None else y, y, part, counts, m, n, k,
+        group, k_split, x.stride(0), qweight.stride(0), scale.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, GROUP_STEPS=group % 128 == 0, EVEN_K=k % k_split == 0,
+        SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=BLOCK_N, num_warps=4, num_stages=4)
     return y
 
 

@@ -157,7 +157,7 @@ def test_checkpoint_on_the_gpu_stays_close_to_the_cpu(tiny, tmp_path, method):
     then one alone (the one-row GEMV reading the checkpoint's bytes)."""
     make_checkpoint(tiny, tmp_path / "q", method, "channel")
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
-    cpu = LLM(model=str(tmp_path / "q"), **ENGINE)
+    cpu = LLM(model=str(tmp_path / "q"), device="cpu", **ENGINE)   # "auto" would take the GPU
     gpu = LLM(model=str(tmp_path / "q"), device="cuda", gpu_memory_utilization=0.3, **ENGINE)
     for prompts in (PROMPTS, PROMPTS[:1]):
         reference = [o.outputs[0] for o in cpu.generate(prompts, params, use_tqdm=False)]

@@ -31,13 +31,17 @@ def test_w4a16_matches_reference(dtype, m, n, k, group, bias, act_order):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("m,k,group,act_order", [(1, 128, 32, False), (5, 128, 64, True),
-                                                (70, 128, 0, False), (40, 48, 16, True)])
-def test_w4a16_small(m, k, group, act_order, device):
-    """Small shapes, also under Triton's interpreter on the CPU: the tiled kernel (a few rows)
-    and dequantize-then-cuBLAS (many)."""
+@pytest.mark.parametrize("m,n,k,group,act_order", [
+    (1, 40, 128, 32, False), (5, 40, 128, 64, True), (70, 40, 128, 0, False),
+    (40, 40, 48, 16, True),
+    # K split in parts: 4 (groups of 128), 3 (groups of 64, scaled a word at a time) and
+    # 2 uneven ones (one group of 640 inputs)
+    (3, 200, 1024, 128, False), (17, 72, 1152, 64, True), (1, 136, 640, 0, False)])
+def test_w4a16_small(m, n, k, group, act_order, device):
+    """Small shapes, also under Triton's interpreter on the CPU: the tiled kernel (a few rows,
+    K whole or split) and dequantize-then-cuBLAS (many). Each runs twice: a split's tile
+    counts must be back at 0."""
     gen = torch.Generator(device=device).manual_seed(m)
-    n = 40
     groups = k // group if group else 1
     q = torch.randint(0, 16, (n, k), device=device, generator=gen, dtype=torch.uint8)
     scale = torch.rand(n, groups, device=device, generator=gen) / 20
@@ -45,9 +49,9 @@ def test_w4a16_small(m, k, group, act_order, device):
     x = torch.randn(m, k, device=device, generator=gen).to(torch.bfloat16)
     perm = torch.randperm(k, device=device, generator=gen) if act_order else None
     want = w4a16_ref(x.float(), pack_int4(q), scale, zero, None, perm)
-    got = w4a16_gemm(x, pack_int4(q), scale, zero, None, perm)
-    torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
-
+    for _ in range(2):
+        got = w4a16_gemm(x, pack_int4(q), scale, zero, None, perm)
+        torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
 
 
 @pytest.mark.interpreter
