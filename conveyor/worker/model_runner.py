@@ -58,6 +58,12 @@ class Slot:
     lora: LoRARequest | None = None  # its adapter
 
 
+# NOTE: what the pool leaves of the memory free when it is sized, where that bounds it (another
+# engine of the process holds the rest): the pool's per-layer tensors, rounded up by the
+# allocator, came to more than an exact fit and the last one failed on an H200
+FREE_MARGIN_BYTES = 1 << 30
+
+
 @dataclass
 class _Launched:
     """A step whose forward pass is queued; its sampling and the copies to the host follow."""
@@ -203,7 +209,7 @@ class ModelRunner:
 
         The budget is `gpu_memory_utilization` of the device for this engine alone: memory
         another engine of the process already holds is not counted against it, and the pool
-        never takes more than is free now.
+        leaves FREE_MARGIN_BYTES of what is free now.
         """
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -223,7 +229,8 @@ class ModelRunner:
         # what the peak step needs beyond what is allocated now must stay free as well
         free = torch.cuda.mem_get_info(self.device)[0] - (
             peak + self._memory_before - torch.cuda.memory_allocated(self.device))
-        free_bytes = min(int(total * self.config.gpu_memory_utilization) - peak, free)
+        free_bytes = min(int(total * self.config.gpu_memory_utilization) - peak,
+                         free - FREE_MARGIN_BYTES)
         if self.drafter is not None:
             free_bytes -= self.drafter.scratch_bytes()
         num = free_bytes // self._block_bytes()
