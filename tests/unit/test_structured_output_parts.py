@@ -343,3 +343,40 @@ def test_a_wrapped_byte_level_decoder_is_read_as_bytes(vocab):
                 g.accept(int(rng.choice(np.flatnonzero(row))))
                 assert not g.ready().is_error(), g.ready().get_error()
     compiler.close()
+
+
+@needs_model
+def test_slices_leave_every_mask_as_it_was(vocab):
+    """The engine's token classes (grammar.SLICES) only speed the fill up: along random walks
+    through a schema of length-bounded strings, and a regex, each mask equals the one the
+    library's default classes give."""
+    import llguidance
+    from llguidance.numpy import fill_next_token_bitmask
+
+    from conveyor.shared.grammar import to_grammar
+
+    hf, compiler, config = vocab
+    ours = compiler.tokenizer
+    default = ours.with_slices(llguidance.LLTokenizer.general_slices())
+    schema = {"type": "array", "minItems": 3, "items": {
+        "type": "object", "required": ["name", "city", "tags"],
+        "properties": {"name": {"type": "string", "maxLength": 24},
+                       "city": {"type": "string", "minLength": 2, "maxLength": 9},
+                       "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}}}}}
+    rng = np.random.default_rng(1)
+    width = bitmask_width(config.vocab_size)
+    for so in (StructuredOutputs(json=schema), StructuredOutputs(regex=r"[a-z ]{3,17}\.")):
+        for _ in range(3):
+            pair = [llguidance.LLMatcher(view, to_grammar(so), log_level=0)
+                    for view in (ours, default)]
+            for _ in range(60):
+                masks = np.zeros((2, width), dtype=np.int32)
+                for row, m in enumerate(pair):
+                    fill_next_token_bitmask(m, masks, row)
+                assert (masks[0] == masks[1]).all()
+                bits = np.unpackbits(masks[0].view(np.uint8), bitorder="little")
+                token = int(rng.choice(np.flatnonzero(bits[:config.vocab_size])))
+                if pair[0].is_stopped() or token in config.eos_token_ids:
+                    break
+                for m in pair:
+                    assert m.consume_token(token)
