@@ -87,3 +87,21 @@ def weight_major_tile(tile, M, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 __all__ = ["grid_sync", "grid_wait", "interpreting", "jit", "launch_next", "libdevice", "pdl",
            "pdl_args", "require_triton", "tl", "triton", "weight_major_tile"]
+
+
+@jit
+def split_k_sum(acc, part_ptr, count_ptr, tile, split, offs, mask, size,
+                SPLIT_K: tl.constexpr):
+    """Split-K's sum within the one launch: every program stores its float32 part of the tile
+    (at part_ptr + split * size + offs) and counts itself in; the last of the tile's SPLIT_K
+    adds the parts in split order (the same sum every run), resets the tile's count (0 between
+    calls) and gets (the sum, True); the others get (acc, False) and store nothing."""
+    tl.store(part_ptr + split * size + offs, acc, mask=mask)
+    tl.debug_barrier()              # every thread's part is stored before the count
+    last = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1
+    if last:
+        acc = tl.zeros_like(acc)
+        for p in tl.static_range(SPLIT_K):
+            acc += tl.load(part_ptr + p * size + offs, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.store(count_ptr + tile, 0)
+    return acc, last

@@ -10,7 +10,7 @@ Design and figures: docs/QUANTIZATION.md.
 """
 import torch
 
-from conveyor.kernels._triton import jit, require_triton, tl, weight_major_tile
+from conveyor.kernels._triton import jit, require_triton, split_k_sum, tl, weight_major_tile
 from conveyor.kernels._util import check, next_pow2, tile_counts
 from conveyor.kernels.dequantize import dequantize_ref
 from conveyor.kernels.skinny_gemm import int8_to_float, scale_fits
@@ -60,15 +60,7 @@ def _int8_gemm_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, count_
     mask = (rm[None, :] < M) & (rn[:, None] < N)
     last = True
     if SPLIT_K > 1:
-        tl.store(part_ptr + split * M * N + offs, acc, mask=mask)
-        tl.debug_barrier()              # every thread's partial is stored before the count
-        last = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1
-        if last:
-            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-            for s in tl.static_range(SPLIT_K):      # in split order: the same sum every run
-                acc += tl.load(part_ptr + s * M * N + offs, mask=mask, other=0.0,
-                               cache_modifier=".cg")
-            tl.store(count_ptr + tile, 0)
+        acc, last = split_k_sum(acc, part_ptr, count_ptr, tile, split, offs, mask, M * N, SPLIT_K)
     if not GROUPED:
         acc *= tl.load(scale_ptr + wn * stride_sn)[:, None]
     if HAS_BIAS:

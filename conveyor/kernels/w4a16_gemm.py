@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from conveyor.kernels._triton import jit, require_triton, tl
+from conveyor.kernels._triton import jit, require_triton, split_k_sum, tl
 from conveyor.kernels._util import check, tile_counts
 
 # rows from which the weight is dequantized to x's dtype and multiplied by cuBLAS (the tiled
@@ -136,15 +136,7 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count_ptr,
     mask = (rm[None, :] < M) & (rn[:, None] < N)
     last = True
     if SPLIT_K > 1:
-        tl.store(part_ptr + split * M * N + offs, acc, mask=mask)
-        tl.debug_barrier()              # every thread's partial is stored before the count
-        last = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1
-        if last:
-            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-            for p in tl.static_range(SPLIT_K):      # in split order: the same sum every run
-                acc += tl.load(part_ptr + p * M * N + offs, mask=mask, other=0.0,
-                               cache_modifier=".cg")
-            tl.store(count_ptr + tile, 0)
+        acc, last = split_k_sum(acc, part_ptr, count_ptr, tile, split, offs, mask, M * N, SPLIT_K)
     if HAS_BIAS:
         acc += tl.load(b_ptr + wn).to(tl.float32)[:, None]
     tl.store(y_ptr + rm[None, :].to(tl.int64) * stride_ym + rn[:, None],
