@@ -3,6 +3,9 @@
     python scripts/simulate_fleet.py run --costs h200-llama3.1-8b --dp 8 --rate 40
     python scripts/simulate_fleet.py table --costs h200-llama3.1-8b --gpus 8,64,512
     python scripts/simulate_fleet.py routers --costs h200-qwen3-0.6b --dp 8
+    python scripts/simulate_fleet.py routers --dp 2 --measure --requests 512 --rate inf \
+        --prefix-groups 16 --prefix-len 2048 --zipf 0 --input-len 64 --output-len 128 \
+        -- --model FOLDER --device cuda            # also served here, side by side
     python scripts/simulate_fleet.py measure --output cpu.json [--threads 1 --copies 2]
     python scripts/simulate_fleet.py validate --output cpu-dp.json     # serve -dp 1 and 2
 
@@ -165,9 +168,27 @@ def cmd_routers(args) -> None:
                          "TTFT p99 ms": r.ttft_ms["p99"],
                          "requests per replica (min-max)":
                              f"{min(r.requests_per_replica)}-{max(r.requests_per_replica)}"})
+            if args.measure and imbalance == own:
+                rows[-1] |= _measured(args, workload, policy)
     finally:
         router.MAX_IMBALANCE = own
     print(_markdown(rows))
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump({"date": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+                       "argv": sys.argv, "rows": rows}, f, indent=1)
+
+
+def _measured(args, workload: Workload, policy: str) -> dict:
+    """The same workload through `conveyor serve -dp N` here with `policy` (the server's own
+    imbalance threshold), measured in the client: its columns for the routers table."""
+    from benchmarks.fleet.validate import served_run
+
+    log = f"{args.output}.server-{policy}.log" if args.output else None
+    m = served_run(args.dp, workload, policy, args.server_flags, log)
+    return {"measured hit rate": f"{m['prefix_hit_rate']:.1%}",
+            "measured tok/s": m["tok_per_s"], "measured TTFT p50 ms": m["ttft_ms"]["p50"],
+            "measured TTFT p99 ms": m["ttft_ms"]["p99"]}
 
 
 def cmd_measure(args) -> None:
@@ -244,6 +265,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--max-imbalance", type=lambda s: [int(x) for x in s.split(",")],
                    help="prefix_affinity's thresholds to compare (default: the router's own)")
+    p.add_argument("--measure", action="store_true",
+                   help="also serve the workload here (`conveyor serve -dp DP`, each policy) "
+                        "and measure it in the client: hit rate, tok/s, TTFT")
+    p.add_argument("--output", help="with --measure: the rows as JSON (server logs beside it)")
+    p.add_argument("server_flags", nargs="*",
+                   help="after --: more `conveyor serve` flags (--model, --device cuda, ...)")
     _workload_args(p, 8000, "50:300", "50:300", "400")
     p.set_defaults(prefix_groups=4096, prefix_len=1024, zipf=1.0)
     _engine_args(p)

@@ -26,8 +26,9 @@ from benchmarks.fleet.sim import Result, Workload, simulate
 
 
 async def _client_pass(address: str, workload: Workload, seqs) -> list[tuple[float, float,
-                                                                              float, int]]:
-    """[(sent at, TTFT, end-to-end, output tokens)] in seconds from the first send."""
+                                                                              float, int, int]]:
+    """[(sent at, TTFT, end-to-end, output tokens, prompt tokens found in the prefix cache)]
+    in seconds from the first send."""
     from conveyor import SamplingParams
     from conveyor.client import AsyncClient
 
@@ -40,13 +41,15 @@ async def _client_pass(address: str, workload: Workload, seqs) -> list[tuple[flo
         async def one(seq):
             await asyncio.sleep(max(0.0, t0 + seq.arrival - time.perf_counter()))
             sent = time.perf_counter()
-            first, n = None, 0
+            first, n, cached = None, 0, 0
             params = SamplingParams(max_tokens=seq.out_len, ignore_eos=True, temperature=0.0)
             async for out in client.stream(workload.prompt(seq), params):
                 n += len(out.outputs[0].token_ids)
+                if out.metrics is not None:          # on the last output
+                    cached = out.metrics.num_cached_tokens
                 if first is None and n:
                     first = time.perf_counter()
-            return sent - t0, first - sent, time.perf_counter() - sent, n
+            return sent - t0, first - sent, time.perf_counter() - sent, n, cached
 
         return list(await asyncio.gather(*(one(s) for s in seqs)))
 
@@ -75,7 +78,8 @@ def served_run(dp: int, workload: Workload, policy: str, server_flags: list[str]
             "ttft_ms": {"p50": float(np.percentile(ttft, 50)),
                         "p99": float(np.percentile(ttft, 99)), "mean": float(ttft.mean())},
             "tpot_ms": float(np.mean([(d[2] - d[1]) / (d[3] - 1) for d in done if d[3] > 1]))
-            * 1e3}
+            * 1e3,
+            "prefix_hit_rate": sum(d[4] for d in done) / sum(s.prompt_len for s in seqs)}
 
 
 def validate(workload: Workload, dps: list[int], policy: str, grid: dict,

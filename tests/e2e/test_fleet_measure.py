@@ -33,3 +33,21 @@ def test_measured_steps_have_the_grid_shapes(tmp_path):
     cost.save(tmp_path / "cpu.json")
     assert CostModel.load(tmp_path / "cpu.json") == cost
     assert cost.step_time(StepShape(16, 1, 0, 136.0)) > 0
+
+
+def test_served_run_reports_the_prefix_cache_hits():
+    """`routers --measure` reads the hit rate from the requests' own metrics: requests that
+    share a 64-token prefix, arriving apart, find it cached (all but the first, whole blocks
+    of 16), and no more than that."""
+    import math
+
+    from benchmarks.fleet.sim import Workload
+    from benchmarks.fleet.validate import served_run
+
+    workload = Workload(num_requests=4, rate=2.0, input_len=(8, 8), output_len=(4, 4),
+                        prefix_groups=1, prefix_len=64, seed=3)
+    run = served_run(1, workload, "prefix_affinity", ["--max-model-len", "256"])
+    assert run["requests"] == 4 and run["output_tokens"] == 16
+    # the first request computes the prefix; each later one can reuse its 4 whole blocks
+    assert 0 < run["prefix_hit_rate"] <= 3 * 64 / (4 * 72)
+    assert math.isfinite(run["tok_per_s"])
