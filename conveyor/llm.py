@@ -38,6 +38,10 @@ class LLM:
         if self.config.distributed_executor_backend != "mp":
             raise ValueError("distributed_executor_backend: Ray workers are placed by `conveyor "
                              "serve`; LLM runs one engine in this process ('mp')")
+        if self.config.tensor_parallel_size > 1:
+            raise ValueError("tensor_parallel_size: tensor-parallel ranks are worker processes "
+                             "of `conveyor serve --tp N`; LLM runs one engine in this process "
+                             "(tensor_parallel_size=1)")
         if self.config.pipeline_parallel_size > 1:
             raise ValueError("pipeline_parallel_size: pipeline stages are worker processes of "
                              "`conveyor serve`; LLM runs one engine in this process "

@@ -49,3 +49,17 @@ def test_llm_samples_with_the_models_generation_config_unless_told_otherwise(tmp
     [out] = plain.generate([[3, 4, 5]], SamplingParams(max_tokens=4, ignore_eos=True),
                            use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("args,name", [
+    ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
+    ({"pipeline_parallel_size": 2}, "pipeline_parallel_size"),
+    ({"data_parallel_size": 2}, "data_parallel_size"),
+    ({"distributed_executor_backend": "ray"}, "distributed_executor_backend")])
+def test_llm_refuses_what_only_the_server_runs(args, name):
+    """LLM runs one engine in its process: more ranks, stages or replicas are refused by name
+    before anything loads (tensor_parallel_size=2 once crashed deep in the first forward)."""
+    from conveyor import LLM
+
+    with pytest.raises(ValueError, match=f"^{name}: .*conveyor serve"):
+        LLM(device="cpu", **args)
