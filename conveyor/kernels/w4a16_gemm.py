@@ -90,7 +90,8 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count_ptr,
 
     Nibble i of word w is input 8 w + i: a step is eight dots of [BLOCK_N, 16] weights (plane
     i of the 16 words, unpacked in registers, the tensor cores' register operand) by the inputs
-    8 w + i, so the words never change layout (unpacking them into k order did: 3x slower).
+    8 w + i, so the words never change layout (a reshape into k order first took 1.1x as long
+    at four parts of K).
     With GROUP_STEPS (groups of a multiple of 128 inputs) the dots take 128 + q unscaled and
     the step's sum is scaled after: s (x.(128 + q) - (128 + zero) sum(x)); smaller groups scale
     each word's column before the dots."""
