@@ -190,13 +190,15 @@ def test_window_softcap_attention(compiled):
 @pytest.mark.parametrize("m", [1, 40, 300])
 def test_w4a16_and_fused_moe_kernels(compiled, m):
     from conveyor.kernels.fused_moe import fused_moe, route
-    from conveyor.kernels.w4a16_gemm import w4a16_gemm
+    from conveyor.kernels.w4a16_gemm import CUBLAS_FROM_M, w4a16_gemm
 
     n, k = 4096, 4096
     words = torch.zeros(n, k // 8, dtype=torch.int32)
     scale = torch.ones(n, k // 128)
     w4a16_gemm(torch.zeros(m, k, dtype=BF), words, scale, scale, torch.zeros(n, dtype=BF),
                torch.arange(k))
+    small = torch.ones(n, k // 64)          # groups under 128 inputs: scaled a word at a time
+    w4a16_gemm(torch.zeros(m, k, dtype=BF), words, small, small)
     h, inter, experts = 2048, 768, 128
     weights, ids = route(torch.randn(m, experts), 8, True, BF)
     fused_moe(torch.zeros(m, h, dtype=BF), torch.zeros(experts, 2 * inter, h, dtype=BF),
@@ -205,7 +207,9 @@ def test_w4a16_and_fused_moe_kernels(compiled, m):
         fused_moe(torch.zeros(m, h, dtype=BF), torch.zeros(experts, 2 * inter, h, dtype=dtype),
                   torch.zeros(experts, h, inter, dtype=dtype), weights, ids, None,
                   torch.ones(experts, 2 * inter), torch.ones(experts, h))
-    check(compiled, "_w4a16_kernel", "_moe_gemm_kernel", "_silu_and_mul_kernel")
+    # from CUBLAS_FROM_M rows the weight is dequantized, then multiplied by cuBLAS
+    int4 = "_w4a16_kernel" if m < CUBLAS_FROM_M else "_dequantize_int4_kernel"
+    check(compiled, int4, "_moe_gemm_kernel", "_silu_and_mul_kernel")
 
 
 def test_sampling_kernels(compiled):
