@@ -65,7 +65,7 @@ def schema(min_items: int, extra_property: str | None = None, bounded: bool = Fa
     `bounded` each free string has a maxLength."""
     record = _bounded(RECORD) if bounded else dict(RECORD)
     if extra_property is not None:
-        record["properties"] = {**RECORD["properties"], extra_property: {"type": "boolean"}}
+        record["properties"] = {**record["properties"], extra_property: {"type": "boolean"}}
     return {"type": "object", "properties": {"records": {"type": "array", "items": record,
                                                          "minItems": min_items}},
             "required": ["records"]}

@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--measure", action="store_true",
                    help="also serve the workload here (`conveyor serve -dp DP`, each policy) "
                         "and measure it in the client: hit rate, tok/s, TTFT")
-    p.add_argument("--output", help="with --measure: the rows as JSON (server logs beside it)")
+    p.add_argument("--output", help="the rows as JSON (with --measure, the server logs beside it)")
     p.add_argument("server_flags", nargs="*",
                    help="after --: more `conveyor serve` flags (--model, --device cuda, ...)")
     _workload_args(p, 8000, "50:300", "50:300", "400")

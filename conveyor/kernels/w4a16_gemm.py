@@ -162,14 +162,16 @@ def _dequantize_int4_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, GROUP, stride_wn
              w.to(out_ptr.dtype.element_ty), mask=ok[:, :, None])
 
 
-def _tiling(m: int, k: int) -> tuple[int, int]:
-    """(BLOCK_M, SPLIT_K) below CUBLAS_FROM_M rows. A decode-sized product is a stream of
-    weight bytes: K is split in up to eight parts of at least two 128-input steps, which put
-    more bytes in flight (on an H200 Llama-3.1-8B's four layer shapes took 3.45 ms over 32
-    layers at 8 parts of 128-row tiles, 4.2 at 4, 5.4 at 2; docs/QUANTIZATION.md)."""
+def _tiling(m: int, k: int) -> tuple[int, int, int]:
+    """(BLOCK_M, SPLIT_K, K_SPLIT: inputs a part, whole 128-input steps) below CUBLAS_FROM_M
+    rows. A decode-sized product is a stream of weight bytes: K is split in up to eight parts
+    of at least two steps, which put more bytes in flight (on an H200 Llama-3.1-8B's four layer
+    shapes took 3.45 ms over 32 layers at 8 parts of 128-row tiles, 4.2 at 4, 5.4 at 2;
+    docs/QUANTIZATION.md)."""
     steps = -(-k // 128)
-    split = next(p for p in (8, 4, 2, 1) if steps >= 2 * p or p == 1)
-    return (16 if m <= 16 else 32), split
+    parts = next((p for p in (8, 4, 2) if steps >= 2 * p), 1)
+    k_split = -(-steps // parts) * 128
+    return (16 if m <= 16 else 32), -(-k // k_split), k_split
 
 
 def takes(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> bool:
@@ -204,9 +206,7 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
-    block_m, split = _tiling(m, k)
-    k_split = -(-k // split // 128) * 128
-    split = -(-k // k_split)
+    block_m, split, k_split = _tiling(m, k)
     tiles = -(-n // BLOCK_N)
     part = counts = y
     if split > 1:

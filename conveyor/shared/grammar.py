@@ -90,10 +90,8 @@ SLICES = ([r"[\x20\x0A\x0D\x09]+"]
           + [f"{_STRING_BODY}+"])
 
 
-def build_tokenizer(hf_tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...],
-                    slices: list[str] | None = None):
-    """llguidance's view of a Hugging Face fast tokenizer (about a second), with `slices`
-    (default SLICES).
+def build_tokenizer(hf_tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]):
+    """llguidance's view of a Hugging Face fast tokenizer (about a second), with SLICES.
 
     NOTE: some converters (transformers' GGUF reader, for one) wrap a byte-level BPE's decoder
     in a Sequence with SentencePiece steps; llguidance then reads "Ġ" as two bytes, not a space,
@@ -113,7 +111,7 @@ def build_tokenizer(hf_tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...
             spec["decoder"] = byte_level[0]
     view = llguidance.LLTokenizer(json.dumps(spec), n_vocab=vocab_size,
                                   eos_token=list(eos_token_ids),
-                                  slices=SLICES if slices is None else slices)
+                                  slices=SLICES)
     if decoder and "ByteLevel" in json.dumps(decoder):
         spaced = [i for t, i in hf_tokenizer.get_vocab().items()
                   if t.startswith("\u0120") and i < vocab_size][:64]
