@@ -68,31 +68,53 @@ def throughput(args, path: str | None) -> None:
                                        ("draft_num_layers", args.draft_num_layers)) if v})
     if args.disable_by_batch_size:
         spec["disable_by_batch_size"] = args.disable_by_batch_size
+    # NOTE: both engines stay loaded and take turns, batch by batch and round by round, so a
+    # drift of the machine (clocks, other load) hits both alike; each (round, batch) has its own
+    # prompts, so no pass re-hits a prefix the engine cached in an earlier one
+    share = {"gpu_memory_utilization": 0.4} if args.device != "cpu" else {}
+    engines = {}
     for name, config in (("baseline", None), (args.method, spec)):
-        llm = LLM(model=path, device=args.device, max_num_seqs=max(args.batches),
-                  max_model_len=args.max_model_len, load_format=args.load_format,
-                  speculative_config=config)
-        llm.generate(grounded_prompts(1, seed=99), params, use_tqdm=False)      # warm-up
+        engines[name] = LLM(model=path, device=args.device, max_num_seqs=max(args.batches),
+                            max_model_len=args.max_model_len, load_format=args.load_format,
+                            speculative_config=config, **share)
+        engines[name].generate(grounded_prompts(1, seed=99), params, use_tqdm=False)  # warm-up
+    rates: dict[tuple[str, int], list[float]] = {}
+    for r in range(args.rounds):
         for batch in args.batches:
-            before = llm.engine.scheduler.stats()
-            t0 = time.perf_counter()
-            outs = llm.generate(grounded_prompts(batch), params, use_tqdm=False)
-            dt = time.perf_counter() - t0
-            after = llm.engine.scheduler.stats()
-            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-            drafts = after.spec_num_draft_tokens - before.spec_num_draft_tokens
-            accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
-            runs = after.spec_num_drafts - before.spec_num_drafts
-            result = {"bench": "speculative-throughput", "mode": name, "batch": batch,
-                      "output_tokens": tokens, "seconds": round(dt, 3),
-                      "tokens_per_s": round(tokens / dt, 1),
-                      "acceptance": round(accepted / drafts, 3) if drafts else None,
-                      "mean_accepted_length": round(1 + accepted / runs, 2) if runs else None}
-            if config is not None and config["method"] == "draft_model":
-                result["draft"] = {k: config.get(k) for k in ("model", "draft_num_layers")}
-            print(result, flush=True)
-            append_json(args.json, result)
-        del llm
+            prompts = grounded_prompts(batch, seed=1000 * r + batch)
+            for name, llm in engines.items():
+                result = _timed(llm, prompts, params, name, batch)
+                result["round"] = r
+                if name != "baseline" and args.method == "draft_model":
+                    result["draft"] = {k: spec.get(k) for k in ("model", "draft_num_layers")}
+                rates.setdefault((name, batch), []).append(result["tokens_per_s"])
+                print(result, flush=True)
+                append_json(args.json, result)
+    print(f"\n{'batch':>5} {'baseline tok/s':>15} {args.method + ' tok/s':>15} {'ratio':>7}   "
+          f"ratio in each of {args.rounds} rounds (the first is the figure)")
+    for batch in args.batches:
+        base, spec_rates = rates["baseline", batch], rates[args.method, batch]
+        print(f"{batch:>5} {base[0]:>15,.0f} {spec_rates[0]:>15,.0f} "
+              f"{spec_rates[0] / base[0]:>6.2f}x   "
+              + ", ".join(f"{s / b:.2f}x" for s, b in zip(spec_rates, base)))
+
+
+def _timed(llm, prompts: list[str], params, name: str, batch: int) -> dict:
+    """One timed pass of `prompts`: tokens/s and, speculating, the acceptance."""
+    before = llm.engine.scheduler.stats()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    after = llm.engine.scheduler.stats()
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    drafts = after.spec_num_draft_tokens - before.spec_num_draft_tokens
+    accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+    runs = after.spec_num_drafts - before.spec_num_drafts
+    return {"bench": "speculative-throughput", "mode": name, "batch": batch,
+            "output_tokens": tokens, "seconds": round(dt, 3),
+            "tokens_per_s": round(tokens / dt, 1),
+            "acceptance": round(accepted / drafts, 3) if drafts else None,
+            "mean_accepted_length": round(1 + accepted / runs, 2) if runs else None}
 
 
 def verify_step(args, path: str | None) -> None:
@@ -170,6 +192,8 @@ def main() -> None:
     ap.add_argument("--disable-by-batch-size", type=int, default=None)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="throughput: passes of each batch, the two engines taking turns")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=1, help="verify: sequences per step")

@@ -16,6 +16,7 @@
 
     python scripts/bench_structured_outputs.py [--model M] [--device cuda] [--batch 64]
         [--max-tokens 256] [--trials 20]
+    python scripts/bench_structured_outputs.py --shape llama3.1-8b --random-weights   # a shape
     python scripts/bench_structured_outputs.py --device cpu --batch 4 --max-tokens 8 --trials 3
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ import argparse
 import statistics
 import time
 
+from benchmarks.models import add_model_args, model_path
 from conveyor.shared.structured_outputs import StructuredOutputs
 
 RECORD = {
@@ -87,21 +89,20 @@ def _ttft_ms(llm, prompt, params) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None, help="default: the default model")
+    add_model_args(ap)                # neither --model nor --shape: the default model
     ap.add_argument("--device", default=None)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--trials", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3,
                     help="throughput passes of each kind, alternated; the first is reported")
-    ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
-                    help="dummy: random weights (a folder with config.json and a tokenizer)")
     args = ap.parse_args()
+    path = model_path(args, ap) if args.model or args.shape else None
     from conveyor import LLM, SamplingParams
 
     engine = {"device": args.device} if args.device else {}
-    engine["load_format"] = args.load_format
-    llm = LLM(model=args.model, max_num_seqs=max(args.batch, 8), **engine)
+    engine["load_format"] = args.load_format or "auto"
+    llm = LLM(model=path, max_num_seqs=max(args.batch, 8), **engine)
     prompts = [f"Write record number {i} of the customer database as JSON:"
                for i in range(args.batch)]
     base = dict(temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True, seed=None)
@@ -134,8 +135,9 @@ def main() -> None:
     cached = statistics.median(_ttft_ms(llm, prompt, SamplingParams(
         **one, structured_outputs=cached_so)) for _ in range(args.trials))
 
-    print(f"{llm.config.device}, batch {args.batch}, {args.max_tokens} tokens a request, "
-          f"first of {args.rounds} alternated passes")
+    label = f"{args.shape}, random weights" if args.shape else path or "the default model"
+    print(f"{label}, {llm.config.device}, batch {args.batch}, "
+          f"{args.max_tokens} tokens a request, first of {args.rounds} alternated passes")
     print(f"{'measure':<34}{'value':>14}{'goal':>16}")
     print(f"{'decode, unconstrained':<34}{first['unconstrained']:>10.1f} tok/s")
     for name in ("json schema", "json, bounded strings"):
