@@ -7,6 +7,8 @@ editing and summarising do. Greedy unless --temperature. Real weights (with a to
 default model unless --model. --method draft_model guesses with --draft-model (a smaller model
 with the same tokenizer), or with the target's own first --draft-num-layers layers; each row
 gives the acceptance rate and the mean accepted length (tokens a verifying sequence step yields).
+Both engines stay loaded and take turns over --rounds passes of each batch, each pass on prompts
+of its own; the closing table gives the first round's figures and each round's ratio.
 
 verify: the host-to-result time of a step that verifies k guesses (1 + k query tokens) against
 a one-token decode step, at --batch sequences of --context tokens, run on the model runner
