@@ -11,7 +11,10 @@ captures them: programs past their slot's run return at once.
 
 - shrink: h[t, i] = x[t] A[s, i]^T, h float32 [T, slices, R], A [S, slices, R, K];
 - expand: y[t, off_i:off_i + n_i] += h[t, i] B[s, off_i:off_i + n_i]^T, B [S, N, R] (the
-  adapter's scale folded in), slice i of the fused layer's output (q, k, v; gate, up).
+  adapter's scale folded in), slice i of the fused layer's output (q, k, v; gate, up). h may
+  also hold every slot's shrink, [T, S, slices, R] (any float dtype, rows strided): then token
+  t reads its own slot's. That is the shape layers/lora.py gets when the shrink rides the base
+  layer's GEMM, A's rows stacked under the weight.
 R is the padded rank (a power of two, at least 16: tl.dot's smallest size); padding is zeros.
 """
 import torch
@@ -36,12 +39,20 @@ def lora_ref(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
              slice_sizes: list[int], token_slots: torch.Tensor, slots: list[int]) -> torch.Tensor:
     """The torch reference, in place on y [T, N] and returned: token_slots [T] (-1: no
     adapter), `slots` the slots that occur in it. Shrink in float32, as the kernel."""
+    h = torch.einsum("tk,sirk->tsir", x.float(), A.float())              # [T, S, slices, R]
+    return lora_expand_ref(y, h, B, slice_sizes, token_slots, slots)
+
+
+def lora_expand_ref(y: torch.Tensor, h: torch.Tensor, B: torch.Tensor, slice_sizes: list[int],
+                    token_slots: torch.Tensor, slots: list[int]) -> torch.Tensor:
+    """The expand's reference, in place on y [T, N]: h [T, S, slices, R], every slot's shrink
+    of every token (each token takes its own slot's), rounded to B's dtype as the kernel does."""
     for s in slots:
         rows = (token_slots == s).nonzero().squeeze(1)
-        h = torch.einsum("tk,irk->tir", x.index_select(0, rows).float(), A[s].float())
+        hs = h.index_select(0, rows)[:, s].to(B.dtype).float()            # [rows, slices, R]
         parts, off = [], 0
         for i, n in enumerate(slice_sizes):
-            parts.append(h[:, i].to(B.dtype).float() @ B[s, off:off + n].float().T)
+            parts.append(hs[:, i] @ B[s, off:off + n].float().T)
             off += n
         y.index_add_(0, rows, torch.cat(parts, dim=1).to(y.dtype))
     return y
@@ -84,9 +95,10 @@ def _shrink_kernel(x_ptr, a_ptr, h_ptr, order_ptr, starts_ptr, K, K_SPLIT, strid
 
 
 @jit
-def _expand_kernel(h_ptr, b_ptr, y_ptr, order_ptr, starts_ptr, offsets_ptr, stride_h, stride_bs,
-                   stride_bn, stride_y, NUM_SLICES: tl.constexpr, R: tl.constexpr,
-                   IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _expand_kernel(h_ptr, b_ptr, y_ptr, order_ptr, starts_ptr, offsets_ptr, stride_h, stride_hs,
+                   stride_hi, stride_bs, stride_bn, stride_y, NUM_SLICES: tl.constexpr,
+                   R: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
     pid_m, pid_n, pid_si = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     s, i = pid_si // NUM_SLICES, pid_si % NUM_SLICES
     start = tl.load(starts_ptr + s)
@@ -102,7 +114,8 @@ def _expand_kernel(h_ptr, b_ptr, y_ptr, order_ptr, starts_ptr, offsets_ptr, stri
     n_ok = rn < size
     cols = off + rn
     rr = tl.arange(0, R)
-    ht = tl.load(h_ptr + rows[:, None] * stride_h + i * R + rr[None, :], mask=m_ok[:, None],
+    h_base = h_ptr + s.to(tl.int64) * stride_hs + i * stride_hi
+    ht = tl.load(h_base + rows[:, None] * stride_h + rr[None, :], mask=m_ok[:, None],
                  other=0.0)                                              # [BLOCK_M, R]
     bt = tl.load(b_ptr + s.to(tl.int64) * stride_bs + cols[None, :] * stride_bn + rr[:, None],
                  mask=n_ok[None, :], other=0.0)                          # [R, BLOCK_N] = B^T
@@ -155,18 +168,22 @@ def lora_shrink(x: torch.Tensor, A: torch.Tensor, order: torch.Tensor,
 
 def lora_expand(y: torch.Tensor, h: torch.Tensor, B: torch.Tensor, offsets: torch.Tensor,
                 max_slice: int, order: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
-    """y [T, N] += the expand of h, in place; offsets [slices + 1] int32 on the device (slice i
-    is columns offsets[i]:offsets[i + 1]); max_slice: the widest slice."""
+    """y [T, N] += the expand of h, in place; h [T, slices, R] (lora_shrink's) or
+    [T, S, slices, R] (every slot's; each token reads its own); offsets [slices + 1] int32 on
+    the device (slice i is columns offsets[i]:offsets[i + 1]); max_slice: the widest slice."""
     require_triton()
     T, N = y.shape
     S, NB, R = B.shape
-    num_slices = h.shape[1]
-    check(NB == N and y.stride(1) == 1 and B.is_contiguous() and h.shape == (T, num_slices, R),
+    num_slices = h.shape[-2]
+    per_slot = h.dim() == 4
+    check(NB == N and y.stride(1) == 1 and B.is_contiguous() and h.stride(-1) == 1
+          and h.shape == ((T, S, num_slices, R) if per_slot else (T, num_slices, R)),
           "lora_expand: bad y, h or B")
     check(offsets.numel() == num_slices + 1, "lora_expand: bad offsets")
     bm, bn = _block_m(T), 64
     _expand_kernel[(triton_cdiv(T, bm), triton_cdiv(max_slice, bn), S * num_slices)](
-        h, B, y, order, starts, offsets, h.stride(0), B.stride(0), B.stride(1), y.stride(0),
+        h, B, y, order, starts, offsets, h.stride(0), h.stride(1) if per_slot else 0,
+        h.stride(-2), B.stride(0), B.stride(1), y.stride(0),
         NUM_SLICES=num_slices, R=R, IEEE=y.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn,
         num_warps=4)
     return y

@@ -59,7 +59,8 @@ class LoRAManager:
             if isinstance(module, LinearBase) and name.startswith("model.layers.") and \
                     kind in _TARGETS:
                 module.lora = LoRALayer(self.state, self.num_slots, _slice_sizes(module),
-                                        module.weight.shape[1], self.rank, dtype, device)
+                                        module.weight.shape[1], self.rank, dtype, device,
+                                        base=module)
                 self.layers[name] = module
                 self.shards[name] = _TARGETS[kind]
         self.packed = model.packed_modules

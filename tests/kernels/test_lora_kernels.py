@@ -66,6 +66,34 @@ def test_prefill_runs_and_base_only(dtype):
     torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("num_tokens,slices,k", [(1, [96, 32, 32], 64), (37, [123], 77),
+                                                 (300, [200, 200], 130)])
+def test_expand_of_a_stacked_gemm(dtype, num_tokens, slices, k):
+    """The shrink as the extra columns of one GEMM over [W; A of every slot] (layers/lora.py):
+    the expand reads each token's own slot from h [T, S, slices, R] whose rows are strided, and
+    adds into y, the output's first columns (strided too); equal to the reference on x."""
+    from conveyor.kernels.lora import group_by_slot, lora_expand, lora_ref
+
+    slots, rank = 3, 16
+    g = torch.Generator(device=DEV).manual_seed(num_tokens)
+    n = sum(slices)
+    x = torch.randn(num_tokens, k, device=DEV, generator=g).to(dtype)
+    W = (torch.randn(n, k, device=DEV, generator=g) / k ** 0.5).to(dtype)
+    A = (torch.randn(slots, len(slices), rank, k, device=DEV, generator=g) / k ** 0.5).to(dtype)
+    B = torch.randn(slots, n, rank, device=DEV, generator=g).to(dtype)
+    ts = np.random.default_rng(num_tokens).integers(-1, slots, num_tokens)
+    order, starts = (torch.from_numpy(a).to(DEV) for a in group_by_slot(ts, slots))
+    offsets = torch.tensor(np.concatenate([[0], np.cumsum(slices)]), dtype=torch.int32,
+                           device=DEV)
+    out = x @ torch.cat([W, A.reshape(-1, k)]).T                      # [T, n + S * slices * R]
+    y, h = out[:, :n], out[:, n:].view(num_tokens, slots, len(slices), rank)
+    want = lora_ref(x @ W.T, x, A, B, slices, torch.from_numpy(ts).to(DEV),
+                    sorted(set(ts.tolist()) - {-1}))
+    got = lora_expand(y, h, B, offsets, max(slices), order, starts)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+
+
 def test_graph_replay_reads_new_slots():
     """Captured once with no adapter, replayed with new slot assignments copied into the same
     buffers: the replay follows the buffers (as StepGraphs does)."""

@@ -147,3 +147,37 @@ def test_reference_delta_equals_per_token_loop():
             want[t, off:off + n] += (x[t] @ A[s, i].T) @ B[s, off:off + n].T
             off += n
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_stacked_layer_equals_the_shrink_on_x():
+    """A float layer carries A under its weight ([W; A], weight and bias views of it): one GEMM
+    gives output and every slot's shrink, and the layer's output with the delta equals the base
+    output plus the reference delta on x; with no adapter in the step, the base output alone."""
+    import numpy as np
+
+    from conveyor.kernels.lora import group_by_slot, lora_ref
+    from conveyor.worker.layers.linear import ReplicatedLinear
+    from conveyor.worker.layers.lora import LoRABatch, LoRALayer, LoRAState
+
+    g = torch.Generator().manual_seed(1)
+    layer = ReplicatedLinear(20, 22, bias=True)
+    layer.weight.data.copy_(torch.randn(22, 20, generator=g))
+    layer.bias.data.copy_(torch.randn(22, generator=g))
+    W, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
+    state = LoRAState()
+    layer.lora = LoRALayer(state, 3, [12, 10], 20, 16, torch.float32, torch.device("cpu"),
+                           base=layer)
+    lora = layer.lora
+    assert lora.stacked is not None and lora.stacked.shape == (22 + 3 * 2 * 16, 20)
+    assert layer.weight.data_ptr() == lora.stacked.data_ptr() and torch.equal(layer.weight, W)
+    lora.A.copy_(torch.randn(lora.A.shape, generator=g))
+    lora.B.copy_(torch.randn(lora.B.shape, generator=g))
+    x = torch.randn(9, 20, generator=g)
+    ts = np.array([2, -1, 0, 0, 2, -1, 1, 2, 0])
+    order, starts = (torch.from_numpy(a) for a in group_by_slot(ts, 3))
+    with state.step(LoRABatch(torch.from_numpy(ts), order, starts, [0, 1, 2])):
+        got = layer(x)
+    want = lora_ref(x @ W.T + bias, x, lora.A, lora.B, [12, 10], torch.from_numpy(ts), [0, 1, 2])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    with state.step(LoRABatch(torch.from_numpy(ts), order, starts, [])):
+        torch.testing.assert_close(layer(x), x @ W.T + bias)

@@ -176,6 +176,8 @@ class LinearBase(nn.Module):
                 and fp8_gemm.takes(x, self.weight, self.weight_scale))
 
     def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+        if self.lora is not None and self.lora.stacked is not None:
+            return self.lora.stacked_forward(x, self.bias)
         y = linear(x, self.weight, self.bias, scale=self.weight_scale, zero=self.weight_zero,
                    perm=self.weight_perm)
         return y if self.lora is None else self.lora(x, y)
@@ -286,8 +288,14 @@ class RowParallelLinear(LinearBase):
         """silu_mul: x is a fused gate/up output [T, 2 * input_local]; the layer's input is
         silu(gate) * up (fused into the kernel's loads at decode sizes)."""
         bias = self.bias if tp_rank() == 0 else None
-        y = linear(x, self.weight, bias, silu_mul, self.weight_scale, self.weight_zero,
-                   self.weight_perm)
-        if self.lora is not None:    # a partial sum like y: the same all-reduce adds it up
-            y = self.lora(silu_and_mul(x) if silu_mul else x, y)
+        # NOTE: with LoRA the delta is a partial sum like y: the same all-reduce adds it up
+        if self.lora is not None and self.lora.stacked is not None:
+            y = self.lora.stacked_forward(x, bias, silu_mul)
+            if tp_size() > 1:
+                y = y.contiguous()   # rows strided past the shrink's columns: not for NCCL
+        else:
+            y = linear(x, self.weight, bias, silu_mul, self.weight_scale, self.weight_zero,
+                       self.weight_perm)
+            if self.lora is not None:
+                y = self.lora(silu_and_mul(x) if silu_mul else x, y)
         return all_reduce(y) if self.reduce_results else y
