@@ -129,6 +129,11 @@ def _expand_kernel(h_ptr, b_ptr, y_ptr, order_ptr, starts_ptr, offsets_ptr, stri
     tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y.dtype), mask=mask)
 
 
+# NOTE: output columns of an expand program; 64 beat 128 and 256 on Llama-3.1-8B's four LoRA
+# layers at 64 and 256 tokens (H200: 1.34 against 1.48 and 1.38 ms for 32 layers' expands)
+EXPAND_BLOCK_N = 64
+
+
 def _block_m(num_tokens: int) -> int:
     return 16 if num_tokens <= 256 else 64
 
@@ -180,7 +185,7 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, B: torch.Tensor, offsets: torc
           and h.shape == ((T, S, num_slices, R) if per_slot else (T, num_slices, R)),
           "lora_expand: bad y, h or B")
     check(offsets.numel() == num_slices + 1, "lora_expand: bad offsets")
-    bm, bn = _block_m(T), 64
+    bm, bn = _block_m(T), EXPAND_BLOCK_N
     _expand_kernel[(triton_cdiv(T, bm), triton_cdiv(max_slice, bn), S * num_slices)](
         h, B, y, order, starts, offsets, h.stride(0), h.stride(1) if per_slot else 0,
         h.stride(-2), B.stride(0), B.stride(1), y.stride(0),
