@@ -1,0 +1,35 @@
+"""The speculative and structured-output benchmarks at a tiny size on the CPU, with the default
+model: every pass runs and the closing summary has each figure (first round and rounds' ratios)."""
+import re
+import sys
+
+import pytest
+
+
+@pytest.mark.slow
+def test_speculative_throughput_alternates_engines(monkeypatch, capsys):
+    from benchmarks import speculative
+
+    monkeypatch.setattr(sys, "argv", ["bench", "throughput", "--device", "cpu", "--batches", "1",
+                                      "2", "--max-tokens", "8", "--rounds", "2"])
+    speculative.main()
+    out = capsys.readouterr().out
+    passes = re.findall(r"'mode': '(\w+)', 'batch': (\d+).*'round': (\d)", out)
+    assert sorted(passes) == sorted((m, b, r) for m in ("baseline", "ngram")
+                                    for b in ("1", "2") for r in ("0", "1"))
+    rows = re.findall(r"^\s+(\d+)\s+[\d,]+\s+[\d,]+\s+[\d.]+x\s+([\d.]+x, [\d.]+x)$", out, re.M)
+    assert [b for b, _ in rows] == ["1", "2"]
+
+
+@pytest.mark.slow
+def test_structured_outputs_reports_first_round_and_median(monkeypatch, capsys):
+    from benchmarks import structured_outputs
+
+    monkeypatch.setattr(sys, "argv", ["bench", "--device", "cpu", "--batch", "2",
+                                      "--max-tokens", "4", "--trials", "1", "--rounds", "2"])
+    structured_outputs.main()
+    out = capsys.readouterr().out
+    for kind in ("json schema", "json, bounded strings"):
+        assert re.search(rf"decode, {kind}\s+[\d.]+ tok/s\s+[\d.]+x.*median of 2 rounds "
+                         rf"[\d.]+x", out), out
+    assert re.search(r"first token, cached schema\s+[\d.]+ ms", out)
