@@ -11,12 +11,13 @@ on its own copy of the weights or logits so that they come from HBM as in a mode
 L2 (60 MB on an H200); median of REPS replays. GB/s counts the weight (or logits) bytes read once.
 The last lines add up one decode step's GEMMs (per layer qkv, o, gate_up, silu+down; LM head).
 
-Weight-quantized GEMMs (--tables quant): the same shapes at M = 1, 16, 256 and 4,096 through
+Weight-quantized GEMMs (--tables quant): the same shapes at M = 1, 16, 64, 256 and 4,096 through
 linear(), as the model runs them, with bf16, int8 (W8A16: the skinny GEMV at M = 1, the Triton
 GEMM, from 1,024 rows dequantize + cuBLAS) and fp8 (the skinny GEMV over fp8 weights at M = 1,
 per-token quantization + _scaled_mm above) and 4-bit (W4A16, group 128: the tiled Triton kernel
-below 32 rows, dequantize + cuBLAS from there) weights; from 256 rows also both int8 prefill
-choices on their own (to check int8_gemm.CUBLAS_FROM_M). GB/s counts the weight's bytes as
+below 32 rows, dequantize + cuBLAS from there) weights; from 32 rows also the 4-bit tiled
+kernel on its own, and from 256 rows both int8 prefill choices (to check the two modules'
+CUBLAS_FROM_M). GB/s counts the weight's bytes as
 stored. Its last lines add up a decode step's GEMMs with the LM head kept in bf16 (the default
 --keep-precision).
 
@@ -39,6 +40,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
+from conveyor.kernels import w4a16_gemm as w4a16
 from conveyor.kernels._triton import jit, tl
 from conveyor.kernels._util import Fp8Rows, num_sms
 from conveyor.kernels.dequantize import dequantize
@@ -118,7 +120,7 @@ def bench_gemm(n: int, k: int, m: int, fused_silu: bool) -> tuple[float, float, 
     return graph_us(ours), graph_us(theirs), n * k * 2
 
 
-QUANT_M = (1, 16, 256, 4096)
+QUANT_M = (1, 16, 64, 256, 4096)
 LAYER = ("qkv", "o", "gate_up", "silu+down")
 
 
@@ -143,6 +145,10 @@ def bench_quant(n: int, k: int, m: int, fused_silu: bool) -> dict[str, float]:
         out[name] = graph_us([lambda w=w, s=s, z=zero: linear(x, w, silu_mul=fused_silu,
                                                               scale=s, zero=z)
                               for w, s in pick])
+        if name == "int4" and m >= w4a16.CUBLAS_FROM_M:   # the tensor-core tiles instead
+            a = silu_and_mul(x) if fused_silu else x
+            out["int4 tiles"] = graph_us([lambda w=w, s=s, a=a, z=zero: _int4_tiles(a, w, s, z)
+                                          for w, s in pick])
         if name == "int8" and m >= 256:   # both prefill choices, whichever linear() takes
             a = silu_and_mul(x) if fused_silu else x    # (their times leave the SiLU out)
             out["int8 Triton"] = graph_us([lambda w=w, s=s, a=a: int8_gemm(a, w, s)
@@ -150,6 +156,16 @@ def bench_quant(n: int, k: int, m: int, fused_silu: bool) -> dict[str, float]:
             out["int8 deq+cuBLAS"] = graph_us([
                 lambda w=w, s=s, a=a: F.linear(a, dequantize(w, s, dt)) for w, s in pick])
     return out
+
+
+def _int4_tiles(x, words, scale, zero):
+    """w4a16_gemm through its tensor-core tiles at any M (linear() dequantizes from
+    CUBLAS_FROM_M rows)."""
+    saved, w4a16.CUBLAS_FROM_M = w4a16.CUBLAS_FROM_M, 1 << 30
+    try:
+        return w4a16.w4a16_gemm(x, words, scale, zero)
+    finally:
+        w4a16.CUBLAS_FROM_M = saved
 
 
 def _cell(times: dict[str, float], variant: str, nbytes: int) -> str:
@@ -161,9 +177,9 @@ def _cell(times: dict[str, float], variant: str, nbytes: int) -> str:
 def quant_table(shapes: list[str]) -> None:
     print("\nWeight-quantized GEMMs through linear(): GPU us per call (GB/s of the stored "
           "weight); speed-up over bf16")
-    print("| GEMM | M | bf16 us | int8 us | fp8 us | int4 us | int8 Triton us | "
+    print("| GEMM | M | bf16 us | int8 us | fp8 us | int4 us | int4 tiles us | int8 Triton us | "
           "int8 deq+cuBLAS us | int8 x | fp8 x | int4 x |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     decode = []
     for shape in shapes:
         for m in QUANT_M:
@@ -174,10 +190,10 @@ def quant_table(shapes: list[str]) -> None:
                     if name == "lm_head" and m > 1:
                         continue
                     t = step[label] = bench_quant(n, k, m, fused)
-                    size = {"bf16": 2, "int4": 0.5}
+                    size = {"bf16": 2, "int4": 0.5, "int4 tiles": 0.5}
                     cells = [_cell(t, v, n * k * size.get(v, 1))
-                             for v in ("bf16", "int8", "fp8", "int4", "int8 Triton",
-                                       "int8 deq+cuBLAS")]
+                             for v in ("bf16", "int8", "fp8", "int4", "int4 tiles",
+                                       "int8 Triton", "int8 deq+cuBLAS")]
                     print(f"| {shape} {label} [{n}x{k}] | {m} | {' | '.join(cells)} | "
                           f"{t['bf16'] / t['int8']:.2f} | {t['bf16'] / t['fp8']:.2f} | "
                           f"{t['bf16'] / t['int4']:.2f} |", flush=True)

@@ -12,7 +12,9 @@ takes one of two Triton paths by the number of rows M:
   them in registers a nibble plane at a time, the weight never going back to memory; K is
   split among programs (the last of a tile sums the parts), so enough bytes are in flight;
   more rows: the weight dequantized to x's dtype in one pass, then cuBLAS (the pass costs about
-  as much as reading a bf16 weight once, which a prefill-sized product amortizes).
+  as much as reading a bf16 weight once, which a prefill-sized product amortizes). The tiled
+  kernel also takes any number of rows, in tiles of 64 each reading the weight again, for
+  measuring where CUBLAS_FROM_M belongs (benchmarks/kernel_timings.py, "int4 tiles").
 Both take a nibble to a float without a conversion instruction (by OR-ing it into the mantissa
 of a power of two, exact) and apply the group's zero and scale in float32.
 """
@@ -95,10 +97,11 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count_ptr,
     With GROUP_STEPS (groups of a multiple of 128 inputs) the dots take 128 + q unscaled and
     the step's sum is scaled after: s (x.(128 + q) - (128 + zero) sum(x)); smaller groups scale
     each word's column before the dots."""
-    tile = tl.program_id(0)
+    tile_n = tl.program_id(0)
     split = tl.program_id(1)
-    rn = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = tl.arange(0, BLOCK_M)
+    tile = tl.program_id(2) * tl.num_programs(0) + tile_n               # for split-K's count
+    rn = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     # out-of-range rows load a valid row again (wrapped); the store drops them
     wn = (rn % N).to(tl.int64)
     xm = (rm % M).to(tl.int64)
@@ -162,16 +165,25 @@ def _dequantize_int4_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, GROUP, stride_wn
              w.to(out_ptr.dtype.element_ty), mask=ok[:, :, None])
 
 
-def _tiling(m: int, k: int) -> tuple[int, int, int]:
-    """(BLOCK_M, SPLIT_K, K_SPLIT: inputs a part, whole 128-input steps) below CUBLAS_FROM_M
-    rows. A decode-sized product is a stream of weight bytes: K is split in up to eight parts
-    of at least two steps, which put more bytes in flight (on an H200 Llama-3.1-8B's four layer
-    shapes took 3.45 ms over 32 layers at 8 parts of 128-row tiles, 4.2 at 4, 5.4 at 2;
-    docs/QUANTIZATION.md)."""
+def _tiling(m: int, n: int, k: int) -> tuple[int, int, int]:
+    """(BLOCK_M, SPLIT_K, K_SPLIT: inputs a part, whole 128-input steps). A decode-sized
+    product (up to 32 rows, one tile of them) is a stream of weight bytes: K is split in up to
+    eight parts of at least two steps, which put more bytes in flight (on an H200 Llama-3.1-8B's
+    four layer shapes took 3.45 ms over 32 layers at 8 parts of 128-row tiles, 4.2 at 4, 5.4 at
+    2; docs/QUANTIZATION.md). More rows come in tiles of 64, each reading the weight again, and
+    K is split only as far as needed for two programs an SM (132 on an H200), which also bounds
+    the float32 parts' buffer."""
     steps = -(-k // 128)
-    parts = next((p for p in (8, 4, 2) if steps >= 2 * p), 1)
+    if m <= 32:
+        parts = next((p for p in (8, 4, 2) if steps >= 2 * p), 1)
+        block_m = 16 if m <= 16 else 32
+    else:
+        block_m = 64
+        tiles = -(-n // BLOCK_N) * -(-m // block_m)
+        allowed = [p for p in (1, 2, 4, 8) if p == 1 or steps >= 2 * p]
+        parts = next((p for p in allowed if tiles * p >= 264), allowed[-1])
     k_split = -(-steps // parts) * 128
-    return (16 if m <= 16 else 32), -(-k // k_split), k_split
+    return block_m, -(-k // k_split), k_split
 
 
 def takes(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> bool:
@@ -206,14 +218,14 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
-    block_m, split, k_split = _tiling(m, k)
-    tiles = -(-n // BLOCK_N)
+    block_m, split, k_split = _tiling(m, n, k)
+    tiles_n, tiles_m = -(-n // BLOCK_N), -(-m // block_m)
     part = counts = y
     if split > 1:
         part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-        counts = tile_counts(x.device, tiles, "w4a16_gemm")
+        counts = tile_counts(x.device, tiles_n * tiles_m, "w4a16_gemm")
     group = k // g
-    _w4a16_kernel[(tiles, split)](
+    _w4a16_kernel[(tiles_n, split, tiles_m)](
         x, qweight, scale, zero, bias if bias is not None else y, y, part, counts, m, n, k,
         group, k_split, x.stride(0), qweight.stride(0), scale.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, GROUP_STEPS=group % 128 == 0, EVEN_K=k % k_split == 0,

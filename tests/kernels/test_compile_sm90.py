@@ -212,6 +212,20 @@ def test_w4a16_and_fused_moe_kernels(compiled, m):
     check(compiled, int4, "_moe_gemm_kernel", "_silu_and_mul_kernel")
 
 
+def test_w4a16_kernel_in_tiles_of_64_rows(compiled, monkeypatch):
+    """The tensor-core kernel's tiles of 64 rows (taken where CUBLAS_FROM_M is raised past the
+    step), both scale paths."""
+    from conveyor.kernels import w4a16_gemm as mod
+
+    monkeypatch.setattr(mod, "CUBLAS_FROM_M", 1 << 20)
+    n, k = 4096, 4096
+    words = torch.zeros(n, k // 8, dtype=torch.int32)
+    for groups in (k // 128, k // 64):
+        scale = torch.ones(n, groups)
+        mod.w4a16_gemm(torch.zeros(200, k, dtype=BF), words, scale, scale)
+    check(compiled, "_w4a16_kernel")
+
+
 def test_sampling_kernels(compiled):
     from conveyor.kernels.sample import sample
     from conveyor.kernels.sample_nucleus import sample_nucleus

@@ -65,3 +65,25 @@ def test_w4a16_takes_groups_of_16_inputs(device):
     assert takes(x, words, torch.zeros(8, 3, device=device))          # groups of 16
     assert not takes(x, words, torch.zeros(8, 2, device=device))      # groups of 24
     assert not takes(x.float(), words, torch.zeros(8, 3, device=device))
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("m,n,k,group", [(33, 40, 256, 128), (100, 136, 1024, 64),
+                                         (130, 72, 640, 0)])
+def test_w4a16_tiles_of_rows(m, n, k, group, device, monkeypatch):
+    """The tensor-core kernel over several tiles of 64 rows (with the dequantize path moved
+    past them), K whole or split, groups scaled after the step or a word at a time. (Groups
+    below 128 round each scaled weight to bf16 before its dot: 5e-2 over 1,024 inputs.)"""
+    from conveyor.kernels import w4a16_gemm as mod
+
+    monkeypatch.setattr(mod, "CUBLAS_FROM_M", 1 << 20)
+    gen = torch.Generator(device=device).manual_seed(m)
+    groups = k // group if group else 1
+    q = torch.randint(0, 16, (n, k), device=device, generator=gen, dtype=torch.uint8)
+    scale = torch.rand(n, groups, device=device, generator=gen) / 20
+    zero = torch.randint(0, 16, (n, groups), device=device, generator=gen).float()
+    x = torch.randn(m, k, device=device, generator=gen).to(torch.bfloat16)
+    want = w4a16_ref(x.float(), pack_int4(q), scale, zero)
+    for _ in range(2):
+        got = w4a16_gemm(x, pack_int4(q), scale, zero)
+        torch.testing.assert_close(got.float(), want, atol=5e-2, rtol=3e-2)
