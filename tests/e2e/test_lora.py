@@ -72,11 +72,27 @@ def test_each_adapter_alone_matches_peft(models, expected):
     assert [o.outputs[0].token_ids for o in outs] == expected[None]
 
 
+@pytest.fixture(params=["stacked", "shrink"])
+def shrink_path(request, monkeypatch):
+    """Both ways to the shrink (layers/lora.py): A stacked under the base weight (forced: the
+    tiny model's layers are too narrow for the default share) or the shrink on x."""
+    from conveyor.worker.layers import lora
+
+    monkeypatch.setattr(lora, "STACK_MAX_SHARE", float("inf") if request.param == "stacked"
+                        else 0.0)
+    return request.param
+
+
+def _stacked(llm) -> set[bool]:
+    return {layer.lora.stacked is not None for layer in llm.runner.lora.layers.values()}
+
+
 @pytest.mark.parametrize("max_loras,async_scheduling", [(4, True), (2, True), (2, False)])
-def test_mixed_batch_matches_peft(models, expected, max_loras, async_scheduling):
+def test_mixed_batch_matches_peft(models, expected, max_loras, async_scheduling, shrink_path):
     """Every prompt under every adapter and the base, interleaved, in one generate call: with
     4 slots one step holds all of them; with 2, requests wait for a slot and adapters are
-    swapped in and out (LRU, on the device and in the host cache alike)."""
+    swapped in and out (LRU, on the device and in the host cache alike). Either way to the
+    shrink."""
     base, adapters = models
     llm = make_llm(base, max_loras=max_loras, max_cpu_loras=max_loras,
                    async_scheduling=async_scheduling, max_num_seqs=4)
@@ -87,6 +103,7 @@ def test_mixed_batch_matches_peft(models, expected, max_loras, async_scheduling)
     got = [o.outputs[0].token_ids for o in outs]
     want = [expected[None if lora is None else lora.lora_name][i] for _, i, lora in pairs]
     assert got == want
+    assert _stacked(llm) == {shrink_path == "stacked"}
     manager = llm.runner.lora
     if max_loras < len(adapters):
         assert manager.num_loads > len(adapters)     # adapters were evicted and loaded again
@@ -275,10 +292,10 @@ def test_int8_base_with_adapters(models):
 
 @pytest.mark.gpu
 @pytest.mark.slow
-def test_gpu_mixed_batch_with_cuda_graphs(models):
+def test_gpu_mixed_batch_with_cuda_graphs(models, shrink_path):
     """bf16 on the GPU, the Triton kernels, decode and mixed steps replayed from CUDA graphs:
     close to peft in bf16 on the same GPU for each adapter and the base in one batch, and
-    token for token what the same engine gives eagerly."""
+    token for token what the same engine gives eagerly; either way to the shrink."""
     base, adapters = models
     loras = [None, *lora_requests(adapters).values()]
     pairs = [(p, lora) for p in PROMPTS for lora in loras]
@@ -290,6 +307,7 @@ def test_gpu_mixed_batch_with_cuda_graphs(models):
                   gpu_memory_utilization=0.3)
         runs[eager] = llm.generate([p for p, _ in pairs], params, use_tqdm=False,
                                    lora_request=[lora for _, lora in pairs])
+        assert _stacked(llm) == {shrink_path == "stacked"}
         del llm
         torch.cuda.empty_cache()
     assert ([o.outputs[0].token_ids for o in runs[False]]

@@ -149,16 +149,18 @@ def test_reference_delta_equals_per_token_loop():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_stacked_layer_equals_the_shrink_on_x():
+def test_stacked_layer_equals_the_shrink_on_x(monkeypatch):
     """A float layer carries A under its weight ([W; A], weight and bias views of it): one GEMM
     gives output and every slot's shrink, and the layer's output with the delta equals the base
     output plus the reference delta on x; with no adapter in the step, the base output alone."""
     import numpy as np
 
     from conveyor.kernels.lora import group_by_slot, lora_ref
+    from conveyor.worker.layers import lora as lora_layers
     from conveyor.worker.layers.linear import ReplicatedLinear
     from conveyor.worker.layers.lora import LoRABatch, LoRALayer, LoRAState
 
+    monkeypatch.setattr(lora_layers, "STACK_MAX_SHARE", float("inf"))   # a narrow layer
     g = torch.Generator().manual_seed(1)
     layer = ReplicatedLinear(20, 22, bias=True)
     layer.weight.data.copy_(torch.randn(22, 20, generator=g))
@@ -181,3 +183,20 @@ def test_stacked_layer_equals_the_shrink_on_x():
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     with state.step(LoRABatch(torch.from_numpy(ts), order, starts, [])):
         torch.testing.assert_close(layer(x), x @ W.T + bias)
+
+
+def test_stacking_stops_at_its_share():
+    """Slots whose A rows would add more than STACK_MAX_SHARE of the weight's rows keep the
+    shrink kernel (the weight stays as it was)."""
+    from conveyor.worker.layers.linear import ReplicatedLinear
+    from conveyor.worker.layers.lora import STACK_MAX_SHARE, LoRALayer, LoRAState
+
+    n = 1024
+    fits = int(STACK_MAX_SHARE * n) // (2 * 16)              # slots of 2 slices of rank 16
+    for slots, stacked in ((fits, True), (fits + 1, False)):
+        layer = ReplicatedLinear(32, n)
+        weight = layer.weight
+        layer.lora = LoRALayer(LoRAState(), slots, [n // 2, n // 2], 32, 16, torch.float32,
+                               torch.device("cpu"), base=layer)
+        assert (layer.lora.stacked is not None) == stacked
+        assert (layer.weight is weight) != stacked

@@ -12,7 +12,8 @@ Where the base weight is a plain float matrix, A rides under it: the layer holds
 base output and every slot's shrink x A_s^T side by side, and only the expand is a kernel of its
 own (each token reading its slot's shrink). That saves a shrink launch per layer and, for the
 down projection, writing out silu(gate) * up a second time; the extra columns cost about
-max_loras * R / N of the GEMM. Quantized base weights keep a shrink kernel reading x.
+max_loras * slices * R / N of the GEMM, so it is done only up to STACK_MAX_SHARE of N. Quantized
+base weights, and layers past that share, keep a shrink kernel reading x.
 
 Which slot each token uses comes from the step's `LoRABatch`, set for the forward pass by
 `LoRAState.step` (the model runner, or StepGraphs while capturing: then its tensors are the
@@ -53,6 +54,14 @@ class LoRAState:
             self.batch = None
 
 
+# NOTE: A is stacked under W only while its rows add at most this share of W's: every step's
+# GEMM computes every slot's shrink, so many slots of a high rank (32 slots of rank 64 would
+# double a qkv projection) cost more than the shrink kernel, which computes a token's own slot
+# only. At 1/8 a decode step's GEMM grows by about what a shrink launch costs (5-6 us on an
+# H200 at the Llama-3.1-8B shape); 8 slots of rank 16 (6 % on qkv) measured a gain.
+STACK_MAX_SHARE = 0.125
+
+
 class LoRALayer:
     def __init__(self, state: LoRAState, num_slots: int, slice_sizes: list[int], in_local: int,
                  rank: int, dtype: torch.dtype, device: torch.device, base=None):
@@ -63,7 +72,8 @@ class LoRALayer:
         n = self.n = sum(slice_sizes)
         self.stacked: torch.Tensor | None = None      # [W; A] with A's rows under W's
         self.stacked_bias: torch.Tensor | None = None
-        if (base is not None and base.weight_scale is None
+        extra = num_slots * len(slice_sizes) * rank
+        if (base is not None and base.weight_scale is None and extra <= STACK_MAX_SHARE * n
                 and base.weight.dtype.is_floating_point and base.weight.shape == (n, in_local)):
             self._stack(base, num_slots, len(slice_sizes), rank)
         else:
