@@ -353,3 +353,39 @@ def test_default_model_from_gguf(tmp_path, hf_default_model):
         ids = llm.tokenizer.encode(text)
         assert out.outputs[0].token_ids == hf_greedy(reference, ids, 12)
         assert out.outputs[0].token_ids != base.outputs[0].token_ids
+
+
+@pytest.mark.slow
+def test_tp2_with_stacked_layers(tmp_path):
+    """A model wide enough that A is stacked under W on each rank (one slot of rank 16 adds 48
+    rows to the 512 of qkv a rank holds, under STACK_MAX_SHARE), served with --tp 2: the
+    row-parallel layers' outputs, strided past the shrink's columns, are reduced like any
+    other; the same greedy tokens as transformers + peft."""
+    from serve_util import start_server
+    from transformers import AutoModelForCausalLM
+
+    from conveyor.client import Client
+
+    base = make_tiny_model("llama", tmp_path / "wide", hidden_size=512, intermediate_size=1024,
+                           num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                           num_hidden_layers=1, max_position_embeddings=512,
+                           initializer_range=0.05)
+    adapter = make_tiny_adapter(base, tmp_path / "a", r=8, alpha=16, std=0.05)
+    hf = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    want = {None: [hf_greedy(hf, p, NEW) for p in PROMPTS],
+            "a": [hf_greedy(peft_model(base, adapter), p, NEW) for p in PROMPTS]}
+    assert want["a"] != want[None]
+    one = make_llm(base, max_loras=1)                       # in process, one rank
+    assert _stacked(one) == {True}
+    del one
+    server = start_server("--model", str(base), "--skip-tokenizer-init", "--tp", "2",
+                          "--port", "-1", "--enable-lora", "--max-loras", "1",
+                          "--lora-modules", f"a={adapter}")
+    try:
+        with Client(server.addresses[0], timeout=120) as client:
+            for name in ("a", None):
+                options = {} if name is None else {"lora": name}
+                outs = client.generate(PROMPTS, GREEDY, **options)
+                assert [o.outputs[0].token_ids for o in outs] == want[name], name
+    finally:
+        server.kill_all()
