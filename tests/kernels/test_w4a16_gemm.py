@@ -39,8 +39,13 @@ def test_w4a16_matches_reference(dtype, m, n, k, group, bias, act_order):
     (3, 200, 1024, 128, False), (17, 72, 1152, 64, True), (1, 136, 640, 0, False)])
 def test_w4a16_small(m, n, k, group, act_order, device):
     """Small shapes, also under Triton's interpreter on the CPU: the tiled kernel (a few rows,
-    K whole or split) and dequantize-then-cuBLAS (many). Each runs twice: a split's tile
-    counts must be back at 0."""
+    K whole or split) and dequantize-then-cuBLAS (many)."""
+    check_small(m, n, k, group, act_order, device, atol=3e-2)
+
+
+def check_small(m: int, n: int, k: int, group: int, act_order: bool, device, atol: float):
+    """w4a16_gemm against the reference on random 4-bit weights (group 0: one group a row),
+    twice: a split's tile counts must be back at 0."""
     gen = torch.Generator(device=device).manual_seed(m)
     groups = k // group if group else 1
     q = torch.randint(0, 16, (n, k), device=device, generator=gen, dtype=torch.uint8)
@@ -51,7 +56,7 @@ def test_w4a16_small(m, n, k, group, act_order, device):
     want = w4a16_ref(x.float(), pack_int4(q), scale, zero, None, perm)
     for _ in range(2):
         got = w4a16_gemm(x, pack_int4(q), scale, zero, None, perm)
-        torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
+        torch.testing.assert_close(got.float(), want, atol=atol, rtol=3e-2)
 
 
 @pytest.mark.interpreter
@@ -77,13 +82,4 @@ def test_w4a16_tiles_of_rows(m, n, k, group, device, monkeypatch):
     from conveyor.kernels import w4a16_gemm as mod
 
     monkeypatch.setattr(mod, "CUBLAS_FROM_M", 1 << 20)
-    gen = torch.Generator(device=device).manual_seed(m)
-    groups = k // group if group else 1
-    q = torch.randint(0, 16, (n, k), device=device, generator=gen, dtype=torch.uint8)
-    scale = torch.rand(n, groups, device=device, generator=gen) / 20
-    zero = torch.randint(0, 16, (n, groups), device=device, generator=gen).float()
-    x = torch.randn(m, k, device=device, generator=gen).to(torch.bfloat16)
-    want = w4a16_ref(x.float(), pack_int4(q), scale, zero)
-    for _ in range(2):
-        got = w4a16_gemm(x, pack_int4(q), scale, zero)
-        torch.testing.assert_close(got.float(), want, atol=5e-2, rtol=3e-2)
+    check_small(m, n, k, group, False, device, atol=5e-2)
