@@ -176,11 +176,18 @@ class LinearBase(nn.Module):
                 and fp8_gemm.takes(x, self.weight, self.weight_scale))
 
     def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+        return self._project(x, self.bias)
+
+    def _project(self, x: torch.Tensor | Fp8Rows, bias: torch.Tensor | None,
+               silu_mul: bool = False) -> torch.Tensor:
+        """linear() of this layer's weight, plus its LoRA delta if it has adapters: from the
+        one GEMM over [W; A] where A is stacked under W (rows then strided), else added by
+        the LoRA layer's shrink and expand."""
         if self.lora is not None and self.lora.stacked is not None:
-            return self.lora.stacked_forward(x, self.bias)
-        y = linear(x, self.weight, self.bias, scale=self.weight_scale, zero=self.weight_zero,
-                   perm=self.weight_perm)
-        return y if self.lora is None else self.lora(x, y)
+            return self.lora.stacked_forward(x, bias, silu_mul)
+        y = linear(x, self.weight, bias, silu_mul, self.weight_scale, self.weight_zero,
+                   self.weight_perm)
+        return y if self.lora is None else self.lora(silu_and_mul(x) if silu_mul else x, y)
 
 
 def _load_perm(param, loaded_weight, shard_id=None) -> None:
@@ -287,15 +294,8 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
         """silu_mul: x is a fused gate/up output [T, 2 * input_local]; the layer's input is
         silu(gate) * up (fused into the kernel's loads at decode sizes)."""
-        bias = self.bias if tp_rank() == 0 else None
         # NOTE: with LoRA the delta is a partial sum like y: the same all-reduce adds it up
-        if self.lora is not None and self.lora.stacked is not None:
-            y = self.lora.stacked_forward(x, bias, silu_mul)
-            if tp_size() > 1:
-                y = y.contiguous()   # rows strided past the shrink's columns: not for NCCL
-        else:
-            y = linear(x, self.weight, bias, silu_mul, self.weight_scale, self.weight_zero,
-                       self.weight_perm)
-            if self.lora is not None:
-                y = self.lora(silu_and_mul(x) if silu_mul else x, y)
+        y = self._project(x, self.bias if tp_rank() == 0 else None, silu_mul)
+        if tp_size() > 1 and not y.is_contiguous():
+            y = y.contiguous()   # a stacked layer's rows are strided: not for the all-reduce
         return all_reduce(y) if self.reduce_results else y

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from conveyor.kernels import triton_available
+from conveyor.worker.layers.linear import linear
 
 
 @dataclass
@@ -75,7 +76,7 @@ class LoRALayer:
         extra = num_slots * len(slice_sizes) * rank
         if (base is not None and base.weight_scale is None and extra <= STACK_MAX_SHARE * n
                 and base.weight.dtype.is_floating_point and base.weight.shape == (n, in_local)):
-            self._stack(base, num_slots, len(slice_sizes), rank)
+            self._stack(base, (num_slots, len(slice_sizes), rank))
         else:
             self.A = torch.zeros(num_slots, len(slice_sizes), rank, in_local, dtype=dtype,
                                  device=device)
@@ -85,15 +86,16 @@ class LoRALayer:
             offsets.append(offsets[-1] + size)
         self.offsets = torch.tensor(offsets, dtype=torch.int32, device=device)
 
-    def _stack(self, base, num_slots: int, num_slices: int, rank: int) -> None:
-        """Move the base's weight (and bias) into [W; A] and point it at the first rows."""
+    def _stack(self, base, a_shape: tuple[int, int, int]) -> None:
+        """Move the base's weight (and bias) into [W; A] and point it at the first rows;
+        a_shape: A's (slots, slices, rank)."""
         w = base.weight
         n, k = w.shape
-        extra = num_slots * num_slices * rank
+        extra = a_shape[0] * a_shape[1] * a_shape[2]
         self.stacked = torch.zeros(n + extra, k, dtype=w.dtype, device=w.device)
         self.stacked[:n].copy_(w)
         base.weight = _view_parameter(self.stacked[:n], w)
-        self.A = self.stacked[n:].view(num_slots, num_slices, rank, k)
+        self.A = self.stacked[n:].view(*a_shape, k)
         if base.bias is not None:
             self.stacked_bias = torch.zeros(n + extra, dtype=base.bias.dtype,
                                             device=base.bias.device)
@@ -110,13 +112,10 @@ class LoRALayer:
         """The base output plus the delta, from one GEMM over [W; A] (a stacked layer; bias:
         the base's, or None where this rank adds none). The output is [T, N] with rows strided
         past the shrink's columns."""
-        from conveyor.worker.layers.linear import linear
-
         if not self.active():
             return linear(x, self.stacked[:self.n], bias, silu_mul)
         out = linear(x, self.stacked, None if bias is None else self.stacked_bias, silu_mul)
-        A = self.A
-        h = out[:, self.n:].view(out.shape[0], *A.shape[:3])          # [T, S, slices, R]
+        h = out[:, self.n:].view(out.shape[0], *self.A.shape[:3])     # [T, S, slices, R]
         return self._expand(out[:, :self.n], h)
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
