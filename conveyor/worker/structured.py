@@ -2,10 +2,11 @@
 each step's token bitmask for the sampler (docs/ARCHITECTURE.md, "Structured outputs").
 
 The model runner calls `start` when a sequence takes a slot (a resumed one replays its output so
-far), `SeqGrammar.accept` as each sampled token reaches the host (at the flush of its step), and
-`fill` for a step's sampling rows after that flush: the bitmask is filled on a thread while the
-step's forward pass runs on the device and the engine plans the next step, and the sampling
-waits for it at the next submit (docs/ARCHITECTURE.md, "Structured outputs").
+far), `SeqGrammar.accept` as each sampled token reaches the host (at the flush of its step; it
+only queues the token), and `fill` for a step's sampling rows after that flush: on a thread, the
+matchers consume the queued tokens and the bitmask is filled while the step's forward pass runs
+on the device and the engine plans the next step, and the sampling waits for it at the next
+submit (docs/ARCHITECTURE.md, "Structured outputs").
 The vocabulary view is built by the first constrained sequence (about a second, once).
 """
 from __future__ import annotations

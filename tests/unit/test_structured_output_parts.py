@@ -163,6 +163,42 @@ def test_resumed_matcher_equals_one_fed_token_by_token(vocab):
 
 
 @needs_model
+def test_a_fill_consumes_the_queued_tokens_as_matchers_fed_directly_would(vocab):
+    """accept() only queues a token; the next fill consumes the queue (one token each: one
+    parallel call; several: one by one) before it fills. Stepped through documents, rows
+    queueing one token, several, and a token after EOS (skipped, as the scheduler drops it)
+    get the masks of llguidance matchers fed each token directly."""
+    from llguidance.numpy import fill_next_token_bitmask
+
+    hf, compiler, config = vocab
+    so = StructuredOutputs(json=SCHEMA)
+    texts = ['{"x": 123}', '{"x": -4', '{"x": 56789']
+    docs = [hf.encode(t, add_special_tokens=False) for t in texts]
+    eos = config.eos_token_ids[0]
+    docs[0] += [eos, docs[1][0]]                     # EOS, then a token planned after it
+    grammars = [compiler.start(so, []) for _ in docs]
+    direct = [compiler.compile(so).result().deep_copy() for _ in docs]
+    expected = np.zeros((len(docs), bitmask_width(config.vocab_size)), dtype=np.int32)
+    pos, step = [0] * len(docs), 0
+    while any(p < len(d) for p, d in zip(pos, docs)):
+        for i, (doc, g, m) in enumerate(zip(docs, grammars, direct)):
+            take = 2 if i == 2 else 1               # row 2 queues two a step: one by one
+            for t in doc[pos[i]:pos[i] + take]:
+                g.accept(t)
+                if not m.is_stopped():
+                    assert m.consume_token(t)
+            pos[i] += take
+        got = _allowed(compiler, grammars)
+        assert all(not g.pending for g in grammars)
+        for i, m in enumerate(direct):
+            fill_next_token_bitmask(m, expected, i)
+        want = np.unpackbits(expected.view(np.uint8), axis=1, bitorder="little").astype(bool)
+        assert np.array_equal(got, want[:, :config.vocab_size]), step
+        step += 1
+    assert grammars[0].matcher.is_stopped() and not grammars[0].matcher.is_error()
+
+
+@needs_model
 def test_a_failed_compile_allows_only_eos(vocab):
     from concurrent.futures import Future
 
