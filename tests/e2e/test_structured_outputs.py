@@ -174,6 +174,32 @@ def test_offline_with_preemption():
             jsonschema.validate(json.loads(c.text), SCHEMA)
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_both_orders_of_a_constrained_step_give_the_same_tokens(monkeypatch, n):
+    """A constrained step either reads the previous step's tokens before launching its forward
+    pass (its bitmask fills during the launch; taken when the device is idle, always on the
+    CPU) or after (when the device is busy). Forced each way, a greedy mixed batch (JSON,
+    regex, free; and with n = 2, a request's samples side by side) gives the same tokens and
+    logprobs."""
+    from conveyor import LLM
+    from conveyor.worker.model_runner import ModelRunner
+
+    greedy = dict(temperature=0, max_tokens=40, logprobs=3, n=n)
+    params = [SamplingParams(**greedy, structured_outputs=StructuredOutputs(json=SCHEMA)),
+              SamplingParams(**greedy, structured_outputs=StructuredOutputs(regex=PHONE)),
+              SamplingParams(**greedy)]
+    prompts = ["A user record as JSON:", "My phone number is", "The three primary colors are"]
+    llm = LLM(max_model_len=512)
+    runs = {}
+    for first in (True, False):
+        monkeypatch.setattr(ModelRunner, "_reads_first", lambda self, first=first: first)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        runs[first] = [[(c.token_ids, c.logprobs, c.text) for c in o.outputs] for o in outs]
+    assert runs[True] == runs[False]
+    for _, _, text in runs[True][1]:
+        assert re.fullmatch(PHONE, text), text
+
+
 def test_tp3_mixed_batch_equals_one_process():
     """At TP 3 (gloo on the CPU) rank 0 fills a constrained step's bitmask on its fill thread
     while every rank holds back that step's sampling to the next submit: greedy JSON, regex and
