@@ -16,14 +16,16 @@ takes one of two Triton paths by the number of rows M:
   kernel also takes any number of rows, in tiles of 64 each reading the weight again, for
   measuring where CUBLAS_FROM_M belongs (benchmarks/kernel_timings.py, "int4 tiles").
 Both take a nibble to a float without a conversion instruction (by OR-ing it into the mantissa
-of a power of two, exact) and apply the group's zero and scale in float32.
+of a power of two, exact). The tiles subtract the zero point in x's dtype, exact for the integer
+zero points of 4-bit checkpoints (zero is float32 here, but always a whole number 0..15), and
+scale in float32.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from conveyor.kernels._triton import jit, require_triton, split_k_sum, tl
+from conveyor.kernels._triton import interpreting, jit, require_triton, split_k_sum, tl
 from conveyor.kernels._util import check, tile_counts
 
 # rows from which the weight is dequantized to x's dtype and multiplied by cuBLAS (the tiled
@@ -83,20 +85,46 @@ def _nibble_plane(words, i: tl.constexpr):
     return (((words >> (4 * i)) & 15) | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 
+@jit
+def _pair_plane(words, zb, j: tl.constexpr, ASM: tl.constexpr, BF16: tl.constexpr):
+    """words [R, W] int32 -> [R, 2W] in x's dtype: element 2w + h is q - z for nibble
+    j + 4h of word w (inputs 8w + j + 4h), zb [R, 2W] int32 holding -(M + z) twice as a pair of
+    x's dtype, M the magic number (bf16 128, fp16 1024) whose bit pattern OR-ed with a nibble q
+    is the number M + q. With ASM (sm80+, not the interpreter) one shift and one LOP3 make two
+    weights' patterns in a 32-bit register and one packed FMA by 1 subtracts M + z from both:
+    three instructions for two weights, exact for integer zero points."""
+    both = tl.join(words, words).reshape(words.shape[0], 2 * words.shape[1])
+    if ASM:
+        magic: tl.constexpr = "0x43004300" if BF16 else "0x64006400"
+        one: tl.constexpr = "0x3F803F80" if BF16 else "0x3C003C00"
+        fma: tl.constexpr = "fma.rn.bf16x2" if BF16 else "fma.rn.f16x2"
+        return tl.inline_asm_elementwise(
+            f"{{ .reg .b32 t, u, one; mov.b32 one, {one}; shr.u32 t, $1, {4 * j}; "
+            f"lop3.b32 u, t, 0x000f000f, {magic}, 0xea; {fma} $0, u, one, $3; }}",
+            "=r,r,r,r,r", [both, zb], dtype=tl.bfloat16 if BF16 else tl.float16,
+            is_pure=True, pack=2)
+    h = tl.join(tl.zeros_like(words), tl.full(words.shape, 16, tl.int32)).reshape(both.shape)
+    q = ((both >> (4 * j + h)) & 15).to(tl.float32)
+    dt = tl.bfloat16 if BF16 else tl.float16
+    zero = (zb & 0xFFFF).to(tl.int16).to(dt, bitcast=True).to(tl.float32)
+    return (q + (128.0 if BF16 else 1024.0) + zero).to(dt)
+
+
 @jit(do_not_specialize=["M"])
 def _w4a16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, GROUP,
                   K_SPLIT, stride_xm, stride_wn, stride_sn, stride_ym, HAS_BIAS: tl.constexpr,
                   GROUP_STEPS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ASM: tl.constexpr,
+                  BF16: tl.constexpr):
     """y^T tile [BLOCK_N, BLOCK_M] = W_tile x_tile^T, 128 inputs (16 words a weight row) a step.
 
-    Nibble i of word w is input 8 w + i: a step is eight dots of [BLOCK_N, 16] weights (plane
-    i of the 16 words, unpacked in registers, the tensor cores' register operand) by the inputs
-    8 w + i, so the words never change layout (a reshape into k order first took 1.1x as long
-    at four parts of K).
-    With GROUP_STEPS (groups of a multiple of 128 inputs) the dots take 128 + q unscaled and
-    the step's sum is scaled after: s (x.(128 + q) - (128 + zero) sum(x)); smaller groups scale
-    each word's column before the dots."""
+    Nibble i of word w is input 8 w + i, so the words never change layout (a reshape into k
+    order first took 1.1x as long at four parts of K). With GROUP_STEPS (groups of a multiple
+    of 128 inputs: one scale and zero a row a step) a step is four dots of [BLOCK_N, 32]
+    weights q - z (nibbles j and j + 4 of the 16 words, _pair_plane, the tensor cores'
+    register operand) by the inputs 8 w + j + 4 h, and the step's sum is scaled after;
+    smaller groups make eight dots of [BLOCK_N, 16] (nibble plane i), each word's column
+    scaled before its dot."""
     tile_n = tl.program_id(0)
     split = tl.program_id(1)
     tile = tl.program_id(2) * tl.num_programs(0) + tile_n               # for split-K's count
@@ -112,22 +140,26 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count_ptr,
     z_ptrs = z_ptr + wn * stride_sn
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     k0 = split * K_SPLIT
+    r = tl.arange(0, 32)
+    x_pairs = x_ptr + xm[None, :] * stride_xm + (8 * (r // 2) + 4 * (r % 2))[:, None]
     for k in tl.range(k0, tl.minimum(k0 + K_SPLIT, K), 128):
         k_ok = k + 8 * kw < K
-        if EVEN_K:
+        if EVEN_K or GROUP_STEPS:             # K is a multiple of 128 with GROUP_STEPS
             words = tl.load(w_ptrs + k // 8)
         else:
             words = tl.load(w_ptrs + k // 8, mask=k_ok[None, :], other=0)
         if GROUP_STEPS:
             s = tl.load(s_ptrs + k // GROUP)
             z = tl.load(z_ptrs + k // GROUP)
+            dt = tl.bfloat16 if BF16 else tl.float16
+            zh = (-(z + (128.0 if BF16 else 1024.0))).to(dt).to(tl.int16, bitcast=True)
+            zh = zh.to(tl.int32) & 0xFFFF
+            zb = tl.broadcast_to((zh | (zh << 16))[:, None], (BLOCK_N, 32))
             part = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-            xs = tl.zeros([BLOCK_M], dtype=tl.float32)
-            for i in tl.static_range(8):
-                xi = tl.load(x_ptrs + k + i)
-                part = tl.dot(_nibble_plane(words, i).to(xi.dtype), xi, part)
-                xs += tl.sum(xi.to(tl.float32), axis=0)
-            acc += part * s[:, None] - (s * (z + 128.0))[:, None] * xs[None, :]
+            for j in tl.static_range(4):
+                part = tl.dot(_pair_plane(words, zb, j, ASM, BF16), tl.load(x_pairs + k + j),
+                              part)
+            acc += part * s[:, None]
         else:
             g = (k + 8 * kw) // GROUP                                  # a word's group
             s = tl.load(s_ptrs[:, None] + g[None, :], mask=k_ok[None, :], other=0.0)
@@ -229,7 +261,8 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero
         x, qweight, scale, zero, bias if bias is not None else y, y, part, counts, m, n, k,
         group, k_split, x.stride(0), qweight.stride(0), scale.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, GROUP_STEPS=group % 128 == 0, EVEN_K=k % k_split == 0,
-        SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=BLOCK_N, num_warps=4, num_stages=4)
+        SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=BLOCK_N, ASM=not interpreting(),
+        BF16=x.dtype == torch.bfloat16, num_warps=4, num_stages=3)
     return y
 
 

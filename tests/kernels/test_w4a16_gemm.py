@@ -37,13 +37,16 @@ def test_w4a16_matches_reference(dtype, m, n, k, group, bias, act_order):
     # K split in parts: 4 (groups of 128), 3 (groups of 64, scaled a word at a time) and
     # 2 uneven ones (one group of 640 inputs)
     (3, 200, 1024, 128, False), (17, 72, 1152, 64, True), (1, 136, 640, 0, False)])
-def test_w4a16_small(m, n, k, group, act_order, device):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_w4a16_small(m, n, k, group, act_order, dtype, device):
     """Small shapes, also under Triton's interpreter on the CPU: the tiled kernel (a few rows,
-    K whole or split) and dequantize-then-cuBLAS (many)."""
-    check_small(m, n, k, group, act_order, device, atol=3e-2)
+    K whole or split) and dequantize-then-cuBLAS (many); bf16 and fp16 (their own magic
+    numbers for the weights' bit patterns)."""
+    check_small(m, n, k, group, act_order, device, atol=3e-2, dtype=dtype)
 
 
-def check_small(m: int, n: int, k: int, group: int, act_order: bool, device, atol: float):
+def check_small(m: int, n: int, k: int, group: int, act_order: bool, device, atol: float,
+                dtype: torch.dtype = torch.bfloat16):
     """w4a16_gemm against the reference on random 4-bit weights (group 0: one group a row),
     twice: a split's tile counts must be back at 0."""
     gen = torch.Generator(device=device).manual_seed(m)
@@ -51,7 +54,7 @@ def check_small(m: int, n: int, k: int, group: int, act_order: bool, device, ato
     q = torch.randint(0, 16, (n, k), device=device, generator=gen, dtype=torch.uint8)
     scale = torch.rand(n, groups, device=device, generator=gen) / 20
     zero = torch.randint(0, 16, (n, groups), device=device, generator=gen).float()
-    x = torch.randn(m, k, device=device, generator=gen).to(torch.bfloat16)
+    x = torch.randn(m, k, device=device, generator=gen).to(dtype)
     perm = torch.randperm(k, device=device, generator=gen) if act_order else None
     want = w4a16_ref(x.float(), pack_int4(q), scale, zero, None, perm)
     for _ in range(2):
