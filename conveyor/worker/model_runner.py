@@ -281,8 +281,8 @@ class ModelRunner:
             result = self.flush()
         if defer:
             launched.deferred = True
-            launched.masks = (masks or self.structured.fill(launched.states)
-                              if tp_rank() == 0 else None)
+            if tp_rank() == 0:
+                launched.masks = masks or self.structured.fill(launched.states)
         else:
             self._sample(launched)
         self._pending = launched
