@@ -122,11 +122,17 @@ def main() -> None:
         _throughput(llm, warm, SamplingParams(**{**base, "max_tokens": 8},
                                               structured_outputs=params.structured_outputs))
     rates = {name: [] for name in kinds}
+    masks = {name: [0, 0.0, 0.0] for name in kinds}   # steps, fill s, wait s (the engine's)
     for r in range(args.rounds):      # alternate, so drift hits every kind alike
         round_prompts = [f"{p} (set {r})" for p in prompts] if r else prompts
         for name, params in kinds.items():
+            before = llm.engine.scheduler.stats()
             rate, _ = _throughput(llm, round_prompts, params)
             rates[name].append(rate)
+            after = llm.engine.scheduler.stats()
+            for i, field in enumerate(("steps", "fill_s", "wait_s")):
+                masks[name][i] += (getattr(after, f"structured_{field}")
+                                   - getattr(before, f"structured_{field}"))
     first = {k: v[0] for k, v in rates.items()}
     ratios = {k: [a / b for a, b in zip(v, rates["unconstrained"])] for k, v in rates.items()}
 
@@ -160,6 +166,9 @@ def main() -> None:
               f"{'✓' if delay <= goal else '✗'})")
     print("all passes, tok/s: " + "; ".join(f"{k} {', '.join(f'{r:.0f}' for r in v)}"
                                             for k, v in rates.items()))
+    print("bitmask a constrained step, all passes (fill on its thread / the step loop's wait): "
+          + "; ".join(f"{k} {1e3 * f / n:.2f} / {1e3 * w / n:.2f} ms"
+                      for k, (n, f, w) in masks.items() if n))
 
 
 if __name__ == "__main__":

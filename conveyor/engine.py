@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
+from conveyor.scheduler.mask_counts import mask_line
 from conveyor.scheduler.scheduler import Scheduler
 from conveyor.scheduler.spec_counts import spec_line
 from conveyor.shared.config import EngineConfig, ModelConfig
@@ -136,4 +137,4 @@ class EngineCore:
                 f"tok/s, {s.num_running} running, {s.num_waiting} waiting, KV cache "
                 f"{100 * used:.1f} % used, prefix cache hit rate "
                 f"{100 * hits / max(1, queries):.1f} %")
-        self.report(line + spec_line(s, last))
+        self.report(line + spec_line(s, last) + mask_line(s, last))

@@ -239,6 +239,16 @@ def _spec_families(gauge, counter):
                   lambda s: s.spec_verify_steps)
     yield counter("conveyor:spec_decode_verify_seconds_total",
                   "Wall time of the steps that verified guesses.", lambda s: s.spec_verify_s)
+    yield counter("conveyor:structured_output_steps_total",
+                  "Steps that sampled rows under a structured-output bitmask.",
+                  lambda s: s.structured_steps)
+    yield counter("conveyor:structured_output_rows_total",
+                  "Rows sampled under a structured-output bitmask.", lambda s: s.structured_rows)
+    yield counter("conveyor:structured_output_fill_seconds_total",
+                  "Time spent advancing matchers and filling bitmasks (worker rank 0, mostly "
+                  "on its fill thread).", lambda s: s.structured_fill_s)
+    yield counter("conveyor:structured_output_wait_seconds_total",
+                  "Time the step loop waited for a bitmask.", lambda s: s.structured_wait_s)
 
 
 def _nvml_handles() -> list:

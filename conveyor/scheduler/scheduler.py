@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from conveyor.scheduler import prompt_logprobs
 from conveyor.scheduler.admission import Admission
 from conveyor.scheduler.block_manager import BlockManager, IntegrityError
+from conveyor.scheduler.mask_counts import MaskCounts
 from conveyor.scheduler.objectives import ObjectiveCounts
 from conveyor.scheduler.policy import Policy, SchedulingContext, make_policy
 from conveyor.scheduler.request import Request, RequestStatus
@@ -104,6 +105,7 @@ class Scheduler:
         self.max_in_flight = self.pp if self.pp > 1 else 2 if config.async_scheduling else 1
         self.spec = config.speculative
         self.spec_counts = SpecCounts()
+        self.mask_counts = MaskCounts()
         self._solo_in_flight = False          # the plan in flight verifies or asks for guesses
         # (step, its parts, when it was planned), oldest first
         self._in_flight: deque[tuple[int, list[_Planned], float]] = deque()
@@ -225,6 +227,7 @@ class Scheduler:
         took = self._time_step(planned_at)
         spec = self.spec_counts
         spec.propose_s += result.propose_time_s
+        self.mask_counts.add(result.mask_rows, result.mask_fill_s, result.mask_wait_s)
         if any(p.step.draft_token_ids for p in planned):
             spec.verify_steps += 1
             spec.verify_s += took
@@ -293,6 +296,7 @@ class Scheduler:
             num_prompt_tokens=self.num_prompt_tokens,
             num_generated_tokens=self.num_generated_tokens,
             **self.spec_counts.stats(),
+            **self.mask_counts.stats(),
         )
 
     def check_integrity(self) -> None:

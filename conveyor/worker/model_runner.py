@@ -76,7 +76,8 @@ class _Launched:
     drafts: list[list[int]] | None = None
     sample_slots: list[int] = field(default_factory=list)
     propose: bool = False                            # guess next tokens once the draw is read
-    # sampling waits for the next submit or flush, while `masks` fills on a thread (rank 0)
+    # sampling waits for the next submit or flush, while `masks` fills on a thread (rank 0);
+    # rank 0 keeps every sampled step's masks (its timings go into the StepResult)
     deferred: bool = False
     masks: PendingMasks | None = None
     sampled: torch.Tensor | None = None              # [S] int64 on the device, once sampled
@@ -365,8 +366,9 @@ class ModelRunner:
             num = self._verify(st, rank0)
         elif num:
             if rank0:
-                allowed = (st.masks.get() if st.masks is not None
-                           else self.structured.masks(st.states))
+                if st.masks is None:
+                    st.masks = self.structured.fill(st.states, later=False)
+                allowed = st.masks.get()
                 drawn = self.sampler.sample_tensors(st.logits[:num], st.states, allowed)
             else:
                 drawn = SampledTensors(torch.empty(num, dtype=torch.long, device=self.device),
@@ -406,7 +408,8 @@ class ModelRunner:
                  if self.drafter is not None else None)
             first_rows = list(itertools.accumulate((len(d) + 1 for d in st.drafts[:-1]),
                                                    initial=0))
-            allowed = self.structured.masks(st.states, first_rows)
+            st.masks = self.structured.fill(st.states, first_rows, later=False)
+            allowed = st.masks.get()
             v = verify(self.sampler, st.logits[:rows], st.states, st.drafts, q, allowed)
             packed = torch.cat([v.token_ids, v.num_accepted.long()])
             drawn = SampledTensors(v.token_ids, v.logprob_rows, v.logprobs)
@@ -459,10 +462,14 @@ class ModelRunner:
         """The StepResult of a step (reading its draw if that is not done yet)."""
         self._read(st)
         tokens, logprobs, counts = st.read
+        m = st.masks
         return StepResult(step=st.step, sampled=tokens, logprobs=logprobs,
                           prompt_logprobs=[(slot, lp.tolist()) for slot, lp in st.host_prompt],
                           num_sampled=counts, proposals=st.proposals,
-                          propose_time_s=st.propose_time_s)
+                          propose_time_s=st.propose_time_s,
+                          mask_rows=m.num_rows if m is not None else 0,
+                          mask_fill_s=m.fill_s if m is not None else 0.0,
+                          mask_wait_s=m.wait_s if m is not None else 0.0)
 
     def _stage_forward(self, tokens3: torch.Tensor, ctx: StepContext, profile: bool
                        ) -> torch.Tensor | None:

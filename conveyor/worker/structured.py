@@ -12,6 +12,7 @@ The vocabulary view is built by the first constrained sequence (about a second, 
 from __future__ import annotations
 
 import sys
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -82,25 +83,36 @@ class StructuredOutputMasks:
         # runner waited for that step's results before this step's fill began.
         host = self._host[:len(rows)]
         grammars = [states[i].grammar for i in rows]
+        def run() -> float:
+            t = time.perf_counter()
+            self.compiler.fill_bitmask(grammars, host.numpy())
+            return time.perf_counter() - t
+
+        pending = PendingMasks(host, [row_of[i] for i in rows] if row_of else rows, None,
+                               self.device)
         if later:
             if self._fill_thread is None:
                 self._fill_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-fill")
                 sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_S))
-            done = self._fill_thread.submit(self.compiler.fill_bitmask, grammars, host.numpy())
+            pending.done = self._fill_thread.submit(run)
         else:
-            self.compiler.fill_bitmask(grammars, host.numpy())
-            done = None
-        return PendingMasks(host, [row_of[i] for i in rows] if row_of else rows, done,
-                            self.device)
+            pending.fill_s = pending.wait_s = run()     # the step loop ran it: all of it waited
+        return pending
 
 
 class PendingMasks:
     """A bitmask being filled (or filled): `get()` waits for the fill, then queues the copy to
-    the device."""
+    the device. Once got: `fill_s`, the fill's time (advancing the matchers and filling), and
+    `wait_s`, how long the step loop waited for it."""
 
     def __init__(self, host: torch.Tensor | None, rows: list[int] | None, done: Future | None,
                  device: torch.device):
         self.host, self.rows, self.done, self.device = host, rows, done, device
+        self.fill_s = self.wait_s = 0.0
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.rows) if self.host is not None else 0
 
     def ready(self) -> bool:
         """Whether get() would not wait for the fill."""
@@ -110,7 +122,10 @@ class PendingMasks:
         if self.host is None:
             return None
         if self.done is not None:
-            self.done.result()               # re-raises what the fill raised
+            t = time.perf_counter()
+            self.fill_s = self.done.result()               # re-raises what the fill raised
+            self.wait_s = time.perf_counter() - t
+            self.done = None
         mask = (self.host.to(self.device, non_blocking=True) if self.device.type == "cuda"
                 else self.host)
         return mask, _tensor(self.rows, self.device, torch.long)

@@ -33,3 +33,6 @@ def test_structured_outputs_reports_first_round_and_median(monkeypatch, capsys):
         assert re.search(rf"decode, {kind}\s+[\d.]+ tok/s\s+[\d.]+x.*median of 2 rounds "
                          rf"[\d.]+x", out), out
     assert re.search(r"first token, cached schema\s+[\d.]+ ms", out)
+    # the engine's own counters: every constrained kind's steps took a bitmask
+    assert re.search(r"bitmask a constrained step.*: json schema [\d.]+ / [\d.]+ ms; "
+                     r"json, bounded strings [\d.]+ / [\d.]+ ms$", out, re.M), out

@@ -416,3 +416,45 @@ def test_slices_leave_every_mask_as_it_was(vocab):
                     break
                 for m in pair:
                     assert m.consume_token(token)
+
+
+# --- what masks cost: counters, /metrics, the stats line ------------------------------------
+
+def test_mask_counts_reach_metrics_and_the_stats_line():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from conveyor.frontend.metrics import ServerMetrics
+    from conveyor.scheduler.mask_counts import MaskCounts, mask_line
+    from conveyor.shared.messages.engine import Stats
+
+    counts = MaskCounts()
+    counts.add(0, 0.0, 0.0)                  # a step without constrained rows: not counted
+    counts.add(64, 0.002, 0.0005)
+    counts.add(32, 0.001, 0.0)
+    stats = Stats(**counts.stats())
+    body = ServerMetrics().render(stats)[0].decode()
+    got = {s.name: s.value for f in text_string_to_metric_families(body) for s in f.samples}
+    assert got["conveyor:structured_output_steps_total"] == 2
+    assert got["conveyor:structured_output_rows_total"] == 96
+    assert got["conveyor:structured_output_fill_seconds_total"] == pytest.approx(0.003)
+    assert got["conveyor:structured_output_wait_seconds_total"] == pytest.approx(0.0005)
+    assert mask_line(stats, Stats()) == (", structured outputs: 48.0 rows/step, bitmask "
+                                         "1.50 ms/step, waited for 0.25 ms/step")
+    assert mask_line(stats, stats) == ""
+
+
+def test_an_engine_counts_its_constrained_steps():
+    """Offline, through the scheduler's Stats: each of the 6 steps of a batch of two
+    constrained requests took a bitmask of two rows; an unconstrained request adds none."""
+    from conveyor import LLM
+
+    llm = LLM(max_model_len=256)
+    llm.generate(["Hi"], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert llm.engine.scheduler.stats().structured_steps == 0
+    so = StructuredOutputs(json={"type": "object"})
+    llm.generate(["A JSON object:"] * 2, SamplingParams(temperature=1.0, max_tokens=6,
+                                                        ignore_eos=True, seed=1,
+                                                        structured_outputs=so), use_tqdm=False)
+    stats = llm.engine.scheduler.stats()
+    assert stats.structured_steps == 6 and stats.structured_rows == 12
+    assert stats.structured_fill_s > 0 and stats.structured_wait_s >= 0

@@ -82,6 +82,12 @@ class Stats(msgspec.Struct, omit_defaults=True):
     spec_propose_s: float = 0.0
     spec_verify_steps: int = 0
     spec_verify_s: float = 0.0
+    # structured outputs since start: steps that took a token bitmask, their constrained rows,
+    # the bitmask fills' time on worker rank 0 and the step loop's waits for them
+    structured_steps: int = 0
+    structured_rows: int = 0
+    structured_fill_s: float = 0.0
+    structured_wait_s: float = 0.0
     # filled in by the frontend that answers a client's StatsRequest, about itself
     frontend_open_requests: int = 0          # requests it still owes an answer
     # data parallel (--data-parallel-size > 1): the fields above are sums over the live

@@ -64,3 +64,8 @@ class StepResult(msgspec.Struct):
     num_sampled: list[int] = []              # per sampling SeqStep; empty: one token each
     proposals: list[list[int]] = []          # plan.propose: per sampling SeqStep, its guesses
     propose_time_s: float = 0.0              # host time spent making `proposals`
+    # structured outputs: the step's constrained rows, its bitmask fill's time (advancing the
+    # matchers and filling, on the fill thread or the step loop) and the step loop's wait for it
+    mask_rows: int = 0
+    mask_fill_s: float = 0.0
+    mask_wait_s: float = 0.0
