@@ -106,10 +106,11 @@ def test_paged_attention(dtype, block_size, group, head_dim, case):
 
 
 def _variants(ctx, prefills, splits=(1, 3)):
-    """(num_splits, seq_order) to run a batch with: decode-only batches also split, and in the
-    decode order (longest first, as the runner gives it) and in a random order."""
+    """(num_splits, seq_order) to run a batch with: split or not (a batch with prefill chunks
+    splits each query tile's keys too), and decode-only batches also in the decode order
+    (longest first, as the runner gives it) and in a random order."""
     if prefills:
-        return [(1, None)]
+        return [(n, None) for n in splits]
     longest = torch.argsort(ctx.seq_lens, descending=True, stable=True).int()
     shuffled = torch.randperm(len(ctx.seq_lens_cpu), device=ctx.seq_lens.device).int()
     return [(n, None) for n in splits] + [(splits[-1], longest), (1, shuffled)]
@@ -156,6 +157,23 @@ def test_paged_attention_window_softcap(window, softcap, case):
                               0.11, max(ctx.query_lens_cpu), num_splits=splits,
                               seq_order=order, window=window, softcap=softcap)
         torch.testing.assert_close(got.float(), want, **TOL[torch.bfloat16])
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("group", [1, 3])
+def test_paged_attention_verify_shaped_small(group, device):
+    """A speculative verify step's shape: a few sequences of five queries each (the last token
+    and four guesses, causal among them) over long cached contexts, split or not."""
+    from conveyor.kernels.paged_attention import paged_attention
+
+    ctx = make_batch(random.Random(group), [], [(5, 300), (5, 129), (5, 17)], 16, 1, 32,
+                     torch.bfloat16, device)
+    q = torch.randn(sum(ctx.query_lens_cpu), group, 32, device=device).to(torch.bfloat16)
+    want = TorchAttentionBackend().forward(q.float(), ctx.kv_caches[0].float(), ctx, 0.2)
+    for n in (1, 4):
+        got = paged_attention(q, ctx.kv_caches[0], ctx.block_tables, ctx.seq_lens,
+                              ctx.query_start_loc, 0.2, 5, num_splits=n)
+        torch.testing.assert_close(got.float(), want, atol=1.5e-2, rtol=1.5e-2)
 
 
 @pytest.mark.interpreter
