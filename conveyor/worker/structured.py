@@ -83,6 +83,7 @@ class StructuredOutputMasks:
         # runner waited for that step's results before this step's fill began.
         host = self._host[:len(rows)]
         grammars = [states[i].grammar for i in rows]
+
         def run() -> float:
             t = time.perf_counter()
             self.compiler.fill_bitmask(grammars, host.numpy())
