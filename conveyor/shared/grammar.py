@@ -175,10 +175,14 @@ class SeqGrammar:
         return m
 
 
+def _live(m) -> bool:
+    """Whether the matcher takes tokens: not past its end (e.g. the token planned after EOS,
+    which the scheduler drops) nor broken."""
+    return not (m.is_stopped() or m.is_error())
+
+
 def _consume(m, token: int) -> None:
-    if m.is_stopped() or m.is_error():
-        return               # e.g. the token planned after EOS, which the scheduler drops
-    if not m.consume_token(token):
+    if _live(m) and not m.consume_token(token):
         _broken(m, token)
 
 
@@ -250,17 +254,14 @@ class GrammarCompiler:
         matchers, singles = [], []
         for i, g in enumerate(grammars):
             m = g.compiled()
+            if m is not None and len(g.pending) == 1 and _live(m):
+                singles.append((m, g.pending.pop()))
+            else:
+                m = g.ready()                # a replayed output one by one, or nothing
             if m is None:
                 bitmask[i] = self._eos_row
-                g.pending = []
-                continue
-            if len(g.pending) == 1:
-                if not (m.is_stopped() or m.is_error()):
-                    singles.append((m, g.pending[0]))
-                g.pending = []
             else:
-                g.ready()
-            matchers.append((m, i))
+                matchers.append((m, i))
         if singles:
             for (m, token), ok in zip(singles, self.executor.consume_token_par(singles)):
                 if not ok:

@@ -463,13 +463,12 @@ class ModelRunner:
         self._read(st)
         tokens, logprobs, counts = st.read
         m = st.masks
+        rows, fill_s, wait_s = (m.num_rows, m.fill_s, m.wait_s) if m else (0, 0.0, 0.0)
         return StepResult(step=st.step, sampled=tokens, logprobs=logprobs,
                           prompt_logprobs=[(slot, lp.tolist()) for slot, lp in st.host_prompt],
                           num_sampled=counts, proposals=st.proposals,
-                          propose_time_s=st.propose_time_s,
-                          mask_rows=m.num_rows if m is not None else 0,
-                          mask_fill_s=m.fill_s if m is not None else 0.0,
-                          mask_wait_s=m.wait_s if m is not None else 0.0)
+                          propose_time_s=st.propose_time_s, mask_rows=rows,
+                          mask_fill_s=fill_s, mask_wait_s=wait_s)
 
     def _stage_forward(self, tokens3: torch.Tensor, ctx: StepContext, profile: bool
                        ) -> torch.Tensor | None:
