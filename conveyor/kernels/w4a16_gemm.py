@@ -6,8 +6,10 @@ The layout every 4-bit checkpoint (AWQ, GPTQ) is converted to at load (worker/in
   perm int64 [K] or None: GPTQ act-order, the input columns in group order (x[:, perm] is the
   layer's input in the weight's column order).
 `dequantize_int4` is the reference and the CPU path (dequantize, then F.linear). `w4a16_gemm`
-takes one of two Triton paths by the number of rows M:
-  M < CUBLAS_FROM_M (decode): tiles of y^T, the weight rows as the tensor cores' register
+takes one of three Triton paths by the number of rows M:
+  one row (single-stream decode): a GEMV on the CUDA cores (_w4a16_gemv_kernel), each weight
+  row's nibbles turned into floats and multiplied by x, K split among programs as below;
+  M < CUBLAS_FROM_M (decode batches): tiles of y^T, the weight rows as the tensor cores' register
   operand: each 128-input step loads 16 consecutive words of each row (coalesced) and unpacks
   them in registers a nibble plane at a time, the weight never going back to memory; K is
   split among programs (the last of a tile sums the parts), so enough bytes are in flight;
@@ -26,11 +28,16 @@ import torch
 import torch.nn.functional as F
 
 from conveyor.kernels._triton import interpreting, jit, require_triton, split_k_sum, tl
-from conveyor.kernels._util import check, tile_counts
+from conveyor.kernels._util import check, num_sms, tile_counts
 
 # rows from which the weight is dequantized to x's dtype and multiplied by cuBLAS (the tiled
 # kernel's dequantization per tile costs more than the one pass once a step has this many rows)
 CUBLAS_FROM_M = 32
+# rows up to which the CUDA-core GEMV runs (it takes one; 0 sends a single row to the tiles)
+GEMV_MAX_M = 1
+# NOTE: GEMV tile (BLOCK_N, BLOCK_W, num_warps, num_stages): the best of 60 on Llama-3.1-8B's
+# four layer shapes on an H200; 32 or 64 words a step took 2-4x as long
+GEMV_TILE = (128, 16, 4, 3)
 # NOTE: weight rows a tile (one tensor-core operand of two warpgroup M's, 4 warps); the sweep's
 # best at one to sixteen rows, 64 took 1.1-1.3x longer
 BLOCK_N = 128
@@ -180,6 +187,77 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count_ptr,
 
 
 @jit
+def _unit_plane(words, i: tl.constexpr):
+    """Nibble i of each int32 word as the float32 1 + q / 16, exact: the nibble moved to the
+    top of the mantissa (bits 19-22) and OR-ed into 1.0's pattern."""
+    if 4 * i <= 19:
+        bits = words << (19 - 4 * i)
+    else:
+        bits = words >> (4 * i - 19)
+    return ((bits & 0x00780000) | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@jit
+def _w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count_ptr, N, K,
+                       GROUP, K_SPLIT, stride_wn, stride_sn, HAS_BIAS: tl.constexpr,
+                       GROUP_STEPS: tl.constexpr, EVEN_K: tl.constexpr,
+                       SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+    """y [BLOCK_N] of one row x on the CUDA cores, 8 BLOCK_W inputs (BLOCK_W words a weight
+    row) a step.
+
+    With f = 1 + q / 16 (_unit_plane), (q - z) s x = s (16 f x - (16 + z) x): a step sums
+    f x over each word's eight inputs (eight FMAs), then folds in the scale and zero once per
+    word with the sum of its inputs. f stays within [1, 2), so the subtraction loses at most a
+    bit (unlike the 2^23 + q form). GROUP_STEPS: a step lies in one group (one scale and zero
+    a row); otherwise each word reads its own group's. EVEN_K: K a multiple of the step, so
+    the loads need no mask (and are vectorized).
+
+    Its time is the arithmetic's (about three instructions a weight), not the reads': the
+    same reads alone run at 3.7 TB/s on an H200 (docs/QUANTIZATION.md)."""
+    tile_n = tl.program_id(0)
+    split = tl.program_id(1)
+    rn = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    wn = (rn % N).to(tl.int64)
+    kw = tl.arange(0, BLOCK_W)
+    w_ptrs = w_ptr + wn[:, None] * stride_wn + kw[None, :]             # [BLOCK_N, BLOCK_W]
+    acc = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
+    k0 = split * K_SPLIT
+    for k in tl.range(k0, tl.minimum(k0 + K_SPLIT, K), 8 * BLOCK_W):
+        k_ok = k + 8 * kw < K
+        if EVEN_K:
+            words = tl.load(w_ptrs + k // 8)
+        else:
+            words = tl.load(w_ptrs + k // 8, mask=k_ok[None, :], other=0)
+        fx = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
+        xs = tl.zeros([BLOCK_W], dtype=tl.float32)
+        for i in tl.static_range(8):
+            if EVEN_K:
+                xi = tl.load(x_ptr + k + 8 * kw + i).to(tl.float32)
+            else:
+                xi = tl.load(x_ptr + k + 8 * kw + i, mask=k_ok, other=0.0).to(tl.float32)
+            fx += _unit_plane(words, i) * xi[None, :]
+            xs += xi
+        if GROUP_STEPS:
+            s = tl.load(s_ptr + wn * stride_sn + k // GROUP)[:, None]
+            z = tl.load(z_ptr + wn * stride_sn + k // GROUP)[:, None]
+        else:
+            g = (k + 8 * kw) // GROUP
+            s = tl.load(s_ptr + wn[:, None] * stride_sn + g[None, :], mask=k_ok[None, :],
+                        other=0.0)
+            z = tl.load(z_ptr + wn[:, None] * stride_sn + g[None, :], mask=k_ok[None, :],
+                        other=0.0)
+        acc += (16.0 * s) * fx - (s * (16.0 + z)) * xs[None, :]
+    y = tl.sum(acc, axis=1)                                            # [BLOCK_N]
+    mask = rn < N
+    last = True
+    if SPLIT_K > 1:
+        y, last = split_k_sum(y, part_ptr, count_ptr, tile_n, split, rn, mask, N, SPLIT_K)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + wn).to(tl.float32)
+    tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=mask & last)
+
+
+@jit
 def _dequantize_int4_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, GROUP, stride_wn, stride_sn,
                             stride_on, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
     """W [N, K] in out's dtype, BLOCK_N rows by BLOCK_W words (8 BLOCK_W columns) a program."""
@@ -250,6 +328,8 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
+    if m <= GEMV_MAX_M:                        # a GEMV: on the CUDA cores
+        return _gemv(x, qweight, scale, zero, bias, y)
     block_m, split, k_split = _tiling(m, n, k)
     tiles_n, tiles_m = -(-n // BLOCK_N), -(-m // block_m)
     part = counts = y
@@ -263,6 +343,36 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero
         HAS_BIAS=bias is not None, GROUP_STEPS=group % 128 == 0, EVEN_K=k % k_split == 0,
         SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=BLOCK_N, ASM=not interpreting(),
         BF16=x.dtype == torch.bfloat16, num_warps=4, num_stages=3)
+    return y
+
+
+def _gemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+          bias: torch.Tensor | None, y: torch.Tensor,
+          tile: tuple[int, int, int, int] | None = None, parts: int | None = None
+          ) -> torch.Tensor:
+    """y [1, N] = x [1, K] W^T (+ bias) through _w4a16_gemv_kernel. K is split in parts until
+    the grid has about four programs an SM (each part at least four steps); tile and parts
+    override the choice when tuning."""
+    k, n, g = x.shape[1], qweight.shape[0], scale.shape[1]
+    block_n, block_w, warps, stages = tile or GEMV_TILE
+    step = 8 * block_w
+    steps, tiles = -(-k // step), -(-n // block_n)
+    if parts is None:
+        parts = 1
+        while parts < 16 and tiles * parts < 4 * num_sms(x.device) and steps >= 4 * parts:
+            parts *= 2
+    k_split = -(-steps // parts) * step
+    split = -(-k // k_split)
+    part = counts = y
+    if split > 1:
+        part = torch.empty(split, n, dtype=torch.float32, device=x.device)
+        counts = tile_counts(x.device, tiles, "w4a16_gemm")
+    group = k // g
+    _w4a16_gemv_kernel[(tiles, split)](
+        x, qweight, scale, zero, bias if bias is not None else y, y, part, counts, n, k, group,
+        k_split, qweight.stride(0), scale.stride(0), HAS_BIAS=bias is not None,
+        GROUP_STEPS=group % step == 0, EVEN_K=k % step == 0, SPLIT_K=split, BLOCK_N=block_n,
+        BLOCK_W=block_w, num_warps=warps, num_stages=stages)
     return y
 
 

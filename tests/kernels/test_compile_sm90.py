@@ -187,7 +187,7 @@ def test_window_softcap_attention(compiled):
     check(compiled, "_paged_attention_kernel", "_merge_splits_kernel")
 
 
-@pytest.mark.parametrize("m", [1, 40, 300])
+@pytest.mark.parametrize("m", [1, 5, 40, 300])
 def test_w4a16_and_fused_moe_kernels(compiled, m):
     from conveyor.kernels.fused_moe import fused_moe, route
     from conveyor.kernels.w4a16_gemm import CUBLAS_FROM_M, w4a16_gemm
@@ -207,8 +207,10 @@ def test_w4a16_and_fused_moe_kernels(compiled, m):
         fused_moe(torch.zeros(m, h, dtype=BF), torch.zeros(experts, 2 * inter, h, dtype=dtype),
                   torch.zeros(experts, h, inter, dtype=dtype), weights, ids, None,
                   torch.ones(experts, 2 * inter), torch.ones(experts, h))
-    # from CUBLAS_FROM_M rows the weight is dequantized, then multiplied by cuBLAS
-    int4 = "_w4a16_kernel" if m < CUBLAS_FROM_M else "_dequantize_int4_kernel"
+    # decode rows on the CUDA cores, then tensor-core tiles; from CUBLAS_FROM_M rows the weight
+    # is dequantized, then multiplied by cuBLAS
+    int4 = ("_w4a16_gemv_kernel" if m == 1 else
+            "_w4a16_kernel" if m < CUBLAS_FROM_M else "_dequantize_int4_kernel")
     check(compiled, int4, "_moe_gemm_kernel", "_silu_and_mul_kernel")
 
 

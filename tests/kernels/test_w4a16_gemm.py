@@ -86,3 +86,32 @@ def test_w4a16_tiles_of_rows(m, n, k, group, device, monkeypatch):
 
     monkeypatch.setattr(mod, "CUBLAS_FROM_M", 1 << 20)
     check_small(m, n, k, group, False, device, atol=5e-2)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("n,k,group,tile,parts", [
+    (40, 256, 128, (64, 16, 4, 3), None),      # one group a step, N off the tile
+    (72, 1152, 64, (32, 16, 4, 2), 3),         # two groups a step: a word's own scale
+    (136, 640, 0, (64, 32, 4, 3), 2),          # one group a row, K off the 256-input step
+    (40, 48, 16, (32, 16, 4, 2), None),        # K below one step
+    (200, 1024, 128, (128, 32, 8, 3), 4)])
+def test_w4a16_gemv(n, k, group, tile, parts, device):
+    """The CUDA-core GEMV (one row: single-stream decode) over tiles and K parts off its defaults,
+    against the reference: bias, act order, bf16 and fp16; twice, the tile counts back at 0."""
+    from conveyor.kernels import w4a16_gemm as mod
+
+    m = 1
+    gen = torch.Generator(device=device).manual_seed(k + n)
+    groups = k // group if group else 1
+    q = torch.randint(0, 16, (n, k), device=device, generator=gen, dtype=torch.uint8)
+    scale = torch.rand(n, groups, device=device, generator=gen) / 20
+    zero = torch.randint(0, 16, (n, groups), device=device, generator=gen).float()
+    perm = torch.randperm(k, device=device, generator=gen)
+    for dtype in (torch.bfloat16, torch.float16):
+        x = torch.randn(m, k, device=device, generator=gen).to(dtype)
+        b = torch.randn(n, device=device, generator=gen).to(dtype)
+        want = w4a16_ref(x.float(), pack_int4(q), scale, zero, b.float(), perm)
+        for _ in range(2):
+            got = mod._gemv(x[:, perm].contiguous(), pack_int4(q), scale, zero, b,
+                            torch.empty(m, n, dtype=dtype, device=device), tile, parts)
+            torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
