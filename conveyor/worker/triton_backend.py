@@ -9,6 +9,11 @@ import torch
 from conveyor.kernels._util import num_sms
 from conveyor.worker.context import StepContext
 
+# steps of at most this many tokens split keys even when some sequence has several query tokens
+# (speculative verification, a short prefill beside decodes): their grid has a few programs per
+# KV head, too few to read a long context at the GPU's bandwidth
+SPLIT_UP_TO_TOKENS = 64
+
 
 class TritonAttentionBackend:
     def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -26,15 +31,17 @@ class TritonAttentionBackend:
 
         num_seqs = len(ctx.query_lens_cpu)
         decode_only = ctx.num_decodes == num_seqs
+        tokens = sum(ctx.query_lens_cpu)
         splits = 1
-        if decode_only:   # few sequences: split each context so the grid fills the GPU
+        if decode_only or tokens <= SPLIT_UP_TO_TOKENS:
+            # few sequences: split each context so the grid fills the GPU
             splits = default_num_splits(num_seqs, kv_cache.shape[3], num_sms(q.device))
         out = paged_attention(q, kv_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
                               scale, 1 if decode_only else max(ctx.query_lens_cpu),
                               num_splits=splits, k_scale=k_scale, v_scale=v_scale,
                               seq_order=ctx.decode_order if decode_only else None,
                               window=window, softcap=softcap)
-        used = num_seqs if decode_only else sum(ctx.query_lens_cpu)
+        used = num_seqs if decode_only else tokens
         if used < q.shape[0]:
             out[used:].zero_()
         return out
