@@ -26,8 +26,9 @@ from conveyor.worker.sampler import SeqSamplingState, _tensor
 # while the step loop runs Python, each take waits for the loop's thread to yield, which it does
 # every switch interval (CPython's default is 5 ms: a 0.5-1.5 ms fill then took 5-6 ms and the
 # decode step with it). So the first fill on the thread lowers the process's interval to this
-# (measured in docs/BENCHMARKS.md, "Structured outputs").
-GIL_SWITCH_S = 0.0002
+# (0.05 ms waited less for the mask than 0.2 ms on two H200 hosts: docs/BENCHMARKS.md,
+# "Structured outputs").
+GIL_SWITCH_S = 0.00005
 
 
 class StructuredOutputMasks:
