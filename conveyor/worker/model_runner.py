@@ -7,7 +7,8 @@ from per-sequence numbers. The same code runs on CPU and GPU; only rank 0's resu
 
 Steps are pipelined: `submit` queues a plan's forward pass before it takes the previous step's
 result, so the host never makes the device wait; a decode whose input is the token the previous
-step sampled gets it on the device. `execute` runs one step to its end.
+step sampled gets it on the device. `execute` runs one step to its end. A launched step's draw
+(sampling or verifying guesses, the copies to the host, reading them back) is worker/draw.py's.
 
 Under pipeline parallelism a runner is one stage (layers/pipeline.py): it runs its layers on the
 previous stage's activations and hands its own to the next; only the last stage samples, and
@@ -18,9 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import itertools
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -30,6 +29,7 @@ from conveyor.shared.messages.worker import StepPlan, StepResult
 from conveyor.shared.model_files import ModelFiles
 from conveyor.shared.sampling_params import SamplingParams
 from conveyor.worker.context import StepContext
+from conveyor.worker.draw import Launched, StepDraw
 from conveyor.worker.kv_cache import (
     allocate_kv_cache,
     bytes_per_block,
@@ -37,15 +37,14 @@ from conveyor.worker.kv_cache import (
 )
 from conveyor.worker.kv_scales import calibrate_kv_scales, set_kv_scales
 from conveyor.worker.layers.lora import LoRABatch
-from conveyor.worker.layers.parallel import broadcast_tensor, min_over_ranks, tp_rank
+from conveyor.worker.layers.parallel import min_over_ranks, tp_rank
 from conveyor.worker.layers.pipeline import recv_activations, send_activations, stage
 from conveyor.worker.layers.quantization import QuantReport, check_device, resolve_mode
 from conveyor.worker.loader import load_model
-from conveyor.worker.sampler import LogprobTensors, SampledTensors, Sampler, SeqSamplingState
+from conveyor.worker.sampler import Sampler, SeqSamplingState
 from conveyor.worker.spec import ModelProposer, make_proposer
-from conveyor.worker.spec.verify import verify
 from conveyor.worker.step_inputs import StepInputs
-from conveyor.worker.structured import PendingMasks, StructuredOutputMasks
+from conveyor.worker.structured import StructuredOutputMasks
 
 _PROFILE_PARAMS = SamplingParams(temperature=0)
 
@@ -62,34 +61,6 @@ class Slot:
 # engine of the process holds the rest): the pool's per-layer tensors, rounded up by the
 # allocator, came to more than an exact fit and the last one failed on an H200
 FREE_MARGIN_BYTES = 1 << 30
-
-
-@dataclass
-class _Launched:
-    """A step whose forward pass is queued; its sampling and the copies to the host follow."""
-    step: int
-    states: list[SeqSamplingState]                   # of the sampling sequences, in batch order
-    logits: torch.Tensor | None                      # [S + P, vocab]: sampling, then prompt rows
-    prompt_rows: list[tuple[int, list[int], int]]    # (slot, target ids, top-k) per sequence
-    # speculative decoding: per sampling sequence its slot and guesses (then it has one
-    # sampling row more than guesses); None: no guesses in this step, one row each
-    drafts: list[list[int]] | None = None
-    sample_slots: list[int] = field(default_factory=list)
-    propose: bool = False                            # guess next tokens once the draw is read
-    # sampling waits for the next submit or flush, while `masks` fills on a thread (rank 0);
-    # rank 0 keeps every sampled step's masks (its timings go into the StepResult)
-    deferred: bool = False
-    masks: PendingMasks | None = None
-    sampled: torch.Tensor | None = None              # [S] int64 on the device, once sampled
-    host: SampledTensors | None = None               # host copies of the draw
-    host_accepted: torch.Tensor | None = None        # with drafts: [S] accepted guesses, host
-    host_prompt: list[tuple[int, LogprobTensors]] = field(default_factory=list)
-    forward_done: torch.cuda.Event | None = None     # CUDA: recorded after the logits
-    done: torch.cuda.Event | None = None             # CUDA: recorded after the copies to the host
-    # the draw as read on the host (tokens, logprobs, tokens per sequence), and the proposals
-    read: tuple[list[int], list, list[int]] | None = None
-    proposals: list[list[int]] = field(default_factory=list)
-    propose_time_s: float = 0.0
 
 
 class ModelRunner:
@@ -140,13 +111,12 @@ class ModelRunner:
 
             self.drafter = DraftModelProposer(config, model_config, files, self.dtype,
                                               self.device, max_model_len)
-        self.proposer = self.drafter or (make_proposer(spec) if spec is not None else None)
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.graphs = None      # CUDA graphs of the forward pass, made once the pool exists
         max_blocks = -(-max_model_len // self.block_size)
         self.inputs = StepInputs(config.max_num_seqs, max_blocks, self.block_size, self.device)
-        self._pending: _Launched | None = None   # submitted, result not taken yet
+        self._pending: Launched | None = None   # submitted, result not taken yet
         self.num_blocks = min_over_ranks(self._num_blocks(), self.device)
         self.kv_caches = allocate_kv_cache(model_config, config, self.num_blocks, self.kv_dtype,
                                            self.device)
@@ -163,6 +133,10 @@ class ModelRunner:
                                      self.lora)
         if self.drafter is not None:
             self.drafter.bind(self.num_blocks, self.slots, self.inputs, self.sampler, graph_args)
+        # the draw holds the proposer: it guesses once a step's tokens are read
+        proposer = self.drafter or (make_proposer(spec) if spec is not None else None)
+        self.draw = StepDraw(self.sampler, self.structured, proposer, self.drafter, self.slots,
+                             self.block_size, self.device)
 
     def describe(self) -> dict[str, int | float | str]:
         """What the start-up summary says of this runner."""
@@ -269,13 +243,13 @@ class ModelRunner:
         self._sample_deferred()
         steps = self._admit(plan)
         states = [self.slots[s[0]].state for s in steps if s[2]]
-        propose = plan.propose and self.proposer is not None
+        propose = plan.propose and self.draw.proposer is not None
         defer = bool(steps) and self._defers(states, any(s[4] for s in steps), propose)
         masks = result = None
         if defer and self._reads_first():
             result = self.flush()
             masks = self.structured.fill(states) if tp_rank() == 0 else None
-        launched = self._forward(steps, step=plan.step) if steps else _Launched(plan.step, [],
+        launched = self._forward(steps, step=plan.step) if steps else Launched(plan.step, [],
                                                                                 None, [])
         launched.propose = propose
         if result is None:
@@ -285,7 +259,7 @@ class ModelRunner:
             if tp_rank() == 0:
                 launched.masks = masks or self.structured.fill(launched.states)
         else:
-            self._sample(launched)
+            self.draw.sample(launched)
         self._pending = launched
         return result
 
@@ -294,7 +268,7 @@ class ModelRunner:
         """The result of the step in flight, waiting for it; None if there is none."""
         self._sample_deferred()
         pending, self._pending = self._pending, None
-        return None if pending is None else self._finish(pending)
+        return None if pending is None else self.draw.result(pending)
 
     @property
     def in_flight(self) -> bool:
@@ -333,7 +307,7 @@ class ModelRunner:
         pass, which reads its tokens on the device)."""
         p = self._pending
         if p is not None and p.deferred:
-            self._sample(p)
+            self.draw.sample(p)
 
     def _admit(self, plan: StepPlan) -> list[tuple[int, int, bool, int, list[int]]]:
         """Take `plan`'s slot changes (freed, new, new blocks); its steps for `_forward`."""
@@ -356,119 +330,6 @@ class ModelRunner:
             steps.append((s.slot, s.num_tokens, s.sample, s.prompt_logprobs_from,
                           s.draft_token_ids))
         return steps
-
-    def _sample(self, st: _Launched) -> None:
-        """Queue the sampling of a launched step and the copies of its results to the host."""
-        num = len(st.states)
-        rank0 = tp_rank() == 0
-        st.deferred = False
-        if st.drafts is not None:
-            num = self._verify(st, rank0)
-        elif num:
-            if rank0:
-                if st.masks is None:
-                    st.masks = self.structured.fill(st.states, later=False)
-                allowed = st.masks.get()
-                drawn = self.sampler.sample_tensors(st.logits[:num], st.states, allowed)
-            else:
-                drawn = SampledTensors(torch.empty(num, dtype=torch.long, device=self.device),
-                                       [], None)
-            # NOTE: only rank 0 samples; the others take its tokens so their slots stay in step.
-            st.sampled = broadcast_tensor(drawn.token_ids)
-            drawn.token_ids = st.sampled
-            st.host = drawn.to_host()
-        offset = num
-        for slot_id, targets, k in st.prompt_rows if rank0 else []:
-            part = st.logits[offset:offset + len(targets)]
-            st.host_prompt.append(
-                (slot_id, self.sampler.prompt_logprob_tensors(part, targets, k).to_host()))
-            offset += len(targets)
-        st.logits = None
-        if self.device.type == "cuda":
-            st.done = torch.cuda.Event()
-            st.done.record()
-        if st.propose:
-            # NOTE: guesses need the tokens just drawn: the step is read here, so a step that
-            # proposes is never overlapped with the next (the scheduler plans none meanwhile)
-            self._read(st)
-            t0 = time.perf_counter()
-            # NOTE: no guesses for constrained outputs: a grammar masks one row, not a run of them
-            st.proposals = [[] if state.params.structured_outputs is not None else guess
-                            for state, guess in zip(
-                                st.states, self.proposer.propose(st.sample_slots, st.states))]
-            st.propose_time_s = time.perf_counter() - t0
-
-    def _verify(self, st: _Launched, rank0: bool) -> int:
-        """Queue the verification of a step with guesses (spec/verify.py); returns its number
-        of sampling rows."""
-        rows = sum(len(d) + 1 for d in st.drafts)
-        num = len(st.states)
-        if rank0:
-            q = (self.drafter.draft_probs(st.sample_slots, st.drafts, st.states)
-                 if self.drafter is not None else None)
-            first_rows = list(itertools.accumulate((len(d) + 1 for d in st.drafts[:-1]),
-                                                   initial=0))
-            st.masks = self.structured.fill(st.states, first_rows, later=False)
-            allowed = st.masks.get()
-            v = verify(self.sampler, st.logits[:rows], st.states, st.drafts, q, allowed)
-            packed = torch.cat([v.token_ids, v.num_accepted.long()])
-            drawn = SampledTensors(v.token_ids, v.logprob_rows, v.logprobs)
-        else:
-            packed = torch.empty(rows + num, dtype=torch.long, device=self.device)
-            drawn = SampledTensors(packed[:rows], [], None)
-        # NOTE: only rank 0 draws; every rank appends its tokens and rolls back alike
-        packed = broadcast_tensor(packed)
-        drawn.token_ids = packed[:rows]
-        st.host = drawn.to_host()
-        st.host_accepted = packed[rows:].to("cpu", non_blocking=True)
-        return rows
-
-    def _read(self, st: _Launched) -> None:
-        """Read a step's draw on the host (waiting for its copies) and append the tokens to
-        their sequences, once. With guesses, a sequence gains its accepted guesses and one
-        more, and its KV past them is dropped: its position goes back, and block-table entries
-        past its last computed token (the scheduler frees the same blocks)."""
-        if st.read is not None:
-            return
-        if st.done is not None:
-            st.done.synchronize()
-        out = st.host.output() if st.host is not None else None
-        tokens, logprobs = (out.token_ids, out.logprobs) if out else ([], [])
-        if st.drafts is None:
-            for state, token in zip(st.states, tokens):
-                state.token_ids.append(token)
-                if state.grammar is not None:
-                    state.grammar.accept(token)
-            st.read = (tokens, logprobs, [])
-            return
-        kept, kept_lp, counts, row = [], [], [], 0
-        for state, drafts, a, slot_id in zip(st.states, st.drafts, st.host_accepted.tolist(),
-                                             st.sample_slots):
-            new = tokens[row:row + a + 1]
-            kept += new
-            kept_lp += logprobs[row:row + a + 1]
-            counts.append(a + 1)
-            state.token_ids.extend(new)
-            if state.grammar is not None:
-                for token in new:
-                    state.grammar.accept(token)
-            slot = self.slots[slot_id]
-            slot.num_computed -= len(drafts) - a
-            slot.num_blocks = min(slot.num_blocks, -(-slot.num_computed // self.block_size))
-            row += len(drafts) + 1
-        st.read = (kept, kept_lp, counts)
-
-    def _finish(self, st: _Launched) -> StepResult:
-        """The StepResult of a step (reading its draw if that is not done yet)."""
-        self._read(st)
-        tokens, logprobs, counts = st.read
-        m = st.masks
-        rows, fill_s, wait_s = (m.num_rows, m.fill_s, m.wait_s) if m else (0, 0.0, 0.0)
-        return StepResult(step=st.step, sampled=tokens, logprobs=logprobs,
-                          prompt_logprobs=[(slot, lp.tolist()) for slot, lp in st.host_prompt],
-                          num_sampled=counts, proposals=st.proposals,
-                          propose_time_s=st.propose_time_s, mask_rows=rows,
-                          mask_fill_s=fill_s, mask_wait_s=wait_s)
 
     def _stage_forward(self, tokens3: torch.Tensor, ctx: StepContext, profile: bool
                        ) -> torch.Tensor | None:
@@ -503,7 +364,7 @@ class ModelRunner:
         slot.num_blocks += len(block_ids)
 
     def _forward(self, steps: list[tuple[int, int, bool, int, list[int]]], step: int = 0,
-                 logits_rows: int = 0) -> _Launched:
+                 logits_rows: int = 0) -> Launched:
         """steps: (slot, num_tokens, sample, prompt_logprobs_from, draft_token_ids) in batch
         order. Queues the forward pass and the logits; waits for nothing on the device."""
         prev = self._pending
@@ -577,15 +438,15 @@ class ModelRunner:
                 else:
                     hidden = self._stage_forward(tokens3, ctx, bool(logits_rows))
         if hidden is None:                   # a pipeline stage before the last: nothing to draw
-            return _Launched(step, [], None, [])
+            return Launched(step, [], None, [])
         if self.drafter is not None and not logits_rows:
             self.drafter.alongside(dev, graph, num_seqs, ctx)
         if logits_rows:  # profiling: the largest logits a step can make, and their float32 copy
             self.model.compute_logits(hidden[-1:].expand(logits_rows, -1)).float()
-            return _Launched(step, [], None, [])
+            return Launched(step, [], None, [])
         # NOTE: the logits are taken now: the next step's graph replay overwrites `hidden`.
         logits = self.model.compute_logits(hidden[dev["rows"]]) if rows else None
-        launched = _Launched(step, sample_states, logits, prompt_rows,
+        launched = Launched(step, sample_states, logits, prompt_rows,
                              drafts if any(drafts) else None, sample_slots)
         if self.device.type == "cuda":
             launched.forward_done = torch.cuda.Event()

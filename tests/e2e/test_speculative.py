@@ -86,7 +86,7 @@ def test_greedy_outputs_and_logprobs_unchanged(tiny, scenario):
     for proposer in ("oracle", "ngram") if scenario in ("plain", "preemption") else ("oracle",):
         llm = make_llm(tiny, speculative_config=NGRAM, **engine_args)
         if proposer == "oracle":
-            llm.runner.proposer = OracleProposer(reference)
+            llm.runner.draw.proposer = OracleProposer(reference)
         outs = llm.generate(prompts(), params, use_tqdm=False)
         assert_same_outputs(reference, outs, tol=1e-4)
         stats = llm.engine.scheduler.stats()
@@ -105,7 +105,7 @@ def test_single_sequences_and_the_batch_size_cutoff(tiny):
     reference = make_llm(tiny).generate(prompts(), GREEDY, use_tqdm=False)
     # one at a time: each request speculates alone
     llm = make_llm(tiny, speculative_config=NGRAM)
-    llm.runner.proposer = OracleProposer(reference)
+    llm.runner.draw.proposer = OracleProposer(reference)
     single = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts()]
     assert_same_outputs(reference, single, tol=1e-4)
     # 5 running: no speculation (overlapped steps) until fewer than 3 run
@@ -113,7 +113,7 @@ def test_single_sequences_and_the_batch_size_cutoff(tiny):
                    max_num_seqs=5)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=3)
               for n in (4, 6, 12, 14, 16)]
-    llm.runner.proposer = OracleProposer(reference)
+    llm.runner.draw.proposer = OracleProposer(reference)
     outs = llm.generate(prompts(), params, use_tqdm=False)
     plain = make_llm(tiny).generate(prompts(), params, use_tqdm=False)
     assert_same_outputs(plain, outs, tol=1e-4)
@@ -129,7 +129,7 @@ def test_stops_inside_an_accepted_run(tiny):
                               stop_token_ids=[o.outputs[0].token_ids[k] for o in reference])
         plain = make_llm(tiny).generate(prompts(), stop, use_tqdm=False)
         llm = make_llm(tiny, speculative_config=NGRAM)
-        llm.runner.proposer = OracleProposer(reference)
+        llm.runner.draw.proposer = OracleProposer(reference)
         assert_same_outputs(plain, llm.generate(prompts(), stop, use_tqdm=False), tol=1e-4)
         assert_clean(llm)
 
