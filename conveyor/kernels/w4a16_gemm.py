@@ -33,11 +33,10 @@ from conveyor.kernels._util import check, num_sms, tile_counts
 # rows from which the weight is dequantized to x's dtype and multiplied by cuBLAS (the tiled
 # kernel's dequantization per tile costs more than the one pass once a step has this many rows)
 CUBLAS_FROM_M = 32
-# rows up to which the CUDA-core GEMV runs (it takes one; 0 sends a single row to the tiles)
-GEMV_MAX_M = 1
-# NOTE: GEMV tile (BLOCK_N, BLOCK_W, num_warps, num_stages): the best of 60 on Llama-3.1-8B's
-# four layer shapes on an H200; 32 or 64 words a step took 2-4x as long
-GEMV_TILE = (128, 16, 4, 3)
+# NOTE: GEMV tile (BLOCK_N, BLOCK_W, num_warps): the best of 60 on Llama-3.1-8B's four layer
+# shapes on an H200; 32 or 64 words a step took 2-4x as long (its loop is not pipelined: 1 or 3
+# stages timed the same)
+GEMV_TILE = (128, 16, 4)
 # NOTE: weight rows a tile (one tensor-core operand of two warpgroup M's, 4 warps); the sweep's
 # best at one to sixteen rows, 64 took 1.1-1.3x longer
 BLOCK_N = 128
@@ -328,7 +327,7 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
-    if m <= GEMV_MAX_M:                        # a GEMV: on the CUDA cores
+    if m == 1:                                 # a GEMV: on the CUDA cores
         return _gemv(x, qweight, scale, zero, bias, y)
     block_m, split, k_split = _tiling(m, n, k)
     tiles_n, tiles_m = -(-n // BLOCK_N), -(-m // block_m)
@@ -348,13 +347,13 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero
 
 def _gemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
           bias: torch.Tensor | None, y: torch.Tensor,
-          tile: tuple[int, int, int, int] | None = None, parts: int | None = None
+          tile: tuple[int, int, int] | None = None, parts: int | None = None
           ) -> torch.Tensor:
     """y [1, N] = x [1, K] W^T (+ bias) through _w4a16_gemv_kernel. K is split in parts until
     the grid has about four programs an SM (each part at least four steps); tile and parts
     override the choice when tuning."""
     k, n, g = x.shape[1], qweight.shape[0], scale.shape[1]
-    block_n, block_w, warps, stages = tile or GEMV_TILE
+    block_n, block_w, warps = tile or GEMV_TILE
     step = 8 * block_w
     steps, tiles = -(-k // step), -(-n // block_n)
     if parts is None:
@@ -372,7 +371,7 @@ def _gemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: tor
         x, qweight, scale, zero, bias if bias is not None else y, y, part, counts, n, k, group,
         k_split, qweight.stride(0), scale.stride(0), HAS_BIAS=bias is not None,
         GROUP_STEPS=group % step == 0, EVEN_K=k % step == 0, SPLIT_K=split, BLOCK_N=block_n,
-        BLOCK_W=block_w, num_warps=warps, num_stages=stages)
+        BLOCK_W=block_w, num_warps=warps)
     return y
 
 

@@ -31,9 +31,9 @@ class TritonAttentionBackend:
 
         num_seqs = len(ctx.query_lens_cpu)
         decode_only = ctx.num_decodes == num_seqs
-        tokens = sum(ctx.query_lens_cpu)
+        tokens = num_seqs if decode_only else sum(ctx.query_lens_cpu)   # rows in use
         splits = 1
-        if decode_only or tokens <= SPLIT_UP_TO_TOKENS:
+        if tokens <= SPLIT_UP_TO_TOKENS or decode_only:
             # few sequences: split each context so the grid fills the GPU
             splits = default_num_splits(num_seqs, kv_cache.shape[3], num_sms(q.device))
         out = paged_attention(q, kv_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
@@ -41,7 +41,6 @@ class TritonAttentionBackend:
                               num_splits=splits, k_scale=k_scale, v_scale=v_scale,
                               seq_order=ctx.decode_order if decode_only else None,
                               window=window, softcap=softcap)
-        used = num_seqs if decode_only else tokens
-        if used < q.shape[0]:
-            out[used:].zero_()
+        if tokens < q.shape[0]:
+            out[tokens:].zero_()
         return out

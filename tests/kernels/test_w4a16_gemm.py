@@ -90,11 +90,11 @@ def test_w4a16_tiles_of_rows(m, n, k, group, device, monkeypatch):
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("n,k,group,tile,parts", [
-    (40, 256, 128, (64, 16, 4, 3), None),      # one group a step, N off the tile
-    (72, 1152, 64, (32, 16, 4, 2), 3),         # two groups a step: a word's own scale
-    (136, 640, 0, (64, 32, 4, 3), 2),          # one group a row, K off the 256-input step
-    (40, 48, 16, (32, 16, 4, 2), None),        # K below one step
-    (200, 1024, 128, (128, 32, 8, 3), 4)])
+    (40, 256, 128, (64, 16, 4), None),      # one group a step, N off the tile
+    (72, 1152, 64, (32, 16, 4), 3),         # two groups a step: a word's own scale
+    (136, 640, 0, (64, 32, 4), 2),          # one group a row, K off the 256-input step
+    (40, 48, 16, (32, 16, 4), None),        # K below one step
+    (200, 1024, 128, (128, 32, 8), 4)])
 def test_w4a16_gemv(n, k, group, tile, parts, device):
     """The CUDA-core GEMV (one row: single-stream decode) over tiles and K parts off its defaults,
     against the reference: bias, act order, bf16 and fp16; twice, the tile counts back at 0."""
