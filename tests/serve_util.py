@@ -70,13 +70,13 @@ def assert_top5_close(reference: list, other: list) -> list[int | None]:
     logprobs): greedy tokens equal or, at the first divergence, each side's token in the
     other's top 5. Returns each completion's first differing position (None: all equal)."""
     first = []
-    for one, two in zip(reference, other, strict=True):
+    for n, (one, two) in enumerate(zip(reference, other, strict=True)):
         assert len(one.token_ids) == len(two.token_ids)
         first.append(None)
         for i, (a, b) in enumerate(zip(one.token_ids, two.token_ids)):
             if a != b:
-                assert a in two.logprobs[i], (i, a, b)
-                assert b in one.logprobs[i], (i, a, b)
+                assert a in two.logprobs[i], f"completion {n}, token {i}: {a} vs {b}"
+                assert b in one.logprobs[i], f"completion {n}, token {i}: {a} vs {b}"
                 first[-1] = i
                 break
     return first

@@ -164,15 +164,16 @@ class ModelRunner:
     def _num_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
+        # NOTE: more blocks than every sequence at full length could use only feed the prefix
+        # cache; the pool stops there so a small model neither zeroes gigabytes on the CPU nor
+        # hands the scheduler tens of millions of blocks to list on a large GPU.
+        enough = self.config.max_num_seqs * -(-self.max_model_len // self.block_size)
         if self.device.type == "cpu":
-            # NOTE: more blocks than every sequence at full length could use only feed the prefix
-            # cache; on CPU the budget is capped there so small models don't zero gigabytes.
-            enough = self.config.max_num_seqs * -(-self.max_model_len // self.block_size)
             budget = self.config.kv_cache_memory_bytes
             if self.drafter is not None:
                 budget -= self.drafter.scratch_bytes()
             return min(enough, budget // self._block_bytes())
-        return self._profile_gpu_blocks()
+        return min(enough, self._profile_gpu_blocks())
 
     def _block_bytes(self) -> int:
         """What a block costs: its KV in the target's pool and, speculating with a draft
