@@ -16,7 +16,8 @@ import time
 import torch
 
 from conveyor.shared.sampling_params import SamplingParams
-from conveyor.worker.sampler import SeqSamplingState, _padded
+from conveyor.worker.sampler import SeqSamplingState
+from conveyor.worker.sampling_ops import pad_rows
 
 
 def main() -> None:
@@ -40,8 +41,8 @@ def main() -> None:
     def step():
         for s in states:
             s.token_ids.append(rng.randrange(151936))
-        _padded([tokens(s)[s.prompt_len:] for s in states], 151936, cpu)
-        _padded([tokens(s)[:s.prompt_len] for s in states], 151936, cpu)
+        pad_rows([tokens(s)[s.prompt_len:] for s in states], 151936, cpu)
+        pad_rows([tokens(s)[:s.prompt_len] for s in states], 151936, cpu)
 
     step()                                  # the first step converts each whole list once
     started = time.perf_counter()

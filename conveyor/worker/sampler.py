@@ -15,7 +15,6 @@ is Philox keyed per row (`_row_keys`), so those draws differ from the CPU's torc
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,6 +24,15 @@ from conveyor.kernels import triton_available
 from conveyor.kernels.token_bitmask import apply_token_bitmask
 from conveyor.shared.messages.worker import TokenLogprobs
 from conveyor.shared.sampling_params import SamplingParams
+from conveyor.worker.sampling_ops import (
+    float_column,
+    keep_min_p,
+    keep_top_p,
+    on_rows,
+    pad_rows,
+    to_device,
+    uses_penalty,
+)
 
 
 @dataclass
@@ -141,7 +149,7 @@ class Sampler:
         if not fused:
             logits = logits.float()
         params = [s.params for s in states]
-        penalised = [i for i, p in enumerate(params) if _uses_penalty(p)]
+        penalised = [i for i, p in enumerate(params) if uses_penalty(p)]
         biased = [i for i, p in enumerate(params) if p.logit_bias]
         banned_rows, banned_ids = self._min_tokens_bans(states)
         wants_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -153,7 +161,7 @@ class Sampler:
         # [N, V]; float32 once edited
         x = logits.to(torch.float32, copy=True) if edited else logits
         if penalised:
-            x = _on_rows(x, penalised, lambda sub: self._apply_penalties(
+            x = on_rows(x, penalised, lambda sub: self._apply_penalties(
                 sub, [states[i] for i in penalised]))
         if biased:
             rows, cols, bias = [], [], []
@@ -163,10 +171,10 @@ class Sampler:
                         rows.append(i)
                         cols.append(tok)
                         bias.append(value)
-            x.index_put_((_tensor(rows, x.device), _tensor(cols, x.device)),
-                         _tensor(bias, x.device, torch.float32), accumulate=True)
+            x.index_put_((to_device(rows, x.device), to_device(cols, x.device)),
+                         to_device(bias, x.device, torch.float32), accumulate=True)
         if banned_rows:
-            x[_tensor(banned_rows, x.device), _tensor(banned_ids, x.device)] = float("-inf")
+            x[to_device(banned_rows, x.device), to_device(banned_ids, x.device)] = float("-inf")
 
         random = [i for i, p in enumerate(params) if not p.greedy]
         if fused:
@@ -177,15 +185,15 @@ class Sampler:
             token_ids = self._sample_random(x, states)
         else:
             token_ids = x.argmax(-1)  # greedy rows keep these
-            idx = _tensor(random, x.device)
+            idx = to_device(random, x.device)
             token_ids[idx] = self._sample_random(x[idx], [states[i] for i in random])
 
         logprobs = None
         if wants_logprobs:
-            idx = _tensor(wants_logprobs, x.device)
+            idx = to_device(wants_logprobs, x.device)
             raw = logits if len(wants_logprobs) == len(states) else logits[idx]
-            logprobs = _gather_logprobs(raw.float().log_softmax(-1), token_ids[idx],
-                                        [params[i].logprobs for i in wants_logprobs])
+            logprobs = gather_logprobs(raw.float().log_softmax(-1), token_ids[idx],
+                                       [params[i].logprobs for i in wants_logprobs])
         return SampledTensors(token_ids, wants_logprobs, logprobs)
 
     def _sample_fused(self, x: torch.Tensor, states: list[SeqSamplingState]) -> torch.Tensor:
@@ -204,17 +212,17 @@ class Sampler:
         temperature = [p.temperature for p in params]
         for i in filtered:
             temperature[i] = -1.0   # the kernel skips the row (token -1); another path fills it
-        keys = _tensor(self._row_keys(states), x.device)
-        token_ids = sample(x, _tensor(temperature, x.device, torch.float32), keys)
+        keys = to_device(self._row_keys(states), x.device)
+        token_ids = sample(x, to_device(temperature, x.device, torch.float32), keys)
         self.num_fused_draws += 1
         if nucleus:
-            idx = _tensor(nucleus, x.device)
+            idx = to_device(nucleus, x.device)
             per_row = np.array([[params[i].temperature, params[i].top_p, params[i].min_p]
                                 for i in nucleus], dtype=np.float32).T.copy()
-            t, top_p, min_p = _tensor(per_row, x.device)
+            t, top_p, min_p = to_device(per_row, x.device)
             token_ids[idx] = sample_nucleus(x, idx, t, top_p, min_p, keys[idx])
         if top_k:
-            idx = _tensor(top_k, x.device)
+            idx = to_device(top_k, x.device)
             token_ids[idx] = self._sample_random(x[idx].float(), [states[i] for i in top_k])
         return token_ids
 
@@ -249,8 +257,8 @@ class Sampler:
         """logits: [P, >= vocab_size], row j predicting target_ids[j] (not empty); top-k from the
         raw logits. Nothing here waits for the device (LogprobTensors.to_host)."""
         logprobs = logits[:, : self.vocab_size].float().log_softmax(-1)  # [P, V]
-        targets = _tensor(target_ids, logits.device, torch.long)  # [P]
-        return _gather_logprobs(logprobs, targets, [k] * len(target_ids))
+        targets = to_device(target_ids, logits.device, torch.long)  # [P]
+        return gather_logprobs(logprobs, targets, [k] * len(target_ids))
 
     def _min_tokens_bans(self, states: list[SeqSamplingState]) -> tuple[list[int], list[int]]:
         """(rows, token ids) to ban: EOS and stop ids of sequences still below min_tokens.
@@ -270,17 +278,17 @@ class Sampler:
     def _apply_penalties(self, x: torch.Tensor, states: list[SeqSamplingState]) -> torch.Tensor:
         """x: [R, V] logits of rows with some penalty. Returns penalised logits [R, V]."""
         V = self.vocab_size
-        outputs = _padded([s.token_array()[s.prompt_len:] for s in states], V, x.device)  # [R, Lo]
+        outputs = pad_rows([s.token_array()[s.prompt_len:] for s in states], V, x.device)  # [R, Lo]
         counts = torch.zeros(x.shape[0], V + 1, device=x.device)  # [R, V + 1]; column V: padding
         counts.scatter_add_(1, outputs, torch.ones_like(outputs, dtype=counts.dtype))
         counts = counts[:, :V]  # [R, V]
         in_output = counts > 0
 
         def per_row(name: str) -> torch.Tensor:  # [R, 1]
-            return _tensor([getattr(s.params, name) for s in states], x.device)[:, None]
+            return to_device([getattr(s.params, name) for s in states], x.device)[:, None]
 
         if any(s.params.repetition_penalty != 1 for s in states):
-            prompts = _padded([s.token_array()[:s.prompt_len] for s in states], V, x.device)
+            prompts = pad_rows([s.token_array()[:s.prompt_len] for s in states], V, x.device)
             seen = torch.zeros(x.shape[0], V + 1, dtype=torch.bool, device=x.device)
             seen.scatter_(1, prompts, torch.ones_like(prompts, dtype=torch.bool))
             seen = seen[:, :V] | in_output  # [R, V]
@@ -304,22 +312,22 @@ class Sampler:
         token_ids = torch.empty(len(states), dtype=torch.long, device=x.device)
         rest = [i for i in range(len(states)) if i not in set(top_k)]
         for rows, fn in ((top_k, self._sample_top_k), (rest, self._sample_full)):
-            idx = _tensor(rows, x.device)
+            idx = to_device(rows, x.device)
             token_ids[idx] = fn(x[idx], [states[i] for i in rows])
         return token_ids
 
     def _sample_full(self, x: torch.Tensor, states: list[SeqSamplingState]) -> torch.Tensor:
         """x: [R, V]; temperature, then top-p and min-p over the whole vocabulary."""
         params = [s.params for s in states]
-        temperature = _column([p.temperature for p in params], x.device)  # [R, 1]
+        temperature = float_column([p.temperature for p in params], x.device)  # [R, 1]
         top_p = [i for i, p in enumerate(params) if p.top_p < 1]
         min_p = [i for i, p in enumerate(params) if p.min_p > 0]
         if top_p or min_p:
             x = x / temperature  # [R, V], a fresh tensor the filters may edit
             if top_p:
-                x = _on_rows(x, top_p, lambda sub: _top_p(sub, [params[i].top_p for i in top_p]))
+                x = on_rows(x, top_p, lambda sub: keep_top_p(sub, [params[i].top_p for i in top_p]))
             if min_p:
-                x = _on_rows(x, min_p, lambda sub: _min_p(sub, [params[i].min_p for i in min_p]))
+                x = on_rows(x, min_p, lambda sub: keep_min_p(sub, [params[i].min_p for i in min_p]))
             temperature = None
         return self._race(x, temperature, states)
 
@@ -328,17 +336,17 @@ class Sampler:
         params = [s.params for s in states]
         ks = [p.top_k for p in params]
         values, ids = x.topk(max(ks), dim=-1)  # [R, K], sorted descending
-        values = values / _column([p.temperature for p in params], x.device)
-        k = _tensor(ks, x.device)[:, None]  # [R, 1]
+        values = values / float_column([p.temperature for p in params], x.device)
+        k = to_device(ks, x.device)[:, None]  # [R, 1]
         values.masked_fill_(values < values.gather(1, k - 1), float("-inf"))
         top_p = [i for i, p in enumerate(params) if p.top_p < 1]
         if top_p:
-            values = _on_rows(values, top_p, lambda sub: _top_p(
+            values = on_rows(values, top_p, lambda sub: keep_top_p(
                 sub, [params[i].top_p for i in top_p], is_sorted=True))
         min_p = [i for i, p in enumerate(params) if p.min_p > 0]
         if min_p:
-            values = _on_rows(values, min_p,
-                              lambda sub: _min_p(sub, [params[i].min_p for i in min_p]))
+            values = on_rows(values, min_p,
+                             lambda sub: keep_min_p(sub, [params[i].min_p for i in min_p]))
         chosen = self._race(values, None, states, widths=ks)  # [R]
         return ids.gather(1, chosen[:, None]).squeeze(1)
 
@@ -359,7 +367,7 @@ class Sampler:
             if widths is not None:
                 noise.fill_(1.0)  # columns past a seeded row's width are -inf in x anyway
             if shared:
-                noise[_tensor(shared, x.device)] = torch.empty(
+                noise[to_device(shared, x.device)] = torch.empty(
                     len(shared), x.shape[1], device=x.device).exponential_(
                         generator=self.generator)
             for i, s in enumerate(states):
@@ -388,78 +396,8 @@ def _mix64(z: np.ndarray) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
-def _tensor(values: list | np.ndarray, device: torch.device,
-            dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A small host list or array as a tensor on `device`, queued without a device sync.
-
-    NOTE: torch.tensor(values, device="cuda") copies from pageable memory and then waits for the
-    stream, so the host would stall until the queued forward pass is done. A copy from pinned
-    memory is queued instead (torch's pinned allocator keeps the block until the copy ran).
-    """
-    if device.type == "cpu":
-        return torch.from_numpy(values) if isinstance(values, np.ndarray) else torch.tensor(
-            values, dtype=dtype)
-    if isinstance(values, np.ndarray):
-        pinned = torch.from_numpy(values).pin_memory()
-    else:
-        pinned = torch.tensor(values, dtype=dtype, pin_memory=True)
-    return pinned.to(device, non_blocking=True)
-
-
-def _column(values: list[float], device: torch.device) -> torch.Tensor:
-    """values as a float32 [R, 1] tensor."""
-    return _tensor(values, device, torch.float32)[:, None]
-
-
-def _uses_penalty(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0
-
-
-def _on_rows(x: torch.Tensor, rows: list[int],
-             fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """Replaces x[rows] by fn(x[rows]) (in place unless rows is every row, then fn(x))."""
-    if len(rows) == x.shape[0]:
-        return fn(x)
-    idx = _tensor(rows, x.device)
-    x[idx] = fn(x[idx])
-    return x
-
-
-def _top_p(x: torch.Tensor, ps: list[float], is_sorted: bool = False) -> torch.Tensor:
-    """x: [R, V]; keeps the smallest set of most likely tokens whose mass reaches ps[r].
-
-    is_sorted: each row of x is already in descending order (no sort, no scatter back).
-    """
-    p = _tensor(ps, x.device)[:, None]  # [R, 1]
-    probs = x.softmax(-1)
-    if is_sorted:
-        sorted_probs, order = probs, None
-    else:
-        sorted_probs, order = probs.sort(-1, descending=True)  # [R, V]
-    mass_before = sorted_probs.cumsum(-1) - sorted_probs  # mass of the more likely tokens
-    drop = mass_before >= p  # the top token has mass_before 0 < p: always kept
-    if order is not None:
-        drop = torch.empty_like(drop).scatter_(1, order, drop)
-    return x.masked_fill_(drop, float("-inf"))
-
-
-def _min_p(x: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
-    """x: [R, V]; drops tokens less likely than min_ps[r] times the row's most likely one."""
-    min_p = _tensor(min_ps, x.device)[:, None]  # [R, 1]
-    probs = x.softmax(-1)  # [R, V]
-    return x.masked_fill_(probs < min_p * probs.amax(-1, keepdim=True), float("-inf"))
-
-
-def _padded(rows: list[np.ndarray], pad: int, device: torch.device) -> torch.Tensor:
-    """Token arrays as one [R, max_len] int64 tensor, right-padded with `pad`."""
-    padded = np.full((len(rows), max(map(len, rows))), pad, dtype=np.int64)
-    for i, r in enumerate(rows):
-        padded[i, : len(r)] = r
-    return _tensor(padded, device)
-
-
-def _gather_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor,
-                     ks: list[int]) -> LogprobTensors:
+def gather_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor,
+                    ks: list[int]) -> LogprobTensors:
     """logprobs: [M, V], chosen: [M]. Per row: the chosen token, the top ks[r], its rank."""
     chosen_lp = logprobs.gather(1, chosen[:, None])  # [M, 1]
     rank = (logprobs >= chosen_lp).sum(-1)  # [M]; ties count against the chosen token, as vLLM

@@ -20,7 +20,8 @@ import torch
 from conveyor.shared.grammar import GrammarCompiler, bitmask_width, build_tokenizer
 from conveyor.shared.model_files import ModelFiles
 from conveyor.shared.structured_outputs import StructuredOutputs
-from conveyor.worker.sampler import SeqSamplingState, _tensor
+from conveyor.worker.sampler import SeqSamplingState
+from conveyor.worker.sampling_ops import to_device
 
 # NOTE: the fill thread takes the GIL to start llguidance's fill and again to return from it;
 # while the step loop runs Python, each take waits for the loop's thread to yield, which it does
@@ -130,4 +131,4 @@ class PendingMasks:
             self.done = None
         mask = (self.host.to(self.device, non_blocking=True) if self.device.type == "cuda"
                 else self.host)
-        return mask, _tensor(self.rows, self.device, torch.long)
+        return mask, to_device(self.rows, self.device, torch.long)

@@ -12,6 +12,7 @@ from conveyor.cli import build_parser, engine_kwargs
 from conveyor.kernels.dequantize import dequantize_ref
 from conveyor.shared.config import EngineConfig
 from conveyor.shared.model_files import read_model_config, resolve_model
+from conveyor.worker.gguf_tensors import q8_0_blocks
 from conveyor.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from conveyor.worker.layers.linear import RowParallelLinear, default_weight_loader, linear
 from conveyor.worker.layers.quantization import (
@@ -20,7 +21,7 @@ from conveyor.worker.layers.quantization import (
     quantize_model,
     quantize_weight,
 )
-from conveyor.worker.loader import load_model, q8_0_blocks
+from conveyor.worker.loader import load_model
 
 KEEP = EngineConfig().keep_patterns
 

@@ -29,7 +29,8 @@ from conveyor.worker.kv_cache import allocate_kv_cache, bytes_per_block
 from conveyor.worker.layers.parallel import broadcast_tensor, tp_rank, tp_size
 from conveyor.worker.layers.quantization import resolve_mode
 from conveyor.worker.loader import load_model
-from conveyor.worker.sampler import Sampler, SeqSamplingState, _tensor
+from conveyor.worker.sampler import Sampler, SeqSamplingState
+from conveyor.worker.sampling_ops import to_device
 from conveyor.worker.spec.draft_files import draft_model_files
 from conveyor.worker.spec.verify import _filtered
 from conveyor.worker.step_inputs import StepInputs
@@ -197,7 +198,7 @@ class DraftModelProposer:
         random = [i for i, s in enumerate(states) if not s.params.greedy]
         if not random:
             return token, None, []
-        idx = _tensor(random, logits.device)
+        idx = to_device(random, logits.device)
         sub = [states[i] for i in random]
         z = _filtered(self.sampler, logits[idx], sub)                   # log-weights of q
         token[idx] = self.sampler._race(z, None, sub)

@@ -22,16 +22,8 @@ import numpy as np
 import torch
 
 from conveyor.kernels.token_bitmask import apply_token_bitmask
-from conveyor.worker.sampler import (
-    LogprobTensors,
-    Sampler,
-    SeqSamplingState,
-    _gather_logprobs,
-    _min_p,
-    _tensor,
-    _top_p,
-    _uses_penalty,
-)
+from conveyor.worker.sampler import LogprobTensors, Sampler, SeqSamplingState, gather_logprobs
+from conveyor.worker.sampling_ops import keep_min_p, keep_top_p, to_device, uses_penalty
 
 
 @dataclass
@@ -67,21 +59,21 @@ def verify(sampler: Sampler, logits: torch.Tensor, states: list[SeqSamplingState
             row_states.append(state if i == 0 else _extended(state, d[:i]))
     R = len(row_states)
     params = [s.params for s in row_states]
-    penalised = [r for r, p in enumerate(params) if _uses_penalty(p)]
+    penalised = [r for r, p in enumerate(params) if uses_penalty(p)]
     if penalised:
-        idx = _tensor(penalised, dev)
+        idx = to_device(penalised, dev)
         x[idx] = sampler._apply_penalties(x[idx], [row_states[r] for r in penalised])
     rows, cols = sampler._min_tokens_bans(row_states)
     if rows:
-        x[_tensor(rows, dev), _tensor(cols, dev)] = float("-inf")
+        x[to_device(rows, dev), to_device(cols, dev)] = float("-inf")
 
-    has_guess = _tensor([g >= 0 for g in guess], dev, torch.bool)     # [R]
-    g = _tensor([max(g, 0) for g in guess], dev, torch.long)          # [R]
+    has_guess = to_device([g >= 0 for g in guess], dev, torch.bool)     # [R]
+    g = to_device([max(g, 0) for g in guess], dev, torch.long)          # [R]
     token = x.argmax(-1)                                              # greedy draws
     accept = token == g
     random = [r for r, p in enumerate(params) if not p.greedy]
     if random:
-        idx = _tensor(random, dev)
+        idx = to_device(random, dev)
         sub = [row_states[r] for r in random]
         z = _filtered(sampler, x[idx], sub)                           # [Rr, V] log-weights
         p = z.softmax(-1)
@@ -106,21 +98,21 @@ def verify(sampler: Sampler, logits: torch.Tensor, states: list[SeqSamplingState
     grid = starts[:-1, None] + np.arange(width)                       # [S, W] row ids
     grid = np.where(grid < starts[1:, None], grid, R)                 # padding: row R (False)
     padded = torch.cat([accept, accept.new_zeros(1)])
-    num_accepted = padded[_tensor(grid, dev)].int().cumprod(1).sum(1)  # [S]
+    num_accepted = padded[to_device(grid, dev)].int().cumprod(1).sum(1)  # [S]
     token_ids = torch.where(accept, g, token)
 
     wants = [r for r, p in enumerate(params) if p.logprobs is not None]
     logprobs = None
     if wants:
-        idx = _tensor(wants, dev)
-        logprobs = _gather_logprobs(raw[idx].float().log_softmax(-1), token_ids[idx],
-                                    [params[r].logprobs for r in wants])
+        idx = to_device(wants, dev)
+        logprobs = gather_logprobs(raw[idx].float().log_softmax(-1), token_ids[idx],
+                                   [params[r].logprobs for r in wants])
     return Verified(token_ids, num_accepted, wants, logprobs)
 
 
 def _extended(state: SeqSamplingState, guesses: list[int]) -> SeqSamplingState:
     """The state as it would be with `guesses` appended (for penalties and min_tokens)."""
-    if not (_uses_penalty(state.params) or state.params.min_tokens):
+    if not (uses_penalty(state.params) or state.params.min_tokens):
         return state                  # only its parameters and generator are read
     return SeqSamplingState(state.params, state.prompt_len, state.token_ids + guesses,
                             state.generator)
@@ -131,22 +123,22 @@ def _filtered(sampler: Sampler, x: torch.Tensor,
     """x: [R, V] logits of sampled rows; returns them over temperature with what top-k, top-p
     and min-p leave out at -inf: the log-weights of the distribution the sampler draws from."""
     params = [s.params for s in states]
-    z = x / _tensor([p.temperature for p in params], x.device, torch.float32)[:, None]
+    z = x / to_device([p.temperature for p in params], x.device, torch.float32)[:, None]
     top_k = [i for i, p in enumerate(params) if sampler._top_k(p)]
     if top_k:
-        idx = _tensor(top_k, x.device)
+        idx = to_device(top_k, x.device)
         sub = z[idx]
-        k = _tensor([params[i].top_k for i in top_k], x.device)[:, None]
+        k = to_device([params[i].top_k for i in top_k], x.device)[:, None]
         kth = sub.topk(int(k.max()), dim=-1).values.gather(1, k - 1)
         z[idx] = sub.masked_fill_(sub < kth, float("-inf"))
     top_p = [i for i, p in enumerate(params) if p.top_p < 1]
     if top_p:
-        idx = _tensor(top_p, x.device)
-        z[idx] = _top_p(z[idx], [params[i].top_p for i in top_p])
+        idx = to_device(top_p, x.device)
+        z[idx] = keep_top_p(z[idx], [params[i].top_p for i in top_p])
     min_p = [i for i, p in enumerate(params) if p.min_p > 0]
     if min_p:
-        idx = _tensor(min_p, x.device)
-        z[idx] = _min_p(z[idx], [params[i].min_p for i in min_p])
+        idx = to_device(min_p, x.device)
+        z[idx] = keep_min_p(z[idx], [params[i].min_p for i in min_p])
     return z
 
 
@@ -156,8 +148,8 @@ def _uniform(sampler: Sampler, states: list[SeqSamplingState],
     u = torch.empty(len(states), device=device)
     shared = [i for i, s in enumerate(states) if s.generator is None]
     if shared:
-        u[_tensor(shared, device)] = torch.rand(len(shared), device=device,
-                                                generator=sampler.generator)
+        u[to_device(shared, device)] = torch.rand(len(shared), device=device,
+                                                  generator=sampler.generator)
     for i, s in enumerate(states):
         if s.generator is not None:
             u[i] = torch.rand(1, device=device, generator=s.generator)[0]

@@ -1,0 +1,90 @@
+"""The tensors of a GGUF file under Hugging Face names, in torch layout: llama.cpp's tensor names
+mapped back, its q/k row order undone, and Q8_0 blocks either dequantized or kept as int8 values
+with their scales (the loader, worker/loader.py, decides which).
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from conveyor.worker.layers.quantization import Q8_0_GROUP
+
+_GGUF_GLOBAL = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_LAYER = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GGUF_LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor, or None if it has none."""
+    if name in _GGUF_GLOBAL:
+        return _GGUF_GLOBAL[name]
+    m = _GGUF_LAYER_NAME.fullmatch(name)
+    if m is None or m.group(2) not in _GGUF_LAYER:
+        return None
+    return f"model.layers.{m.group(1)}.{_GGUF_LAYER[m.group(2)]}.{m.group(3)}"
+
+
+def _unpermute_rotary(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's reordering of q/k rows (per head: interleaved pairs -> two halves)."""
+    half = w.shape[0] // num_heads // 2
+    return w.reshape(num_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def gguf_weights(reader, int8_names: set[str] = frozenset()
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of a GGUF file (an open gguf.GGUFReader) in torch layout [out, in] under
+    Hugging Face names, dequantized to float32; Q8_0 tensors named in `int8_names` instead as
+    int8 values and their float32 scales [out, in / 32] (under the name + "_scale")."""
+    import gguf
+
+    fields = reader.fields
+    arch = fields["general.architecture"].contents()
+    heads = fields[f"{arch}.attention.head_count"].contents()
+    kv_field = fields.get(f"{arch}.attention.head_count_kv")
+    kv_heads = heads if kv_field is None else kv_field.contents()
+    # NOTE: llama.cpp's converter permutes the q/k rows of "llama" models only.
+    permuted = {"self_attn.q_proj": heads, "self_attn.k_proj": kv_heads} if arch == "llama" else {}
+    for tensor in reader.tensors:
+        name = gguf_to_hf_name(tensor.name)
+        if name is None:
+            if tensor.name == "rope_freqs.weight":   # llama3 scaling, recomputed from the config
+                continue
+            name = f"<gguf>{tensor.name}"            # reported as unexpected
+        if name in int8_names:
+            out = dict(zip((name, name + "_scale"), q8_0_blocks(tensor.data)))
+        else:
+            array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            out = {name: torch.from_numpy(array if array.flags.writeable else array.copy())}
+        for key, w in out.items():
+            for module, n in permuted.items():
+                if f".{module}." in key:     # NOTE: whole rows move: q and scales alike
+                    w = _unpermute_rotary(w, n)
+            yield key, w
+
+
+def q8_0_blocks(data: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q8_0 tensor's bytes [N, K / 32 * 34] (per block: fp16 scale, then 32 int8 values) ->
+    (q [N, K] int8, scale [N, K / 32] float32); q * scale is what gguf dequantizes to."""
+    blocks = data.reshape(data.shape[0], -1, 2 + Q8_0_GROUP)
+    scale = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0].astype(np.float32)
+    q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(data.shape[0], -1)
+    return torch.from_numpy(q), torch.from_numpy(scale)
