@@ -62,7 +62,7 @@ def hf_config(shape: str, **overrides):
 
 def checkpoint_bytes(shape: str, **overrides) -> int:
     """Size of the bf16 checkpoint of `shape` (from conveyor's list of its tensors)."""
-    from conveyor.shared.config import ModelConfig
+    from conveyor.shared.model_config import ModelConfig
     from conveyor.worker.dummy_weights import checkpoint_shapes
 
     config = ModelConfig.from_hf(hf_config(shape, **overrides).to_dict())
@@ -109,7 +109,7 @@ def build_random_int4(shape: str, fmt: str, folder: str | Path | None = None, gr
 
     from safetensors.torch import save_file
 
-    from conveyor.shared.config import ModelConfig
+    from conveyor.shared.model_config import ModelConfig
     from conveyor.worker.dummy_weights import checkpoint_shapes
 
     config = hf_config(shape, **overrides)

@@ -16,9 +16,10 @@ from typing import Protocol
 from conveyor.scheduler.mask_counts import mask_line
 from conveyor.scheduler.scheduler import Scheduler
 from conveyor.scheduler.spec_counts import spec_line
-from conveyor.shared.config import EngineConfig, ModelConfig
+from conveyor.shared.config import EngineConfig
 from conveyor.shared.messages.engine import AddRequest, Stats, TokenOutput
 from conveyor.shared.messages.worker import StepPlan, StepResult
+from conveyor.shared.model_config import ModelConfig
 from conveyor.worker.profiling import host_phase
 
 STATS_EVERY_S = 10.0                         # the periodic stats line, while busy

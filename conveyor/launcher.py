@@ -33,7 +33,7 @@ from conveyor.frontend.tokenizer import read_chat_template
 from conveyor.scheduler.policy import make_policy
 from conveyor.scheduler.process import scheduler_main
 from conveyor.shared import links
-from conveyor.shared.config import EngineConfig, HttpConfig, ModelConfig, ServeConfig
+from conveyor.shared.config import EngineConfig, HttpConfig, ServeConfig
 from conveyor.shared.engine_port import secure_engine_port
 from conveyor.shared.generation_config import default_sampling
 from conveyor.shared.lora import lora_registry
@@ -45,6 +45,7 @@ from conveyor.shared.messages.control import (
     Ready,
     ReplicaDead,
 )
+from conveyor.shared.model_config import ModelConfig
 from conveyor.shared.model_files import DEFAULT_MODEL_NAME, read_model_config, resolve_model
 from conveyor.shared.parallel import layer_split
 from conveyor.shared.process import child_main, spawning_children

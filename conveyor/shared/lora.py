@@ -18,7 +18,8 @@ from pathlib import Path
 
 import msgspec
 
-from conveyor.shared.config import EngineConfig, ModelConfig
+from conveyor.shared.config import EngineConfig
+from conveyor.shared.model_config import ModelConfig
 
 
 class LoRARequest(msgspec.Struct, array_like=True, frozen=True):

@@ -11,7 +11,7 @@ import hashlib
 
 import torch
 
-from conveyor.shared.config import ModelConfig
+from conveyor.shared.model_config import ModelConfig
 from conveyor.worker.models import get_model_class
 
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from conveyor.shared.config import EngineConfig, ModelConfig
+from conveyor.shared.config import EngineConfig
+from conveyor.shared.model_config import ModelConfig
 from conveyor.worker.layers.pipeline import stage
 
 FP8_DTYPE = torch.float8_e4m3fn

@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from conveyor.kernels._util import FP8_MAX
-from conveyor.shared.config import EngineConfig, ModelConfig
+from conveyor.shared.config import EngineConfig
+from conveyor.shared.model_config import ModelConfig
 from conveyor.worker.context import StepContext
 from conveyor.worker.kv_cache import allocate_kv_cache
 from conveyor.worker.layers.attention import Attention, default_backend

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from conveyor.shared.config import ModelConfig
+from conveyor.shared.model_config import ModelConfig
 from conveyor.shared.model_files import ModelFiles
 from conveyor.worker.gguf_tensors import gguf_to_hf_name, gguf_weights
 from conveyor.worker.layers.linear import LinearBase, default_weight_loader
@@ -138,7 +138,7 @@ def _take_int4(model: nn.Module, folder: Path, config: ModelConfig) -> Weights:
     parts converted to the W4A16 layout (worker/int4_checkpoint.py)."""
     from safetensors import safe_open
 
-    from conveyor.shared.config import int4_format
+    from conveyor.shared.model_config import int4_format
     from conveyor.worker.int4_checkpoint import int4_weights
 
     group, zero_offset, act_order = int4_format(config.extra["quantization_config"])

@@ -24,8 +24,9 @@ import torch
 from torch import nn
 
 from conveyor.kernels._util import next_pow2
-from conveyor.shared.config import EngineConfig, ModelConfig
+from conveyor.shared.config import EngineConfig
 from conveyor.shared.lora import LoRARequest, check_adapter
+from conveyor.shared.model_config import ModelConfig
 from conveyor.worker.layers.linear import (
     LinearBase,
     MergedColumnParallelLinear,

@@ -23,9 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
-from conveyor.shared.config import EngineConfig, ModelConfig
+from conveyor.shared.config import EngineConfig
 from conveyor.shared.lora import LoRARequest
 from conveyor.shared.messages.worker import StepPlan, StepResult
+from conveyor.shared.model_config import ModelConfig
 from conveyor.shared.model_files import ModelFiles
 from conveyor.shared.sampling_params import SamplingParams
 from conveyor.worker.context import StepContext

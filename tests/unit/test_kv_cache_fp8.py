@@ -9,7 +9,8 @@ import pytest
 import torch
 from models_util import make_tiny_model
 
-from conveyor.shared.config import EngineConfig, ModelConfig
+from conveyor.shared.config import EngineConfig
+from conveyor.shared.model_config import ModelConfig
 from conveyor.worker.attention_backend import TorchAttentionBackend, quantize_fp8
 from conveyor.worker.context import StepContext
 from conveyor.worker.kv_cache import FP8_DTYPE, bytes_per_block, kv_cache_dtype

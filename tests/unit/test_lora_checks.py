@@ -7,9 +7,10 @@ import pytest
 import torch
 from scheduler_util import Harness
 
-from conveyor.shared.config import EngineConfig, ModelConfig
+from conveyor.shared.config import EngineConfig
 from conveyor.shared.lora import LoRARegistry, LoRARequest, check_adapter
 from conveyor.shared.messages.engine import AddRequest
+from conveyor.shared.model_config import ModelConfig
 from conveyor.shared.request_options import RequestOptions
 from conveyor.shared.sampling_params import SamplingParams
 

@@ -4,7 +4,7 @@ each head, and the partial rotation itself."""
 import pytest
 import torch
 
-from conveyor.shared.config import ModelConfig
+from conveyor.shared.model_config import ModelConfig
 from conveyor.worker.layers.rotary import apply_rotary
 from conveyor.worker.models.phi3 import Phi3ForCausalLM
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from conveyor.shared.config import ModelConfig
+from conveyor.shared.model_config import ModelConfig
 from conveyor.worker.context import StepContext
 from conveyor.worker.layers.activation import gelu_tanh_and_mul
 from conveyor.worker.layers.embedding import VocabParallelEmbedding

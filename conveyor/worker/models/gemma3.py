@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from conveyor.shared.config import ModelConfig
+from conveyor.shared.model_config import ModelConfig
 from conveyor.worker.layers.rotary import RotaryEmbedding
 from conveyor.worker.models.gemma2 import Gemma2ForCausalLM, GemmaRMSNorm
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from conveyor.kernels import triton_available
 from conveyor.kernels._util import Fp8Rows
-from conveyor.shared.config import ModelConfig
+from conveyor.shared.model_config import ModelConfig
 from conveyor.worker.context import StepContext
 from conveyor.worker.layers.attention import Attention
 from conveyor.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from conveyor.shared.config import ModelConfig
+from conveyor.shared.model_config import ModelConfig
 from conveyor.worker.layers.moe import SparseMoeBlock
 from conveyor.worker.models.llama import LlamaForCausalLM
 

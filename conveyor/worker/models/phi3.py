@@ -5,7 +5,7 @@ embedding over part of each head (partial_rotary_factor).
 """
 from __future__ import annotations
 
-from conveyor.shared.config import ModelConfig
+from conveyor.shared.model_config import ModelConfig
 from conveyor.worker.layers.rotary import RotaryEmbedding
 from conveyor.worker.models.llama import LlamaForCausalLM
 

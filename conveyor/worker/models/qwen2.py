@@ -1,7 +1,7 @@
 """Qwen2 / Qwen2.5: Llama with a bias on the q, k and v projections (never on o_proj)."""
 from __future__ import annotations
 
-from conveyor.shared.config import ModelConfig
+from conveyor.shared.model_config import ModelConfig
 from conveyor.worker.models.llama import LlamaForCausalLM
 
 

@@ -3,7 +3,7 @@ and no q/k/v bias unless the config asks for one.
 """
 from __future__ import annotations
 
-from conveyor.shared.config import ModelConfig
+from conveyor.shared.model_config import ModelConfig
 from conveyor.worker.models.llama import LlamaForCausalLM
 
 

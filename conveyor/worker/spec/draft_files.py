@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
-from conveyor.shared.config import ModelConfig
+from conveyor.shared.model_config import ModelConfig
 from conveyor.shared.model_files import ModelFiles, read_model_config, resolve_model
 from conveyor.shared.speculative import SpeculativeConfig
 

@@ -23,7 +23,8 @@ from dataclasses import replace
 
 import torch
 
-from conveyor.shared.config import EngineConfig, ModelConfig
+from conveyor.shared.config import EngineConfig
+from conveyor.shared.model_config import ModelConfig
 from conveyor.shared.model_files import ModelFiles
 from conveyor.worker.kv_cache import allocate_kv_cache, bytes_per_block
 from conveyor.worker.layers.parallel import broadcast_tensor, tp_rank, tp_size

@@ -1,0 +1,164 @@
+"""What a model's files say: `ModelConfig`, the architecture in Hugging Face config.json terms
+(GGUF metadata is mapped onto it by shared/model_files.py), with the per-layer attention windows
+and the quantization a checkpoint declares. No I/O and no torch (the scheduler reads it too);
+bad values raise ValueError.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture, in Hugging Face config.json terms (GGUF metadata is mapped onto it)."""
+    architecture: str                        # e.g. "LlamaForCausalLM"
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False             # bias on q/k/v projections (Qwen2)
+    qk_norm: bool = False                    # RMSNorm on q and k per head (Qwen3)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    initializer_range: float = 0.02          # std of random (load_format="dummy") weights
+    # "fp8" / "int8": the checkpoint stores its linear weights in float8 e4m3 / int8 with scales
+    # (config.json's quantization_config; checkpoint_quantization below); None: full precision
+    quantization: str | None = None
+    # per layer: how many keys (the query's own included) its attention sees; 0 = all of them
+    # (Mistral's sliding_window on every layer; Gemma's on the "sliding_attention" layers)
+    layer_windows: tuple[int, ...] = ()
+    extra: dict[str, Any] = field(default_factory=dict)   # config.json as read: family keys
+
+    def window(self, layer: int) -> int:
+        """The attention window of `layer` (0: full causal attention)."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
+        archs = cfg.get("architectures") or ["LlamaForCausalLM"]
+        arch = archs[0]
+        heads = cfg["num_attention_heads"]
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        rope_scaling = cfg.get("rope_scaling") or None
+        rope_theta = cfg.get("rope_theta")
+        rope_params = cfg.get("rope_parameters")   # transformers >= 5 folds theta and scaling here
+        if isinstance(rope_params, dict):
+            rope_theta = rope_theta or rope_params.get("rope_theta")
+            if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
+                rope_scaling = dict(rope_params)
+        return cls(
+            architecture=arch,
+            hidden_size=cfg["hidden_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            intermediate_size=cfg["intermediate_size"],
+            vocab_size=cfg["vocab_size"],
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta or 10000.0),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=(arch.startswith("Qwen2") if cfg.get("attention_bias") is None
+                            else bool(cfg["attention_bias"])),
+            qk_norm=arch.startswith("Qwen3"),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            initializer_range=float(cfg.get("initializer_range") or 0.02),
+            quantization=checkpoint_quantization(cfg.get("quantization_config")),
+            layer_windows=layer_windows(cfg, arch),
+            extra=dict(cfg),
+        )
+
+
+# Sliding and full attention layers of the families that interleave them, for config.json files
+# without `layer_types`: every layer whose (index + 1) is not a multiple of the period slides.
+_WINDOW_PERIODS = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6}
+
+
+def layer_windows(cfg: dict[str, Any], arch: str) -> tuple[int, ...]:
+    """Each layer's attention window (0: full), from `sliding_window` and `layer_types` (or the
+    family's pattern); Qwen2's `use_sliding_window: false` turns the window off."""
+    window = cfg.get("sliding_window")
+    layers = cfg["num_hidden_layers"]
+    if not window or cfg.get("use_sliding_window", True) is False:
+        return ()
+    types = cfg.get("layer_types")
+    if types is None and arch in _WINDOW_PERIODS:
+        period = cfg.get("sliding_window_pattern") or _WINDOW_PERIODS[arch]
+        types = ["full_attention" if (i + 1) % period == 0 else "sliding_attention"
+                 for i in range(layers)]
+    if types is None:
+        return (int(window),) * layers
+    if len(types) != layers:
+        raise ValueError(f"layer_types has {len(types)} entries for {layers} layers")
+    return tuple(int(window) if t == "sliding_attention" else 0 for t in types)
+
+
+def checkpoint_quantization(qc: dict[str, Any] | None) -> str | None:
+    """The quantization a checkpoint's config.json declares, where conveyor loads it as it is:
+    1-byte weights with per-tensor, per-channel or (fp8) square block scales, and 4-bit AWQ and
+    GPTQ weights (int4_format), in the formats vLLM calls "fp8"
+    (AutoFP8, `quant_method: fp8`) and "compressed-tensors" (llm-compressor's float 8-bit
+    weights, or symmetric int 8-bit ones stored as int8: its "int-quantized" W8A8 models, run
+    here as W8A16). Other formats raise ValueError."""
+    if not qc:
+        return None
+    method = qc.get("quant_method")
+    if method == "fp8":
+        block = qc.get("weight_block_size")
+        if block and (len(block) != 2 or block[0] != block[1]):
+            raise ValueError(f"fp8 checkpoints with block-wise scales load with square blocks "
+                             f"(weight_block_size [B, B]), got {block}")
+        return "fp8"
+    if method == "compressed-tensors":
+        groups = list((qc.get("config_groups") or {}).values())
+        weights = [g.get("weights") or {} for g in groups]
+        kinds = {w.get("type") for w in weights}
+        if (len(kinds) == 1 and all(w.get("num_bits") == 8 and w.get("symmetric", True)
+                                    and w.get("strategy") in ("tensor", "channel", "block")
+                                    for w in weights)
+                and (kinds == {"float"} or qc.get("format") == "int-quantized")
+                and all(w.get("strategy") != "block" or (
+                    kinds == {"float"} and len(w.get("block_structure") or []) == 2
+                    and len(set(w["block_structure"])) == 1) for w in weights)):
+            return "fp8" if kinds == {"float"} else "int8"
+        raise ValueError("of compressed-tensors checkpoints, conveyor loads 8-bit weights with "
+                         "tensor, channel or (float, square) block scales only: float, or "
+                         "symmetric int stored as int8 (format int-quantized)")
+    if method in ("awq", "gptq"):
+        int4_format(qc)
+        return method
+    raise ValueError(f"checkpoint quantization {method!r} is not supported (conveyor loads fp8, "
+                     f"int8, AWQ and GPTQ checkpoints, and quantizes full-precision ones with "
+                     f"--quantization)")
+
+
+def int4_format(qc: dict[str, Any]) -> tuple[int, int, bool]:
+    """An AWQ or GPTQ quantization_config -> (group size, 0 for the whole row; the zero offset,
+    1 for GPTQ's "gptq" format, which stores zero - 1; act-order). Refuses what conveyor does
+    not load: other bit widths, AWQ other than its GEMM layout with zero points."""
+    method = qc.get("quant_method")
+    bits = qc.get("bits", qc.get("w_bit"))
+    if bits != 4:
+        raise ValueError(f"{method} checkpoints load with 4-bit weights only, got bits {bits}")
+    group = qc.get("group_size", qc.get("q_group_size", 128))
+    if method == "awq":
+        if str(qc.get("version", "gemm")).lower() != "gemm" or not qc.get("zero_point", True):
+            raise ValueError("AWQ checkpoints load in the GEMM layout with zero points only, "
+                             f"got version {qc.get('version')!r}, zero_point "
+                             f"{qc.get('zero_point')!r}")
+        return (0 if group == -1 else group), 0, False
+    offset = 0 if qc.get("checkpoint_format") == "gptq_v2" else 1
+    return (0 if group == -1 else group), offset, bool(qc.get("desc_act"))
