@@ -27,6 +27,7 @@ from conveyor.frontend import openai_protocol as oai
 from conveyor.frontend.chat_output import ChatReader
 from conveyor.frontend.core import READY, FrontendCore
 from conveyor.frontend.http import ApiError, Run, error_response
+from conveyor.frontend.openai_responses import ChatShape, CompletionShape
 from conveyor.frontend.reasoning import REASONING_PARSERS
 from conveyor.frontend.tokenizer import apply_chat_template, check_token_ids
 from conveyor.frontend.tools import constrain, constraint_schema, tool_mode
@@ -128,7 +129,7 @@ class Routes:
         gens = [GenerateRequest(id=str(i), sampling=params, stream=req.stream, options=options,
                                 **({"prompt": p} if isinstance(p, str) else
                                    {"prompt_token_ids": p})) for i, p in enumerate(prompts)]
-        shape = oai.CompletionShape(f"cmpl-{uuid.uuid4().hex}", model, req, self.core.tokenizer)
+        shape = CompletionShape(f"cmpl-{uuid.uuid4().hex}", model, req, self.core.tokenizer)
         shape.token_ids = req.return_token_ids or self.core.tokenizer is None
         return await self._respond(request, gens, shape, req)
 
@@ -144,7 +145,7 @@ class Routes:
                                   sampling=params, stream=req.stream,
                                   options=self.options(request, req, model))
         reads = tools.choice != "none" or self.reasoning is not None
-        shape = oai.ChatShape(f"chatcmpl-{uuid.uuid4().hex}", model, req.n,
+        shape = ChatShape(f"chatcmpl-{uuid.uuid4().hex}", model, req.n,
                               req.top_logprobs or 0, req.prompt_logprobs,
                               (lambda: ChatReader(self.reasoning, tools)) if reads else None)
         shape.token_ids = req.return_token_ids
