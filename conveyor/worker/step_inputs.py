@@ -20,7 +20,10 @@ class StepInputs:
         self.table_host = np.zeros((max_num_seqs, max_blocks_per_seq), dtype=np.int32)
         self.block_tables = torch.zeros(max_num_seqs, max_blocks_per_seq, dtype=torch.int32,
                                         device=device)
-        self._writes: list[tuple[int, list[int]]] = []   # (flat index, block ids) to copy
+        # flat index -> block id, to copy with the next step's inputs. NOTE: one entry an index,
+        # the last set: a draft's scratch entries are reset and the step's new blocks set at the
+        # same places before one copy, and index_put_ on CUDA writes duplicates in no set order.
+        self._writes: dict[int, int] = {}
         # host side of the one copy per step: two buffers in turn, each with an event recorded
         # after its last copy (CUDA)
         self._staging = [torch.empty(0, dtype=torch.long) for _ in range(2)]
@@ -30,7 +33,8 @@ class StepInputs:
     def add_blocks(self, slot: int, first: int, block_ids: list[int]) -> None:
         """Set entries first, first + 1, ... of block-table row `slot`."""
         self.table_host[slot, first:first + len(block_ids)] = block_ids
-        self._writes.append((slot * self.table_host.shape[1] + first, block_ids))
+        at = slot * self.table_host.shape[1] + first
+        self._writes.update(zip(range(at, at + len(block_ids)), block_ids))
 
     def build(self, slots: list[int], input_ids: list[int], starts: list[int],
               query_lens: list[int], seq_lens: list[int], logits_rows: list[int],
@@ -81,14 +85,13 @@ class StepInputs:
             lora = {"lora_order": order, "lora_starts": starts}
         lens = np.zeros(padded_seqs, dtype=np.int64)
         lens[:num_seqs] = seq_lens
-        writes, self._writes = self._writes, []
+        writes, self._writes = self._writes, {}
         out = self._send({
             "tokens": tokens, "seq_lens": lens,
             "order": np.argsort(-lens, kind="stable") if num_tokens == num_seqs else (),
             "query_start_loc": query_start_loc, "slots": slot_ids, "rows": logits_rows,
             "gather_rows": gather_rows, "gather_from": gather_from,
-            "write_at": [i + k for i, ids in writes for k in range(len(ids))],
-            "write_ids": [b for _, ids in writes for b in ids], **lora})
+            "write_at": list(writes), "write_ids": list(writes.values()), **lora})
         out["tokens"] = out["tokens"].view(rows, padded_tokens)
         if gather_rows:
             out["tokens"][0].index_copy_(0, out["gather_rows"],

@@ -120,3 +120,20 @@ def test_lora_slots_per_token_and_grouped():
     assert out["lora_starts"].tolist() == [0, 0, 3, 3]
     assert out["lora_order"].tolist()[:3] == [0, 4, 5]
     assert sorted(out["lora_order"].tolist()) == list(range(8))
+
+
+def test_an_entry_set_twice_before_a_step_is_written_once_with_its_last_value():
+    """A draft's scratch entries are reset and the step's new blocks set at the same places
+    before one copy: each index goes to the device once (index_put_ on CUDA writes duplicate
+    indices in no set order), with the value set last."""
+    si = inputs()
+    si.add_blocks(1, 0, [4])
+    si.add_blocks(1, 1, [30, 31])        # scratch entries of a proposal
+    si.add_blocks(1, 1, [0, 0])          # reset once it is done
+    si.add_blocks(1, 1, [6])             # the next step's new block
+    out = si.build(slots=[1], input_ids=[1], starts=[4], query_lens=[1], seq_lens=[5],
+                   logits_rows=[0], padded_tokens=1, padded_seqs=1, gather_rows=[],
+                   gather_from=[], draw=None)
+    assert sorted(zip(out["write_at"].tolist(), out["write_ids"].tolist())) == [
+        (3, 4), (4, 6), (5, 0)]
+    assert si.block_tables[1].tolist() == [4, 6, 0]
