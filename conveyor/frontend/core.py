@@ -9,11 +9,11 @@ strings (a sequence a stop string ends is aborted in the engine). Every accepted
 exactly once: finished, cancelled by its caller (no reply), or failed with an error output
 (timeout, drain, engine failure). The core also holds the server's state and records metrics.
 
-What one request can cost is bounded before it is paid: a prompt longer (in characters) than
-the context could hold even at the vocabulary's longest token is refused before tokenizing, and
-`submit_async` tokenizes a long prompt in a thread (the tokenizer releases the GIL), so the event
-loop keeps serving everyone else. Any exception of the template, the tokenizer or the
-detokenizer fails that request alone.
+What one request can cost is bounded before it is paid: frontend/prepare.py checks and tokenizes
+it (a prompt too long for the context is refused before tokenizing), and `submit_async`
+tokenizes a long prompt in a thread (the tokenizer releases the GIL), so the event loop keeps
+serving everyone else. Any exception of the template, the tokenizer or the detokenizer fails
+that request alone.
 """
 from __future__ import annotations
 
@@ -29,9 +29,8 @@ from dataclasses import dataclass, field
 import msgspec
 
 from conveyor.frontend.detokenizer import IncrementalDetokenizer, backend_of
-from conveyor.frontend.tokenizer import apply_chat_template, check_token_ids
+from conveyor.frontend.prepare import RequestPreparer, tokenizes_inline
 from conveyor.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from conveyor.shared.grammar import check as check_grammar
 from conveyor.shared.lora import LoRARegistry, LoRARequest
 from conveyor.shared.messages.client import GenerateRequest
 from conveyor.shared.messages.engine import (
@@ -45,8 +44,6 @@ from conveyor.shared.messages.worker import TokenLogprobs
 from conveyor.shared.sampling_params import INT64_MIN, SamplingParams
 
 STARTING, READY, DRAINING, DEAD = "starting", "ready", "draining", "dead"
-INLINE_CHARS = 16 << 10      # prompts up to this many characters are tokenized on the loop
-MIN_CHARS_PER_TOKEN = 16     # the length bound assumes at least this (see _max_prompt_chars)
 log = logging.getLogger(__name__)
 
 
@@ -96,7 +93,8 @@ class FrontendCore:
     def __post_init__(self) -> None:
         self._ids = itertools.count()
         self._backend = None if self.tokenizer is None else backend_of(self.tokenizer)
-        self.max_prompt_chars = _max_prompt_chars(self.tokenizer, self.max_model_len)
+        self.preparer = RequestPreparer(self.tokenizer, self.vocab_size, self.max_model_len,
+                                        self.max_n, self.reasoning)
         self._stats_asked = False            # a StatsRequest is on its way to the engine
         self._pool: ThreadPoolExecutor | None = None    # tokenizes long prompts
 
@@ -132,11 +130,12 @@ class FrontendCore:
             raise RequestError(f"the server is at its cap of {self.max_open} open requests", 429)
 
     def _prepared(self, req: GenerateRequest, fit_context: bool):
-        """prepare(), its refusals as RequestErrors: a ValueError is the client's mistake (400),
-        anything else a failure of this request alone (500, logged)."""
+        """RequestPreparer.prepare() and the request's adapter, their refusals as RequestErrors:
+        a ValueError is the client's mistake (400), anything else a failure of this request
+        alone (500, logged)."""
         try:
             lora = self.resolve_lora(req.options.lora)
-            return (*self.prepare(req, fit_context), lora)
+            return (*self.preparer.prepare(req, fit_context), lora)
         except ValueError as e:
             raise RequestError(str(e)) from None
         except Exception as e:
@@ -177,69 +176,6 @@ class FrontendCore:
             raise ValueError(f"lora {name!r}: LoRA adapters are not enabled on this engine "
                              f"(--enable-lora)")
         return self.loras.resolve(name)
-
-    def prepare(self, req: GenerateRequest, fit_context: bool
-                ) -> tuple[str | None, list[int], SamplingParams]:
-        """(prompt text, prompt token ids, sampling params), or ValueError saying what is
-        wrong: the one place a request is tokenized and checked against the limits."""
-        params = req.sampling
-        if self.max_n is not None and params.n > self.max_n:
-            raise ValueError(f"n must be at most {self.max_n}, got {params.n}")
-        given = [x is not None for x in (req.prompt, req.prompt_token_ids, req.messages)]
-        if sum(given) != 1:
-            raise ValueError("set exactly one of prompt, prompt_token_ids and messages")
-        if self.tokenizer is None and (req.prompt_token_ids is None or params.stop):
-            raise ValueError("this engine has no tokenizer: send prompt_token_ids, and no stop "
-                             "strings")
-        chars = _prompt_chars(req)
-        if chars > self.max_prompt_chars:
-            raise ValueError(f"the prompt has {chars} characters, more than a context of "
-                             f"{self.max_model_len} tokens can hold (at most "
-                             f"{self.max_prompt_chars} characters)")
-        if req.messages is not None:
-            for i, m in enumerate(req.messages):
-                if "role" not in m or "content" not in m:
-                    raise ValueError(f"messages[{i}] needs a role and a content")
-        if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
-            bad = sorted(t for t in params.logit_bias if t >= self.vocab_size)
-            raise ValueError(f"logit_bias token ids out of the vocabulary [0, {self.vocab_size})"
-                             f": {bad[:5]}")
-        if params.structured_outputs is not None:
-            if self.tokenizer is None:
-                raise ValueError("structured_outputs need the model's tokenizer, and this engine "
-                                 "has none")
-            check_grammar(params.structured_outputs)
-        text = None
-        if req.prompt_token_ids is not None:
-            token_ids = list(req.prompt_token_ids)
-            check_token_ids(token_ids, self.vocab_size)
-        elif req.messages is not None:
-            token_ids = apply_chat_template(self.tokenizer, req.messages, tools=req.tools,
-                                            **(req.chat_template_kwargs or {}))
-        else:
-            text, token_ids = req.prompt, self.tokenizer.encode(req.prompt)
-        so = params.structured_outputs
-        if so is not None and so.start_after is not None:
-            check_token_ids(so.start_after, self.vocab_size, "structured_outputs.start_after")
-        elif so is not None and self.reasoning is not None and req.messages is not None:
-            # a reasoning model thinks freely; the constraint holds its answer, after the thought
-            start = self.reasoning.constraint_start(self.tokenizer, token_ids)
-            if start is not None:
-                params = msgspec.structs.replace(
-                    params, structured_outputs=msgspec.structs.replace(so, start_after=start))
-        if fit_context:
-            room = self.max_model_len - len(token_ids)
-            if room < 1:
-                raise ValueError(f"the prompt has {len(token_ids)} tokens, but the model's "
-                                 f"context length is {self.max_model_len} (prompt plus at least "
-                                 f"one generated token)")
-            if params.max_tokens is None:
-                params = msgspec.structs.replace(params, max_tokens=room)
-            elif params.max_tokens > room:
-                raise ValueError(f"the prompt has {len(token_ids)} tokens and max_tokens is "
-                                 f"{params.max_tokens}, but the model's context length is "
-                                 f"{self.max_model_len}; lower max_tokens to at most {room}")
-        return text, token_ids, params
 
     def cancel(self, rid: str) -> None:
         """The caller went away: abort the request in the engine; no reply follows."""
@@ -428,27 +364,3 @@ def _sample_params(params: SamplingParams, index: int) -> SamplingParams:
     if index > 0:
         changes["prompt_logprobs"] = None
     return msgspec.structs.replace(params, **changes)
-
-
-def tokenizes_inline(req: GenerateRequest) -> bool:
-    """Whether the request's prompt is short enough to tokenize on the event loop."""
-    return _prompt_chars(req) <= INLINE_CHARS
-
-
-def _prompt_chars(req: GenerateRequest) -> int:
-    if req.prompt is not None:
-        return len(req.prompt)
-    if req.messages is not None:
-        return sum(len(k) + len(v) for m in req.messages for k, v in m.items())
-    return 0
-
-
-def _max_prompt_chars(tokenizer, max_model_len: int) -> int:
-    """Characters beyond which a prompt cannot fit in the context: every token stands for at
-    most as many characters as the longest entry of the vocabulary (at least
-    MIN_CHARS_PER_TOKEN, for normalizers that drop characters), so a longer text has more
-    tokens than the context holds and is refused before it is tokenized."""
-    if tokenizer is None:
-        return 0
-    longest = max(map(len, tokenizer.get_vocab()), default=0)
-    return max_model_len * max(longest, MIN_CHARS_PER_TOKEN)

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from conveyor.frontend.core import FrontendCore, RequestError, tokenizes_inline
+from conveyor.frontend.core import FrontendCore, RequestError
+from conveyor.frontend.prepare import tokenizes_inline
 from conveyor.outputs import RequestOutput
 from conveyor.shared.messages.client import CancelRequest, ErrorReply, GenerateRequest
 from conveyor.shared.messages.engine import Stats, StatsRequest

@@ -53,7 +53,7 @@ def test_tools_and_tool_messages_are_rendered_on_the_request_path(tok):
     # the request crosses the wire (msgpack) as a ZMQ client's would
     req = through_wire(GenerateRequest(id="a", messages=messages, tools=TOOLS,
                                        chat_template_kwargs={"enable_thinking": False}))
-    _, ids, _ = core.prepare(req, fit_context=False)
+    _, ids, _ = core.preparer.prepare(req, fit_context=False)
     text = tok.decode(ids)
     assert json.dumps(TOOLS[0], ensure_ascii=False) in text
     assert '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}' in text

@@ -103,7 +103,7 @@ def test_a_detokenizer_exception_fails_that_request_alone(tok):
 def test_a_prompt_too_long_for_the_context_is_refused_before_tokenizing(tok):
     counting = _Broken(tok)
     core = FrontendCore(counting, len(tok), 512, "f-", lambda m: None, state=READY)
-    limit = core.max_prompt_chars
+    limit = core.preparer.max_prompt_chars
     assert 512 * 16 <= limit <= 512 * 200
     with pytest.raises(RequestError, match="more than a context of 512 tokens") as e:
         core.submit(GenerateRequest(id="a", prompt="x" * (limit + 1)), print)

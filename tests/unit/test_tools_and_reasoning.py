@@ -214,7 +214,7 @@ def test_prepare_starts_a_chats_constraint_after_the_thought():
 
     def start_after(req, reasoning=Qwen3ReasoningParser):
         core = FrontendCore(tok, len(tok), 2048, "f-", lambda m: None, reasoning=reasoning)
-        return core.prepare(req, False)[2].structured_outputs.start_after
+        return core.preparer.prepare(req, False)[2].structured_outputs.start_after
 
     assert start_after(chat) == end
     assert start_after(chat, DeepSeekR1ReasoningParser) == end
