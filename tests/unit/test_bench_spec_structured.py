@@ -36,3 +36,19 @@ def test_structured_outputs_reports_first_round_and_median(monkeypatch, capsys):
     # the engine's own counters: every constrained kind's steps took a bitmask
     assert re.search(r"bitmask a constrained step.*: json schema [\d.]+ / [\d.]+ ms; "
                      r"json, bounded strings [\d.]+ / [\d.]+ ms$", out, re.M), out
+
+
+@pytest.mark.slow
+def test_mask_fill_host_runs_every_mode(monkeypatch, capsys):
+    """Each mode's row (the process mode's child included) with a step time, and every mode
+    but none with a fill time."""
+    from benchmarks import mask_fill_host
+
+    monkeypatch.setattr(sys, "argv", ["bench", "--rows", "3", "--steps", "6", "--skip", "2",
+                                      "--work-ms", "0.2"])
+    mask_fill_host.main()
+    out = capsys.readouterr().out
+    rows = re.findall(r"^\s+auto\s+(\w+)\s+([\d.]+)\s+(\S*)\s+([\d.]+)$", out, re.M)
+    assert [r[0] for r in rows] == ["none", "serial", "thread", "process"], out
+    assert all(float(step) > 0.2 for _, step, _, _ in rows)
+    assert [float(fill) > 0 for *_, fill in rows] == [False, True, True, True]
