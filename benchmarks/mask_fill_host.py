@@ -32,20 +32,30 @@ import numpy as np
 from benchmarks.structured_outputs import schema
 
 
-def matchers(rows: int, threads: int | None):
-    """The default model's grammar compiler and `rows` fresh matchers of the schema, and the
-    mask width."""
-    from conveyor.frontend.tokenizer import load_tokenizer
-    from conveyor.shared.grammar import GrammarCompiler, bitmask_width, build_tokenizer
+def _model():
     from conveyor.shared.model_files import default_model_path, read_model_config, resolve_model
-    from conveyor.shared.structured_outputs import StructuredOutputs
 
     files = resolve_model(str(default_model_path()))
-    cfg = read_model_config(files)
+    return files, read_model_config(files)
+
+
+def mask_width() -> int:
+    from conveyor.shared.grammar import bitmask_width
+
+    return bitmask_width(_model()[1].vocab_size)
+
+
+def matchers(rows: int, threads: int | None):
+    """The default model's grammar compiler and `rows` fresh matchers of the schema."""
+    from conveyor.frontend.tokenizer import load_tokenizer
+    from conveyor.shared.grammar import GrammarCompiler, build_tokenizer
+    from conveyor.shared.structured_outputs import StructuredOutputs
+
+    files, cfg = _model()
     tokenizer = build_tokenizer(load_tokenizer(files, None), cfg.vocab_size, cfg.eos_token_ids)
     compiler = GrammarCompiler(tokenizer, cfg.vocab_size, cfg.eos_token_ids, threads)
     so = StructuredOutputs(json=schema(60))   # no row completes it within the steps
-    return compiler, [compiler.start(so, []) for _ in range(rows)], bitmask_width(cfg.vocab_size)
+    return compiler, [compiler.start(so, []) for _ in range(rows)]
 
 
 def pick(mask: np.ndarray, rng: np.random.Generator) -> list[int]:
@@ -74,9 +84,9 @@ def _timed_fill(compiler, grammars, mask) -> float:
 
 def _child(conn, shm_name: str, rows: int, threads: int | None) -> None:
     """The process mode's other side: its own matchers, the mask in shared memory."""
-    compiler, grammars, width = matchers(rows, threads)
+    compiler, grammars = matchers(rows, threads)
     shm = shared_memory.SharedMemory(name=shm_name)
-    mask = np.ndarray((rows, width), dtype=np.int32, buffer=shm.buf)
+    mask = np.ndarray((rows, mask_width()), dtype=np.int32, buffer=shm.buf)
     conn.send_bytes(b"ready")
     while (msg := conn.recv_bytes()) != b"stop":
         for g, t in zip(grammars, np.frombuffer(msg, dtype=np.int64).tolist()):
@@ -86,17 +96,17 @@ def _child(conn, shm_name: str, rows: int, threads: int | None) -> None:
     shm.close()
 
 
-def run(mode: str, args) -> tuple[float, float]:
-    """(mean step ms, mean fill ms) of one mode."""
+def run(mode: str, threads: int | None, args) -> tuple[float, float]:
+    """(mean step ms, mean fill ms) of one mode with `threads` fill threads."""
     rng = np.random.default_rng(0)
     steps, fills = [], []
+    width = mask_width()
     if mode == "process":
-        width = matchers(1, 1)[2]
         shm = shared_memory.SharedMemory(create=True, size=args.rows * width * 4)
         mask = np.ndarray((args.rows, width), dtype=np.int32, buffer=shm.buf)
         conn, other = get_context("spawn").Pipe()
         child = get_context("spawn").Process(target=_child,
-                                             args=(other, shm.name, args.rows, args.threads))
+                                             args=(other, shm.name, args.rows, threads))
         child.start()
         conn.recv_bytes()
         tokens = []
@@ -113,11 +123,12 @@ def run(mode: str, args) -> tuple[float, float]:
         shm.close()
         shm.unlink()
     else:
-        compiler, grammars, width = matchers(args.rows, args.threads)
+        compiler, grammars = matchers(args.rows, threads)
         mask = np.zeros((args.rows, width), dtype=np.int32)
         compiler.fill_bitmask(grammars, mask)
         tokens = pick(mask, rng)
         pool = ThreadPoolExecutor(1)
+        interval = sys.getswitchinterval()
         if mode == "thread":
             from conveyor.worker.structured import GIL_SWITCH_S
 
@@ -139,7 +150,7 @@ def run(mode: str, args) -> tuple[float, float]:
             tokens = pick(mask, rng)
             steps.append(time.perf_counter() - t)
         pool.shutdown()
-        sys.setswitchinterval(0.005)
+        sys.setswitchinterval(interval)
     mean_ms = lambda xs: statistics.mean(xs[args.skip:]) * 1e3 if xs else 0.0  # noqa: E731
     return mean_ms(steps), mean_ms(fills)
 
@@ -157,9 +168,8 @@ def main() -> None:
     base = None
     print(f"{'threads':>7}  {'mode':8}  {'step ms':>8}  {'vs none':>8}  {'fill ms':>8}")
     for threads in args.threads:
-        args.threads = threads
         for mode in args.modes:
-            step, fill = run(mode, args)
+            step, fill = run(mode, threads, args)
             base = step if mode == "none" else base
             extra = f"{step - base:+.3f}" if base is not None and mode != "none" else ""
             print(f"{threads or 'auto':>7}  {mode:8}  {step:8.3f}  {extra:>8}  {fill:8.3f}",
