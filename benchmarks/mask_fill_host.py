@@ -14,7 +14,7 @@ the next mask:
 
 The figure is each mode's mean step time against none's (the first --skip steps left out), and
 the mean fill time as the filling side saw it. --threads sets llguidance's fill threads (the
-engine's default: half the CPUs, at most 8).
+engine's default: grammar.FILL_THREADS).
 
     python scripts/bench_mask_fill_host.py [--work-ms 1.0] [--rows 64] [--threads 1 2 8]
 """
@@ -48,12 +48,13 @@ def mask_width() -> int:
 def matchers(rows: int, threads: int | None):
     """The default model's grammar compiler and `rows` fresh matchers of the schema."""
     from conveyor.frontend.tokenizer import load_tokenizer
-    from conveyor.shared.grammar import GrammarCompiler, build_tokenizer
+    from conveyor.shared.grammar import FILL_THREADS, GrammarCompiler, build_tokenizer
     from conveyor.shared.structured_outputs import StructuredOutputs
 
     files, cfg = _model()
     tokenizer = build_tokenizer(load_tokenizer(files, None), cfg.vocab_size, cfg.eos_token_ids)
-    compiler = GrammarCompiler(tokenizer, cfg.vocab_size, cfg.eos_token_ids, threads)
+    compiler = GrammarCompiler(tokenizer, cfg.vocab_size, cfg.eos_token_ids,
+                               fill_threads=threads or FILL_THREADS)
     so = StructuredOutputs(json=schema(60))   # no row completes it within the steps
     return compiler, [compiler.start(so, []) for _ in range(rows)]
 

@@ -193,12 +193,19 @@ def _broken(m, token: int) -> None:
                 m.get_error().splitlines()[0] if m.get_error() else "")
 
 
+# NOTE: one fill thread. On the H200's 16-core host, beside the engine's step loop, llguidance's
+# parallel fill got slower with each thread added: 64 rows of the typical schema 1.00 ms on 1
+# thread, 1.09 on 2, 1.10 on 4, 1.38 on 8 (bounded strings 3.85 against 5.66 ms; 256 rows 3.26
+# against 4.38 ms), and the engine's constrained decode was no slower (docs/BENCHMARKS.md).
+FILL_THREADS = 1
+
+
 class GrammarCompiler:
-    """Compiles grammars for one vocabulary on `threads` threads; the tokenizer may be a Future
-    (built while the model loads)."""
+    """Compiles grammars for one vocabulary on `threads` threads (the tokenizer may be a Future,
+    built while the model loads) and fills masks on `fill_threads`."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...],
-                 threads: int | None = None):
+                 threads: int | None = None, fill_threads: int = FILL_THREADS):
         import llguidance
 
         threads = threads or max(1, min(8, (os.cpu_count() or 2) // 2))
@@ -208,7 +215,7 @@ class GrammarCompiler:
         for t in eos_token_ids:
             self._eos_row.view(np.uint32)[t // 32] |= np.uint32(1 << (t % 32))
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="grammar")
-        self.executor = llguidance.LLExecutor(threads)
+        self.executor = llguidance.LLExecutor(fill_threads)
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self.num_compiled = 0
 
