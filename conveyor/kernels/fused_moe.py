@@ -124,17 +124,26 @@ def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_id
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
-def _tiles(num_pairs: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps): small M tiles for decode batches (few pairs per
-    expert, so less padding), larger ones for prefill."""
-    if num_pairs <= 512:
-        return 16, 64, 128, 4
-    return 64, 128, 64, 4
+def _tiles(num_pairs: int, num_experts: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for a mean of num_pairs / num_experts
+    rows an expert: an M tile about as tall as an expert's run, so that each expert's weights
+    are read once (shorter tiles read them again) and few rows are padding.
+
+    NOTE: from the sweep of scripts/bench_moe_tiles.py (H200, docs/BENCHMARKS.md): Qwen3-30B-A3B
+    at 256 tokens (16 rows an expert) 399-402 us against 408 with 64-row tiles; Mixtral at 256
+    tokens (64 rows an expert) 816 us against 1,667 with 16-row tiles; 8,192 prefill tokens
+    1,735 us against 2,190 with 64 x 128 tiles."""
+    rows = num_pairs / num_experts
+    if rows <= 8:
+        return 16, 64, 128, 4, 3
+    if rows <= 32:
+        return 32, 64, 128, 4, 3
+    return 128, 256, 64, 8, 4
 
 
 def _gemm(a, w, scale, c, weights, sorted_ids, expert_ids, total, num_pairs, top_k, mul_weight,
           tiles):
-    block_m, block_n, block_k, warps = tiles
+    block_m, block_n, block_k, warps, stages = tiles
     n, k = w.shape[1], w.shape[2]
     grid = (sorted_ids.shape[0] // block_m, -(-n // block_n))
     _moe_gemm_kernel[grid](a, w, c, weights, sorted_ids, expert_ids, total,
@@ -143,11 +152,11 @@ def _gemm(a, w, scale, c, weights, sorted_ids, expert_ids, total, num_pairs, top
                            0 if scale is None else scale.stride(0),
                            TOP_K=top_k, MUL_WEIGHT=mul_weight, HAS_SCALE=scale is not None,
                            BLOCK_M=block_m,
-                           BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=3)
+                           BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, tiles: tuple[int, int, int, int] | None = None,
+              topk_ids: torch.Tensor, tiles: tuple[int, int, int, int, int] | None = None,
               w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None
               ) -> torch.Tensor:
     """The MoE MLP of x [T, H] (see the module docstring) -> [T, H] in x's dtype."""
@@ -178,7 +187,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     if t == 0:
         return out
     pairs = t * top_k
-    tiles = tiles or _tiles(pairs)
+    tiles = tiles or _tiles(pairs, e)
     sorted_ids, expert_ids, total = align(topk_ids, e, tiles[0])
     weights = topk_weights.reshape(-1).contiguous()
     gate_up = torch.empty((pairs, two_i), dtype=x.dtype, device=x.device)

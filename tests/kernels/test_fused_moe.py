@@ -1,6 +1,7 @@
 """The fused-MoE Triton path (align, two grouped GEMMs) against the torch reference, on odd
 shapes: hidden and intermediate sizes off the tiles, experts with no tokens, decode-sized and
-prefill-sized batches (both tile classes), top-k 1, 2 and 8, bf16 and fp16."""
+prefill-sized batches (each tile class: 1-8, 9-32 and more rows an expert), top-k 1, 2 and 8,
+bf16 and fp16."""
 import pytest
 import torch
 
@@ -12,7 +13,7 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("t,h,inter,experts,top_k", [
     (1, 128, 64, 8, 2), (7, 200, 72, 5, 2), (33, 96, 40, 16, 1), (300, 256, 96, 64, 8),
-    (1000, 136, 200, 7, 3), (5, 64, 32, 128, 8)])
+    (1000, 136, 200, 7, 3), (5, 64, 32, 128, 8), (100, 160, 48, 16, 4)])
 def test_fused_moe_matches_reference(dtype, t, h, inter, experts, top_k):
     gen = torch.Generator(device="cuda").manual_seed(t * 7 + experts)
     x = torch.randn(t, h, device="cuda", generator=gen).to(dtype)
@@ -52,7 +53,8 @@ def test_fused_moe_under_cuda_graph():
 @pytest.mark.interpreter
 @pytest.mark.parametrize("t,top_k", [(3, 2), (40, 3)])
 def test_fused_moe_small(t, top_k, device):
-    """Small shapes, also under Triton's interpreter on the CPU: both tile classes."""
+    """Small shapes, also under Triton's interpreter on the CPU: the 16- and 32-row tiles
+    chosen, and the prefill tiles."""
     gen = torch.Generator(device=device).manual_seed(t)
     h, inter, experts = 48, 40, 6
     x = torch.randn(t, h, device=device, generator=gen).to(torch.bfloat16)
@@ -61,7 +63,7 @@ def test_fused_moe_small(t, top_k, device):
     weights, ids = route(torch.randn(t, experts, device=device, generator=gen), top_k, False,
                          torch.bfloat16)
     want = fused_moe_ref(x.float(), w13.float(), w2.float(), weights.float(), ids)
-    for tiles in (None, (64, 128, 64, 4)):
+    for tiles in (None, (128, 256, 64, 8, 4)):
         got = fused_moe(x, w13, w2, weights, ids, tiles)
         torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
 
