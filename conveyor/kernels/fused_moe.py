@@ -3,12 +3,13 @@ projection, SiLU-and-mul, and down projection, weighted by the router and summed
 
 w13 [E, 2I, H] holds each expert's gate rows then up rows, w2 [E, H, I]; x [T, H]; topk_ids
 and topk_weights [T, K] come from `route`. The pairs are sorted by expert and each expert's run
-padded to whole BLOCK_M tiles (`align`, on the device without a host sync, so it runs inside
-a CUDA graph; the grid is sized for the worst case, and tiles past the padded total return at
-once); then one grouped-GEMM launch computes gate/up for all experts (each tile reads its
-expert's weights and gathers its tokens' rows of x), one SiLU-and-mul, and one launch the down
-projection, which multiplies each row by its router weight. The K rows of a token are summed
-last. `fused_moe_ref` is the torch reference (and the CPU path): one expert at a time.
+padded to whole BLOCK_M tiles (`align`, a counting sort on the device without a host sync, so
+it runs inside a CUDA graph; the grid is sized for the worst case, and tiles past the padded
+total return at once); then one grouped-GEMM launch computes gate/up for all experts (each
+tile reads its expert's weights and gathers its tokens' rows of x), one SiLU-and-mul, and one
+launch the down projection, which multiplies each row by its router weight. The K rows of a
+token are summed last. `fused_moe_ref` is the torch reference (and the CPU path): one expert
+at a time.
 
 Quantized experts (--quantization fp8 or int8): w13 and w2 in float8 e4m3 or int8 with one
 float32 scale per expert and output row ([E, 2I] and [E, H]); the tiles convert the 1-byte
@@ -57,31 +58,77 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     return out
 
 
+@jit
+def _count_kernel(ids_ptr, counts_ptr, n, BLOCK: tl.constexpr):
+    """counts[e] += the pairs of this block routed to e."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    ids = tl.load(ids_ptr + offs, mask=ok, other=0)
+    tl.atomic_add(counts_ptr + ids, 1, mask=ok, sem="relaxed")
+
+
+@jit
+def _offsets_kernel(counts_ptr, cursor_ptr, expert_ids_ptr, total_ptr, num_experts, num_tiles,
+                    BLOCK_M: tl.constexpr, E: tl.constexpr, TILES: tl.constexpr):
+    """One program: each expert's run padded to BLOCK_M, its start into cursor, the padded total,
+    and the expert of every tile (the experts whose runs end at or before the tile's start; tiles
+    past the total, which the GEMMs skip, get the last expert)."""
+    e = tl.arange(0, E)
+    counts = tl.load(counts_ptr + e, mask=e < num_experts, other=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    end = tl.cumsum(padded, 0)
+    tl.store(cursor_ptr + e, end - padded, mask=e < num_experts)
+    tl.store(total_ptr, tl.sum(padded, 0))
+    end = tl.where(e < num_experts, end, 1 << 30)
+    for t0 in range(0, num_tiles, TILES):
+        tiles = t0 + tl.arange(0, TILES)
+        before = tl.sum((end[None, :] <= tiles[:, None] * BLOCK_M).to(tl.int32), 1)
+        tl.store(expert_ids_ptr + tiles, tl.minimum(before, num_experts - 1),
+                 mask=tiles < num_tiles)
+
+
+@jit
+def _scatter_kernel(ids_ptr, cursor_ptr, sorted_ids_ptr, n, BLOCK: tl.constexpr):
+    """Each pair takes the next free place of its expert's run (in no set order within it)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    ids = tl.load(ids_ptr + offs, mask=ok, other=0)
+    place = tl.atomic_add(cursor_ptr + ids, 1, mask=ok)
+    tl.store(sorted_ids_ptr + place, offs, mask=ok)
+
+
 def align(topk_ids: torch.Tensor, num_experts: int, block_m: int
           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sort the T * K (token, k) pairs by expert, each expert's run padded to a multiple of
     block_m. Returns sorted_ids [P] int32 (pair index, or T * K in padding), expert_ids
     [P / block_m] int32 (the expert of each tile) and the padded total [1] int32, where
     P = T * K + E * (block_m - 1) rounded up to block_m is the most it can be.
-    Only device ops with static shapes: no host sync."""
-    flat = topk_ids.reshape(-1).long()
+
+    A counting sort on the device with static shapes, so no host sync: count the pairs per
+    expert, place each run, then scatter the pairs by an atomic cursor per expert. The order of
+    pairs within a run is not fixed, and need not be: a row's GEMM result does not depend on the
+    rows beside it, and the per-token sum runs in k order. (torch's sort, cumsums and
+    searchsorted took 82 us of Qwen3-30B-A3B's 402 us layer at 256 tokens on the H200.)"""
+    flat = topk_ids.reshape(-1)
+    if flat.dtype != torch.int32:
+        flat = flat.to(torch.int32)
+    flat = flat.contiguous()
     n = flat.numel()
     dev = flat.device
-    counts = torch.zeros(num_experts, dtype=torch.long, device=dev)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = padded.cumsum(0)
-    order = torch.sort(flat, stable=True).indices                    # pairs by expert
-    experts_sorted = flat[order]
-    first = (counts.cumsum(0) - counts)[experts_sorted]              # unpadded run starts
-    dest = (padded_end - padded)[experts_sorted] + torch.arange(n, device=dev) - first
     size = -(-(n + num_experts * (block_m - 1)) // block_m) * block_m
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=dev)
+    cursor = torch.empty(num_experts, dtype=torch.int32, device=dev)
     sorted_ids = torch.full((size,), n, dtype=torch.int32, device=dev)
-    sorted_ids.scatter_(0, dest, order.to(torch.int32))
-    tile_starts = torch.arange(0, size, block_m, device=dev)
-    expert_ids = torch.searchsorted(padded_end, tile_starts, right=True)
-    expert_ids = expert_ids.clamp_(max=num_experts - 1).to(torch.int32)
-    return sorted_ids, expert_ids, padded_end[-1:].to(torch.int32)
+    expert_ids = torch.empty(size // block_m, dtype=torch.int32, device=dev)
+    total = torch.empty(1, dtype=torch.int32, device=dev)
+    block = 1024
+    grid = (max(1, -(-n // block)),)
+    _count_kernel[grid](flat, counts, n, BLOCK=block)
+    _offsets_kernel[(1,)](counts, cursor, expert_ids, total, num_experts, size // block_m,
+                          BLOCK_M=block_m, E=max(16, 1 << (num_experts - 1).bit_length()),
+                          TILES=64)
+    _scatter_kernel[grid](flat, cursor, sorted_ids, n, BLOCK=block)
+    return sorted_ids, expert_ids, total
 
 
 @jit(do_not_specialize=["num_pairs"])

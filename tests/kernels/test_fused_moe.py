@@ -5,7 +5,7 @@ bf16 and fp16."""
 import pytest
 import torch
 
-from conveyor.kernels.fused_moe import fused_moe, fused_moe_ref, route
+from conveyor.kernels.fused_moe import align, fused_moe, fused_moe_ref, route
 
 pytestmark = pytest.mark.gpu
 
@@ -89,3 +89,29 @@ def test_fused_moe_quantized_experts(mode, device):
     want = fused_moe_ref(x.float(), w13, w2, weights.float(), ids, s13, s2)
     got = fused_moe(x, w13, w2, weights, ids, None, s13, s2)
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("t,experts,top_k,block_m", [(1, 8, 2, 16), (37, 5, 3, 16),
+                                                     (300, 64, 8, 64), (9, 128, 1, 4),
+                                                     (700, 3, 2, 128), (2, 200, 1, 32)])
+def test_align_sorts_and_pads_per_expert(t, experts, top_k, block_m, device):
+    """Every pair once, in a tile of its expert, padding marked, the padded total right; with
+    pairs over two counting blocks (700 x 2), tiles over two rounds of the offsets kernel's loop
+    (300 x 8) and an expert count short of a power of two (200)."""
+    gen = torch.Generator().manual_seed(t)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(t)]).int()
+    sorted_ids, expert_ids, total = (v.cpu() for v in align(ids.to(device), experts, block_m))
+    n = t * top_k
+    flat = ids.reshape(-1)
+    assert sorted_ids.shape[0] % block_m == 0 and int(total) <= sorted_ids.shape[0]
+    assert int(total) % block_m == 0
+    real = sorted_ids[:int(total)]
+    assert sorted(real[real < n].tolist()) == list(range(n))      # every pair once
+    assert (sorted_ids[int(total):] == n).all()
+    for tile in range(int(total) // block_m):
+        pairs = sorted_ids[tile * block_m:(tile + 1) * block_m]
+        pairs = pairs[pairs < n].long()
+        assert len(pairs) > 0 and (flat[pairs] == expert_ids[tile]).all()
+    counts = torch.bincount(flat.long(), minlength=experts)
+    assert int(total) == int(((counts + block_m - 1) // block_m * block_m).sum())

@@ -1,31 +1,11 @@
-"""The MoE pieces that run on the CPU: routing, the per-expert sort and padding of the fused
-kernels (`align`), and tensor-parallel sharding of the experts' intermediate dimension."""
+"""The MoE pieces that run on the CPU: routing and tensor-parallel sharding of the experts'
+intermediate dimension. (The fused kernels' per-expert sort, `align`, is tested with them in
+tests/kernels/test_fused_moe.py.)"""
 import pytest
 import torch
 
-from conveyor.kernels.fused_moe import align, fused_moe_ref, route
+from conveyor.kernels.fused_moe import fused_moe_ref, route
 from conveyor.worker.layers import moe
-
-
-@pytest.mark.parametrize("t,experts,top_k,block_m", [(1, 8, 2, 16), (37, 5, 3, 16),
-                                                     (300, 64, 8, 64), (9, 128, 1, 4)])
-def test_align_sorts_and_pads_per_expert(t, experts, top_k, block_m):
-    gen = torch.Generator().manual_seed(t)
-    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(t)]).int()
-    sorted_ids, expert_ids, total = align(ids, experts, block_m)
-    n = t * top_k
-    flat = ids.reshape(-1)
-    assert sorted_ids.shape[0] % block_m == 0 and int(total) <= sorted_ids.shape[0]
-    assert int(total) % block_m == 0
-    real = sorted_ids[:int(total)]
-    assert sorted(real[real < n].tolist()) == list(range(n))      # every pair once
-    assert (sorted_ids[int(total):] == n).all()
-    for tile in range(int(total) // block_m):
-        pairs = sorted_ids[tile * block_m:(tile + 1) * block_m]
-        pairs = pairs[pairs < n].long()
-        assert len(pairs) > 0 and (flat[pairs] == expert_ids[tile]).all()
-    counts = torch.bincount(flat.long(), minlength=experts)
-    assert int(total) == int(((counts + block_m - 1) // block_m * block_m).sum())
 
 
 def test_route_renormalises_where_asked():
