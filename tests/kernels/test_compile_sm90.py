@@ -187,7 +187,7 @@ def test_window_softcap_attention(compiled):
     check(compiled, "_paged_attention_kernel", "_merge_splits_kernel")
 
 
-@pytest.mark.parametrize("m", [1, 5, 40, 300])
+@pytest.mark.parametrize("m", [1, 5, 40, 300, 2000])     # MoE: 16-, 32- and 128-row tiles
 def test_w4a16_and_fused_moe_kernels(compiled, m):
     from conveyor.kernels.fused_moe import fused_moe, route
     from conveyor.kernels.w4a16_gemm import CUBLAS_FROM_M, w4a16_gemm
@@ -211,7 +211,8 @@ def test_w4a16_and_fused_moe_kernels(compiled, m):
     # is dequantized, then multiplied by cuBLAS
     int4 = ("_w4a16_gemv_kernel" if m == 1 else
             "_w4a16_kernel" if m < CUBLAS_FROM_M else "_dequantize_int4_kernel")
-    check(compiled, int4, "_moe_gemm_kernel", "_silu_and_mul_kernel")
+    check(compiled, int4, "_moe_gemm_kernel", "_silu_and_mul_kernel", "_count_kernel",
+          "_offsets_kernel", "_scatter_kernel")
 
 
 def test_w4a16_kernel_in_tiles_of_64_rows(compiled, monkeypatch):
