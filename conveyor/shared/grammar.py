@@ -10,6 +10,7 @@ sequence a `SeqGrammar` that follows its tokens. `fill_bitmask` fills a batch's 
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import logging
 import os
@@ -250,31 +251,71 @@ class GrammarCompiler:
         constraint starts later: it is then ready when needed)."""
         return SeqGrammar(self.compile(so), tokens, so.start_after)
 
-    def fill_bitmask(self, grammars: list[SeqGrammar], bitmask: np.ndarray) -> None:
+    def fill_bitmask(self, grammars: list[SeqGrammar], bitmask: np.ndarray,
+                     guesses: list[list[int]] | None = None) -> None:
         """Row i of bitmask [>= len(grammars), ceil(V / 32)] int32 gets grammars[i]'s mask
         (none of them `free`: those rows take no mask), after each grammar consumes its accepted
         tokens. A decode step's one token each is consumed by one parallel call, which like the
         fill runs without the GIL, so on the engine's fill thread neither holds up the step
-        loop (64 matchers advanced one at a time took 0.3 ms of it a step)."""
+        loop (64 matchers advanced one at a time took 0.3 ms of it a step).
+
+        With `guesses` (speculative decoding) grammars[i] takes len(guesses[i]) + 1 rows, back
+        to back: its mask, then the mask after each of its guesses in turn (the matcher steps
+        through them and back). Rows past a guess the grammar refuses allow only EOS: that
+        guess's own row does not allow it, so verification stops there and never draws from
+        them."""
         from llguidance.numpy import fill_next_token_bitmask_par
 
-        matchers, singles = [], []
+        first = (list(itertools.accumulate((len(g) + 1 for g in guesses[:-1]), initial=0))
+                 if guesses else range(len(grammars)))
+        matchers, singles, guessed = [], [], []
         for i, g in enumerate(grammars):
             m = g.compiled()
             if m is not None and len(g.pending) == 1 and _live(m):
                 singles.append((m, g.pending.pop()))
             else:
                 m = g.ready()                # a replayed output one by one, or nothing
+            guess = guesses[i] if guesses else []
             if m is None:
-                bitmask[i] = self._eos_row
+                bitmask[first[i]:first[i] + len(guess) + 1] = self._eos_row
             else:
-                matchers.append((m, i))
+                matchers.append((m, first[i]))
+                if guess:
+                    guessed.append((m, first[i], guess))
         if singles:
             for (m, token), ok in zip(singles, self.executor.consume_token_par(singles)):
                 if not ok:
                     _broken(m, token)
         if matchers:
             fill_next_token_bitmask_par(self.executor, matchers, bitmask)
+        if guessed:
+            self._fill_guessed(guessed, bitmask)
+
+    def _fill_guessed(self, rows: list, bitmask: np.ndarray) -> None:
+        """The rows after each (matcher, first row, guesses)'s first: one parallel fill per
+        depth over the matchers that took that many guesses, then each matcher rolled back."""
+        from llguidance.numpy import fill_next_token_bitmask_par
+
+        valid = []
+        for m, row, guess in rows:
+            v = m.validate_tokens(guess) if _live(m) else 0
+            bitmask[row + v + 1:row + len(guess) + 1] = self._eos_row
+            valid.append(v)
+        # NOTE: a matcher that stopped (its grammar complete) takes no more tokens, EOS
+        # included, and its mask allows only EOS: only the tokens it consumed are rolled back
+        consumed = [0] * len(rows)
+        for depth in range(1, max(valid, default=0) + 1):
+            level = []
+            for i, ((m, row, guess), v) in enumerate(zip(rows, valid)):
+                if v >= depth:
+                    if _live(m):
+                        m.consume_token(guess[depth - 1])
+                        consumed[i] += 1
+                    level.append((m, row + depth))
+            fill_next_token_bitmask_par(self.executor, level, bitmask)
+        for (m, _, _), n in zip(rows, consumed):
+            if n:
+                m.rollback(n)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -97,8 +97,9 @@ class StepDraw:
             # proposes is never overlapped with the next (the scheduler plans none meanwhile)
             self.read(st)
             t0 = time.perf_counter()
-            # NOTE: no guesses for constrained outputs: a grammar masks one row, not a run of them
-            st.proposals = [[] if state.params.structured_outputs is not None else guess
+            # NOTE: no guesses for a constrained output whose constraint has not started (a
+            # thought): a guess could end the thought and start the grammar inside the run
+            st.proposals = [[] if _unmasked_constraint(state) else guess
                             for state, guess in zip(
                                 st.states, self.proposer.propose(st.sample_slots, st.states))]
             st.propose_time_s = time.perf_counter() - t0
@@ -113,7 +114,8 @@ class StepDraw:
                  if self.drafter is not None else None)
             first_rows = list(itertools.accumulate((len(d) + 1 for d in st.drafts[:-1]),
                                                    initial=0))
-            st.masks = self.structured.fill(st.states, first_rows, later=False)
+            st.masks = self.structured.fill(st.states, first_rows, later=False,
+                                            drafts=st.drafts)
             allowed = st.masks.get()
             v = verify(self.sampler, st.logits[:rows], st.states, st.drafts, q, allowed)
             packed = torch.cat([v.token_ids, v.num_accepted.long()])
@@ -174,3 +176,10 @@ class StepDraw:
                           num_sampled=counts, proposals=st.proposals,
                           propose_time_s=st.propose_time_s, mask_rows=rows,
                           mask_fill_s=fill_s, mask_wait_s=wait_s)
+
+
+def _unmasked_constraint(state: SeqSamplingState) -> bool:
+    """A constrained sequence whose rows take no mask now (its grammar not started, or not
+    held here: ranks other than the sampling one, whose guesses are not used)."""
+    return state.params.structured_outputs is not None and (state.grammar is None
+                                                             or state.grammar.free)

@@ -71,28 +71,36 @@ class StructuredOutputMasks:
         return self.fill(states, row_of, later=False).get()
 
     def fill(self, states: list[SeqSamplingState], row_of: list[int] | None = None,
-             later: bool = True) -> PendingMasks:
+             later: bool = True, drafts: list[list[int]] | None = None) -> PendingMasks:
         """Start filling the bitmask of masks(states, row_of): on the fill thread if `later`
         (llguidance drops the GIL, so the step loop goes on meanwhile), else here.
-        `PendingMasks.get()` waits for it and gives masks()'s value."""
+        `PendingMasks.get()` waits for it and gives masks()'s value. With `drafts` (a step
+        verifying guesses) states[i] has len(drafts[i]) + 1 rows from row_of[i], each masked
+        after the guesses before it (`GrammarCompiler.fill_bitmask`)."""
         rows = [i for i, s in enumerate(states) if s.grammar is not None and not s.grammar.free]
         if not rows:
             return PendingMasks(None, None, None, self.device)
-        if self._host is None:
-            self._host = torch.empty(self._max_rows, bitmask_width(self.vocab_size),
-                                     dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        guesses = [drafts[i] for i in rows] if drafts else None
+        if guesses:
+            at = row_of or range(len(states))
+            mask_rows = [at[i] + j for i, g in zip(rows, guesses) for j in range(len(g) + 1)]
+        else:
+            mask_rows = [row_of[i] for i in rows] if row_of else rows
+        if self._host is None or self._host.shape[0] < len(mask_rows):
+            self._host = torch.empty(max(self._max_rows, len(mask_rows)),
+                                     bitmask_width(self.vocab_size), dtype=torch.int32,
+                                     pin_memory=self.device.type == "cuda")
         # NOTE: the buffer is reused: the previous step's copy from it is done, since the
         # runner waited for that step's results before this step's fill began.
-        host = self._host[:len(rows)]
+        host = self._host[:len(mask_rows)]
         grammars = [states[i].grammar for i in rows]
 
         def run() -> float:
             t = time.perf_counter()
-            self.compiler.fill_bitmask(grammars, host.numpy())
+            self.compiler.fill_bitmask(grammars, host.numpy(), guesses)
             return time.perf_counter() - t
 
-        pending = PendingMasks(host, [row_of[i] for i in rows] if row_of else rows, None,
-                               self.device)
+        pending = PendingMasks(host, mask_rows, None, self.device)
         if later:
             if self._fill_thread is None:
                 self._fill_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-fill")

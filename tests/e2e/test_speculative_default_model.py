@@ -91,3 +91,37 @@ def test_a_constrained_request_among_speculating_ones_keeps_its_grammar(llm):
     assert outs[1].outputs[0].finish_reason == "stop"
     assert llm.engine.scheduler.stats().spec_num_accepted_tokens - before > 10
     llm.engine.scheduler.check_integrity()
+
+
+def test_constrained_requests_speculate_and_keep_their_greedy_outputs(llm, default_llm):
+    """A JSON request that copies JSON from its prompt verifies n-gram guesses (each guessed
+    row masked after the guesses before it) and gives the tokens it gives without speculation;
+    so do a regex one, whose guesses the grammar refuses part-way, and one whose constraint
+    starts after a token sequence (no guesses before it)."""
+    from conveyor.shared.structured_outputs import StructuredOutputs
+
+    schema = {"type": "object", "properties": {
+        "city": {"type": "string"}, "rooms": {"type": "array", "items": {"type": "integer"}}},
+        "required": ["city", "rooms"], "additionalProperties": False}
+    data = '{"city": "Paris", "rooms": [12, 14, 15, 21]}'
+    prompts = [f"Copy this JSON exactly:\n{data}\n{data}\nCopy:\n",
+               f"Copy this text exactly:\n{TEXT}\nCopy:\n"]
+    sentences = StructuredOutputs(regex=r"The [a-z ]+\.( [A-Z][a-z ,]+\.)*")
+    params = [SamplingParams(temperature=0, max_tokens=40,
+                             structured_outputs=StructuredOutputs(json=schema)),
+              SamplingParams(temperature=0, max_tokens=30, structured_outputs=sentences)]
+    # a constraint that starts after a sequence (a reasoning model's end of thought): free
+    # tokens first, copied from the prompt, then the grammar
+    after = llm.tokenizer.encode(" budget.", add_special_tokens=False)
+    later = StructuredOutputs(regex=r" [0-9]+ [a-z]+\.", start_after=after)
+    prompts.append(prompts[1])
+    params.append(SamplingParams(temperature=0, max_tokens=30, structured_outputs=later))
+    want = default_llm.generate(prompts, params, use_tqdm=False)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(want, got):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+    assert got[0].outputs[0].text.startswith('{"city": "Paris"')
+    assert got[0].metrics.num_accepted_tokens > 5
+    assert got[1].metrics.num_draft_tokens > 0
+    assert " budget." in got[2].outputs[0].text
+    llm.engine.scheduler.check_integrity()

@@ -99,9 +99,14 @@ def target(rows: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return z.softmax(-1)
 
 
-def run_verify(params, n, draft_probs=None, seed=0):
+# structured outputs' masks of LOGITS' three rows: bit t allows token t
+ALLOWED = [0b111101, 0b101111, 0b011111]
+
+
+def run_verify(params, n, draft_probs=None, seed=0, masked=False):
     """n sequences, each with GUESS, or with guesses drawn from draft_probs (then per row its
-    q), verified against LOGITS (a model that ignores the context)."""
+    q), verified against LOGITS (a model that ignores the context); `masked`: every row
+    constrained by its ALLOWED mask."""
     sampler = Sampler(V, (), seed, "cpu")
     states = [SeqSamplingState.new(params, [1, 2, 3], 3, "cpu") for _ in range(n)]
     logits = LOGITS.repeat(n, 1)
@@ -112,7 +117,11 @@ def run_verify(params, n, draft_probs=None, seed=0):
         guesses = torch.stack([torch.multinomial(draft_probs[i], n, True, generator=g)
                                for i in range(2)], 1)
         q = draft_probs.repeat(n, 1)
-    v = verify(sampler, logits, states, guesses.tolist(), q)
+    allowed = None
+    if masked:
+        allowed = (torch.tensor(ALLOWED * n, dtype=torch.int32)[:, None],
+                   torch.arange(3 * n))
+    v = verify(sampler, logits, states, guesses.tolist(), q, allowed)
     return v.token_ids.view(n, 3), v.num_accepted, guesses
 
 
@@ -129,15 +138,22 @@ def check_frequencies(tokens: torch.Tensor, probs: torch.Tensor) -> None:
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0),
                                     SamplingParams(temperature=0.7, top_k=4)])
 @pytest.mark.parametrize("point_mass", [True, False])
-def test_verified_tokens_have_the_target_distribution(params, point_mass):
-    """Each output token, given the ones before it, is distributed as the target's row."""
+@pytest.mark.parametrize("masked", [False, True])
+def test_verified_tokens_have_the_target_distribution(params, point_mass, masked):
+    """Each output token, given the ones before it, is distributed as the target's row (with
+    structured outputs' masks: the masked row; a draft's guesses are then at times tokens the
+    mask refuses)."""
     n = 20000
     q = None
     if not point_mass:              # guesses drawn from a distribution unlike the target's
         q = torch.tensor([[0.1, 0.1, 0.1, 0.2, 0.2, 0.3], [0.3, 0.2, 0.2, 0.1, 0.1, 0.1],
                           [0.0] * V])
-    tokens, accepted, guesses = run_verify(params, n, q)
-    p = target(LOGITS, params)
+    tokens, accepted, guesses = run_verify(params, n, q, masked=masked)
+    logits = LOGITS
+    if masked:
+        bits = torch.tensor([[(m >> t) & 1 for t in range(V)] for m in ALLOWED], dtype=torch.bool)
+        logits = LOGITS.masked_fill(~bits, float("-inf"))
+    p = target(logits, params)
     first = torch.where(accepted >= 1, guesses[:, 0], tokens[:, 0])
     check_frequencies(first, p[0])
     after_one = accepted >= 1

@@ -199,6 +199,53 @@ def test_a_fill_consumes_the_queued_tokens_as_matchers_fed_directly_would(vocab)
 
 
 @needs_model
+def test_guessed_rows_hold_the_mask_after_each_guess_and_the_matcher_steps_back(vocab):
+    """With speculative guesses a grammar fills one row more than it has guesses: its mask,
+    then the mask after each guess in turn, as a matcher fed them would give; rows past the
+    first guess the grammar refuses allow only EOS. After the fill every matcher is back where
+    it was: the next fill, without guesses, gives the first rows again."""
+    from llguidance.numpy import fill_next_token_bitmask
+
+    hf, compiler, config = vocab
+    so = StructuredOutputs(json=SCHEMA)
+    eos = config.eos_token_ids[0]
+    enc = lambda text: hf.encode(text, add_special_tokens=False)   # noqa: E731
+    done = [enc('{"x": '), enc('{"x": 4'), enc('{')]
+    guesses = [enc("12}") + [eos], enc("5") + enc("a") + enc("6"), []]
+    grammars = [compiler.start(so, []) for _ in done]
+    for g, tokens in zip(grammars, done):
+        for t in tokens:
+            g.accept(t)
+    rows = sum(len(g) + 1 for g in guesses)
+    width = bitmask_width(config.vocab_size)
+    got = np.zeros((rows, width), dtype=np.int32)
+    compiler.fill_bitmask(grammars, got, guesses)
+
+    want = np.zeros((rows, width), dtype=np.int32)
+    eos_row = np.zeros((1, width), dtype=np.int32)
+    eos_row.view(np.uint32)[0, eos // 32] = 1 << (eos % 32)
+    row = 0
+    for tokens, guess in zip(done, guesses):
+        m = compiler.compile(so).result().deep_copy()
+        assert m.consume_tokens(tokens)
+        refused = False
+        for j in range(len(guess) + 1):
+            if refused:
+                want[row + j] = eos_row
+            else:
+                fill_next_token_bitmask(m, want, row + j)
+                refused = j < len(guess) and not m.try_consume_tokens([guess[j]])
+        row += len(guess) + 1
+    assert np.array_equal(got, want)
+    assert not np.array_equal(got[6], eos_row[0])                          # "5" was taken,
+    assert np.array_equal(got[7:9], np.repeat(eos_row, 2, axis=0))        # "a" was not
+
+    again = np.zeros((len(grammars), width), dtype=np.int32)
+    compiler.fill_bitmask(grammars, again)
+    assert np.array_equal(again, got[[0, 5, 9]])
+
+
+@needs_model
 def test_a_failed_compile_allows_only_eos(vocab):
     from concurrent.futures import Future
 

@@ -41,7 +41,8 @@ def verify(sampler: Sampler, logits: torch.Tensor, states: list[SeqSamplingState
     """logits: [R, >= V], the rows of sequence s back to back (len(drafts[s]) + 1 of them);
     draft_probs: [R, V] the proposer's distribution on the rows with a guess (None: point
     masses); allowed: structured outputs' (bitmask, rows), as `Sampler.sample_tensors` takes
-    it, rows indexing `logits` (a constrained sequence has no guesses: one row). Nothing here
+    it, rows indexing `logits` (a constrained sequence's rows each masked after the guesses
+    before it). Nothing here
     waits for the device."""
     V = sampler.vocab_size
     dev = logits.device
