@@ -125,3 +125,35 @@ def test_constrained_requests_speculate_and_keep_their_greedy_outputs(llm, defau
     assert got[1].metrics.num_draft_tokens > 0
     assert " budget." in got[2].outputs[0].text
     llm.engine.scheduler.check_integrity()
+
+
+def test_a_draft_models_guesses_for_constrained_requests(default_llm):
+    """The default model drafting with its first 8 layers guesses without the grammar: guessed
+    tokens it refuses are rejected at their masked rows, so greedy outputs are those without
+    speculation and a sampled one still fits its schema."""
+    import json
+
+    import jsonschema
+
+    from conveyor.shared.structured_outputs import StructuredOutputs
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                               "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    so = StructuredOutputs(json=schema)
+    prompts = ["Describe a person as JSON:", f"Copy this text exactly:\n{TEXT}\nCopy:\n"]
+    greedy = [SamplingParams(temperature=0, max_tokens=30, structured_outputs=so),
+              SamplingParams(temperature=0, max_tokens=20,
+                             structured_outputs=StructuredOutputs(regex=r"The [a-z ]+\.?"))]
+    llm = LLM(speculative_config={"method": "draft_model", "draft_num_layers": 8,
+                                  "num_speculative_tokens": 3})
+    want = default_llm.generate(prompts, greedy, use_tqdm=False)
+    got = llm.generate(prompts, greedy, use_tqdm=False)
+    for a, b in zip(want, got):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+    assert all(o.metrics.num_draft_tokens > 0 for o in got)
+    sampled = SamplingParams(temperature=1.0, seed=7, max_tokens=60, structured_outputs=so)
+    out = llm.generate(["Describe a person as JSON:"], sampled, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop"
+    jsonschema.validate(json.loads(out.text), schema)
+    llm.engine.scheduler.check_integrity()
