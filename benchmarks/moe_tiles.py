@@ -7,7 +7,7 @@ logits, at several token counts T. Each cell is the GPU time of the whole `fused
 (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), CALLS calls in a CUDA graph, median of REPS replays;
 TB/s counts the weights of the experts the tokens picked, read once (one layer's experts are
 1.2 GB, far past the L2, so every call reads HBM). The row's last cells: the fastest tile and the
-engine's choice (`fused_moe._tiles`). The bound is those bytes at the H200's ~4.3 TB/s copy rate.
+engine's choice (`fused_moe._tiles`). The bound is those bytes at the H200's 4.28 TB/s copy rate.
 
 --parts times the call's parts on the engine's tiles instead, each in a graph of its own: align
 (sorting the pairs by expert), the gate-up GEMM, SiLU-and-mul, the down GEMM, the per-token sum.
@@ -108,17 +108,17 @@ def workload_bound(shape: str) -> None:
     layers, other, kv_token = OTHER[shape]
     prompts, max_tokens = workload()[:2]
     lens = [len(p) for p in prompts]
-    moe = kv = dense = 0.0
+    expert = kv = dense = 0.0
     for s in range(1, max(max_tokens) + 1):
         live = [i for i, m in enumerate(max_tokens) if m >= s]
         picked = experts * (1 - (1 - top_k / experts) ** len(live))
-        moe += layers * picked * 3 * hidden * inter * 2
+        expert += layers * picked * 3 * hidden * inter * 2
         kv += sum(lens[i] + s for i in live) * kv_token
         dense += other
-    total = moe + kv + dense
+    total = expert + kv + dense
     out = sum(max_tokens)
     print(f"{shape}, the reference workload's {max(max_tokens)} decode steps, {out} tokens: "
-          f"experts {moe / 1e12:.1f} TB, KV {kv / 1e12:.1f} TB, other weights "
+          f"experts {expert / 1e12:.1f} TB, KV {kv / 1e12:.1f} TB, other weights "
           f"{dense / 1e12:.1f} TB; {total / 1e12:.1f} TB")
     for name, rate in (("copy rate", COPY_TBS), ("peak", PEAK_TBS)):
         seconds = total / (rate * 1e12)
@@ -166,5 +166,6 @@ def main() -> None:
             times[engine] = moe_us(x, w13, w2, weights, ids, engine)
         best = min(times, key=times.get)
         cells = [f"{times[k]:.0f} ({nbytes / times[k] / 1e6:.2f})" for k in TILES]
-        print(f"| {t} | {nbytes // expert_bytes} | {nbytes / 4.3e6:.0f} | {' | '.join(cells)} | "
-              f"{best} {times[best]:.0f} | {engine} {times[engine]:.0f} |", flush=True)
+        print(f"| {t} | {nbytes // expert_bytes} | {nbytes / COPY_TBS / 1e6:.0f} | "
+              f"{' | '.join(cells)} | {best} {times[best]:.0f} | {engine} {times[engine]:.0f} |",
+              flush=True)

@@ -42,8 +42,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, states: list[SeqSamplingState
     draft_probs: [R, V] the proposer's distribution on the rows with a guess (None: point
     masses); allowed: structured outputs' (bitmask, rows), as `Sampler.sample_tensors` takes
     it, rows indexing `logits` (a constrained sequence's rows each masked after the guesses
-    before it). Nothing here
-    waits for the device."""
+    before it). Nothing here waits for the device."""
     V = sampler.vocab_size
     dev = logits.device
     raw = logits[:, :V]
