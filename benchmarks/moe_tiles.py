@@ -4,7 +4,7 @@ One MoE layer of a published shape (Qwen3-30B-A3B by default: 128 experts, top 8
 expert intermediate 768; Mixtral-8x7B: 8 experts, top 2, 4096, 14336), bf16, routed by random
 logits, at several token counts T. Each cell is the GPU time of the whole `fused_moe` call
 (align, the two grouped GEMMs, SiLU-and-mul, the per-token sum) with one tile choice
-(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), CALLS calls in a CUDA graph, median of REPS replays;
+(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), CALLS calls in a CUDA graph, median of its replays;
 TB/s counts the weights of the experts the tokens picked, read once (one layer's experts are
 1.2 GB, far past the L2, so every call reads HBM). The row's last cells: the fastest tile and the
 engine's choice (`fused_moe._tiles`). The bound is those bytes at the H200's 4.28 TB/s copy rate.
@@ -25,10 +25,10 @@ left out, which only raises the bound.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
+from benchmarks.kernel_timings import graph_us
 from conveyor.kernels import fused_moe as moe
 from conveyor.kernels.fused_moe import _tiles, fused_moe, route
 from conveyor.kernels.silu_and_mul import silu_and_mul
@@ -46,35 +46,15 @@ TILES = [(16, 64, 64, 4, 4), (16, 64, 128, 4, 3), (16, 64, 256, 4, 2), (16, 128,
          (64, 128, 64, 4, 3), (64, 128, 128, 4, 3), (64, 256, 64, 8, 3), (128, 128, 64, 4, 3),
          (128, 128, 64, 8, 4), (128, 256, 64, 8, 4)]
 CALLS = 20
-REPS = 5
 
 
-def graph_us(fn) -> float:
-    """Median GPU microseconds a call of fn, CALLS calls captured in one CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            fn()
-    graph.replay()
-    times = []
-    for _ in range(REPS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / CALLS)
-    del graph
-    return statistics.median(times)
+def call_us(fn) -> float:
+    """Median GPU us a call of fn, CALLS calls in one CUDA graph (kernel_timings.graph_us)."""
+    return graph_us([fn] * CALLS)
 
 
 def moe_us(x, w13, w2, weights, ids, tiles) -> float:
-    return graph_us(lambda: fused_moe(x, w13, w2, weights, ids, tiles))
+    return call_us(lambda: fused_moe(x, w13, w2, weights, ids, tiles))
 
 
 def parts_us(x, w13, w2, weights, ids) -> dict[str, float]:
@@ -89,14 +69,14 @@ def parts_us(x, w13, w2, weights, ids) -> dict[str, float]:
     act = silu_and_mul(gate_up)
     down = torch.empty((pairs, h), dtype=x.dtype, device=x.device)
     return {
-        "align": graph_us(lambda: moe.align(ids, e, tiles[0])),
-        "gate-up": graph_us(lambda: moe._gemm(x, w13, None, gate_up, flat, sorted_ids, expert_ids,
-                                              total, pairs, top_k, False, tiles)),
-        "silu": graph_us(lambda: silu_and_mul(gate_up)),
-        "down": graph_us(lambda: moe._gemm(act, w2, None, down, flat, sorted_ids, expert_ids,
-                                           total, pairs, 1, True, tiles)),
-        "sum": graph_us(lambda: down.view(t, top_k, h).sum(dim=1, dtype=torch.float32)
-                        .to(x.dtype)),
+        "align": call_us(lambda: moe.align(ids, e, tiles[0])),
+        "gate-up": call_us(lambda: moe._gemm(x, w13, None, gate_up, flat, sorted_ids, expert_ids,
+                                             total, pairs, top_k, False, tiles)),
+        "silu": call_us(lambda: silu_and_mul(gate_up)),
+        "down": call_us(lambda: moe._gemm(act, w2, None, down, flat, sorted_ids, expert_ids,
+                                          total, pairs, 1, True, tiles)),
+        "sum": call_us(lambda: down.view(t, top_k, h).sum(dim=1, dtype=torch.float32)
+                       .to(x.dtype)),
         "whole": moe_us(x, w13, w2, weights, ids, tiles),
     }
 
