@@ -30,9 +30,14 @@ import torch.nn.functional as F
 from conveyor.kernels._triton import interpreting, jit, require_triton, split_k_sum, tl
 from conveyor.kernels._util import check, num_sms, tile_counts
 
-# rows from which the weight is dequantized to x's dtype and multiplied by cuBLAS (the tiled
-# kernel's dequantization per tile costs more than the one pass once a step has this many rows)
-CUBLAS_FROM_M = 32
+# rows from which the weight is dequantized to x's dtype and multiplied by cuBLAS: on an H200
+# Llama-3.1-8B's layers took 7.35 ms through the tiles at 64 rows (one tile of rows) against
+# 9.25 for dequantize + cuBLAS, and 12.3 against 9.5 at 96 (two tiles, each unpacking the weight)
+CUBLAS_FROM_M = 65
+# NOTE: dequantization tile (rows, words, warps): a row of 512 words (4,096 inputs) a program,
+# so it reads and writes long runs: 3.5-3.9 TB/s of words and bf16 on an H200, 16 rows of 64
+# words 1.8-2.3 (the best of 21 on Llama-3.1-8B's four layer shapes; docs/QUANTIZATION.md)
+DEQUANT_TILE = (1, 512, 4)
 # NOTE: GEMV tile (BLOCK_N, BLOCK_W, num_warps): the best of 60 on Llama-3.1-8B's four layer
 # shapes on an H200; 32 or 64 words a step took 2-4x as long (its loop is not pipelined: 1 or 3
 # stages timed the same)
@@ -380,8 +385,9 @@ def dequantize_int4_gpu(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.
     """dequantize_int4 in one Triton pass: W [N, K] in dtype, new."""
     n, k = qweight.shape[0], qweight.shape[1] * 8
     out = torch.empty(n, k, dtype=dtype, device=qweight.device)
+    rows, words, warps = DEQUANT_TILE
     if n and k:
-        _dequantize_int4_kernel[(-(-n // 16), -(-k // 8 // 64))](
+        _dequantize_int4_kernel[(-(-n // rows), -(-k // 8 // words))](
             qweight, scale, zero, out, n, k, k // scale.shape[1], qweight.stride(0),
-            scale.stride(0), out.stride(0), BLOCK_N=16, BLOCK_W=64, num_warps=4)
+            scale.stride(0), out.stride(0), BLOCK_N=rows, BLOCK_W=words, num_warps=warps)
     return out

@@ -24,7 +24,7 @@ _PARTS = ("qweight", "qzeros", "scales", "g_idx")
 
 def _nibbles(packed: torch.Tensor) -> torch.Tensor:
     """int32 [R, C] -> [R, 8 C] uint8: nibble i of word c at column 8c + i."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
     return ((packed[:, :, None] >> shifts) & 15).to(torch.uint8).reshape(packed.shape[0], -1)
 
 
@@ -32,14 +32,17 @@ def _awq_columns(packed: torch.Tensor) -> torch.Tensor:
     """AWQ's packing along N -> [R, N] in column order."""
     q = _nibbles(packed)
     order = (torch.arange(q.shape[1]).view(-1, 8)[:, _AWQ_REVERSE]).reshape(-1)
-    return q[:, order]
+    return q[:, order.to(q.device)]
 
 
-def convert_layer(fmt: str, tensors: dict[str, torch.Tensor], zero_offset: int
-                  ) -> dict[str, torch.Tensor]:
+def convert_layer(fmt: str, tensors: dict[str, torch.Tensor], zero_offset: int,
+                  device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
     """One layer's checkpoint tensors (qweight, qzeros, scales, and g_idx for GPTQ) -> weight
     [N, K / 8] int32, weight_scale and weight_zero [N, G] float32, and for GPTQ weight_perm
-    [K] int64 (identity without act-order). zero_offset: 1 for GPTQ's "gptq" format."""
+    [K] int64 (identity without act-order), on `device`. zero_offset: 1 for GPTQ's "gptq"
+    format. The unpacking and repacking make a few int64 passes over every weight: on a GPU
+    they take a second for an 8B model, on the host most of a minute."""
+    tensors = {name: t.to(device) for name, t in tensors.items()}
     scales = tensors["scales"].float()                         # [G, N]
     g, n = scales.shape
     if fmt == "awq":
@@ -52,9 +55,10 @@ def convert_layer(fmt: str, tensors: dict[str, torch.Tensor], zero_offset: int
         zeros = _nibbles(tensors["qzeros"])                    # [G, N]
         k = q.shape[0]
         g_idx = tensors.get("g_idx")
-        g_idx = (torch.arange(k) // (k // g)) if g_idx is None else g_idx.long()
+        groups = torch.arange(k, device=device) // (k // g)
+        g_idx = groups if g_idx is None else g_idx.long()
         perm = torch.sort(g_idx, stable=True).indices
-        if not torch.equal(g_idx[perm], torch.arange(k) // (k // g)):
+        if not torch.equal(g_idx[perm], groups):
             raise ValueError(f"g_idx does not make {g} groups of {k // g} inputs")
         q = q[perm]
         out = {"weight_perm": perm}
@@ -67,9 +71,11 @@ def convert_layer(fmt: str, tensors: dict[str, torch.Tensor], zero_offset: int
     return out
 
 
-def int4_weights(weights, fmt: str, zero_offset: int, has_g_idx: bool):
+def int4_weights(weights, fmt: str, zero_offset: int, has_g_idx: bool,
+                 device: torch.device | str = "cpu"):
     """Checkpoint tensors with every 4-bit layer's parts (buffered until all have come) turned
-    into `convert_layer`'s tensors under that layer's name; other tensors pass unchanged."""
+    into `convert_layer`'s tensors under that layer's name, converted on `device`; other
+    tensors pass unchanged."""
     pending: dict[str, dict[str, torch.Tensor]] = {}
     want = {"qweight", "qzeros", "scales"} | ({"g_idx"} if has_g_idx else set())
     for name, tensor in weights:
@@ -80,7 +86,7 @@ def int4_weights(weights, fmt: str, zero_offset: int, has_g_idx: bool):
         layer = pending.setdefault(prefix, {})
         layer[part] = tensor
         if want <= layer.keys():
-            for key, t in convert_layer(fmt, pending.pop(prefix), zero_offset).items():
+            for key, t in convert_layer(fmt, pending.pop(prefix), zero_offset, device).items():
                 yield f"{prefix}.{key}", t
     if pending:
         raise ValueError(f"incomplete 4-bit layers in the checkpoint: {', '.join(pending)}")

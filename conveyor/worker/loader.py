@@ -70,7 +70,7 @@ def load_model(config: ModelConfig, files: ModelFiles, dtype: torch.dtype,
         int8_names = _keep_q8_0(model, reader, keep) if quantization == "int8" else set()
         fill(gguf_weights(reader, int8_names))
     elif config.quantization in ("awq", "gptq"):
-        fill(_take_int4(model, files.path, config))
+        fill(_take_int4(model, files.path, config, device))
     else:
         block = _block_size(config)
         rows = _take_quantized(model, files.path, config.quantization, block)
@@ -132,10 +132,11 @@ def _take_quantized(model: nn.Module, folder: Path, mode: str | None, block: int
     return taken
 
 
-def _take_int4(model: nn.Module, folder: Path, config: ModelConfig) -> Weights:
+def _take_int4(model: nn.Module, folder: Path, config: ModelConfig,
+               device: torch.device | str) -> Weights:
     """For an AWQ or GPTQ checkpoint: make the linear layers with a `qweight` take 4-bit
     weights (LinearBase.make_int4), and return the checkpoint's tensors with those layers'
-    parts converted to the W4A16 layout (worker/int4_checkpoint.py)."""
+    parts converted to the W4A16 layout on `device` (worker/int4_checkpoint.py)."""
     from safetensors import safe_open
 
     from conveyor.shared.model_config import int4_format
@@ -156,7 +157,7 @@ def _take_int4(model: nn.Module, folder: Path, config: ModelConfig) -> Weights:
         k = module.weight.shape[1]
         module.make_int4(k // group if group else 1, act_order)
     weights = int4_weights(safetensors_weights(folder), config.quantization, zero_offset,
-                           has_g_idx)
+                           has_g_idx, device)
     if not act_order:      # GPTQ's g_idx then only repeats the groups: no column order
         weights = ((n, t) for n, t in weights if not n.endswith(".weight_perm"))
     return weights
