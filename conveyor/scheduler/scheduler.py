@@ -143,12 +143,19 @@ class Scheduler:
         """Whether the next plan verifies and asks for guesses."""
         return self.spec is not None and self.spec.speculates(len(self.running))
 
+    def _proposing(self) -> bool:
+        """Whether the next plan asks for guesses: speculation is on at this batch size and a
+        running request is due to look for some (one whose lookups found nothing lately waits
+        a few plans, and steps without guesses overlap as they would without speculation)."""
+        return self._speculating() and (not self.running
+                                        or any(not r.spec_wait for r in self.running))
+
     def _max_in_flight(self) -> int:
         # NOTE: guesses are made from the tokens of the last result, so a plan that uses or asks
         # for them is alone in flight
         if self._solo_in_flight:
             return 0
-        return 1 if self._speculating() else self.max_in_flight
+        return 1 if self._proposing() else self.max_in_flight
 
     def add(self, msg: AddRequest) -> list[TokenOutput]:
         """Queue a request; one that can never run ends at once with finish_reason "error"."""
@@ -202,8 +209,11 @@ class Scheduler:
         batch.sort(key=lambda p: p.step.num_tokens > 1)
         self._step += 1
         self._in_flight.append((self._step, batch, now))
-        # NOTE: asks for guesses if the requests it leaves running speculate
-        propose = self._speculating()
+        # NOTE: asks for guesses if the requests it leaves running speculate and one is due
+        propose = self._proposing()
+        if not propose:
+            for req in self.running:
+                req.spec_wait = max(0, req.spec_wait - 1)
         self._solo_in_flight = propose or any(p.step.draft_token_ids for p in batch)
         return StepPlan(self._step, new, [p.step for p in batch], self.slots.take_released(),
                         propose)
@@ -270,8 +280,11 @@ class Scheduler:
                 if req.status is RUNNING:
                     if current and step.draft_token_ids:
                         self.blocks.cache_full_blocks(req)
+                    if result.proposals:
+                        _back_off(req, guesses, len(tokens) - 1 if step.draft_token_ids else None)
                     # NOTE: guesses follow the tokens the worker had; stale if more is planned
-                    req.spec_token_ids = guesses if not req.num_pending_tokens else []
+                    req.spec_token_ids = (guesses if not (req.num_pending_tokens or req.spec_wait)
+                                          else [])
             if out.new_token_ids or out.prompt_logprobs or out.finish_reason:
                 outputs.append(out)
         if any(p.req.status is FINISHED for p in planned):
@@ -639,3 +652,21 @@ class Scheduler:
             if r.num_pending_tokens != pending[r]:
                 raise IntegrityError(f"request {r.id} counts {r.num_pending_tokens} pending "
                                      f"tokens, but {pending[r]} sampling steps are in flight")
+
+
+# NOTE: the most plans a request sits out after lookups that brought nothing; the waits double
+# from 2 with each such lookup in a row (the plan before a lookup waits for the last result, so
+# a wait of w overlaps w - 1 steps)
+MAX_SPEC_WAIT = 8
+
+
+def _back_off(req: Request, guesses: list[int], accepted: int | None) -> None:
+    """After a step that looked for guesses for `req` (and verified `accepted` of its last ones,
+    None if it verified none): a lookup that found nothing or followed guesses all refused is a
+    miss, and the request sits out its next 2, 4, ... MAX_SPEC_WAIT plans (no guesses, so
+    those steps overlap); one that found guesses clears the count."""
+    if not guesses or accepted == 0:
+        req.spec_misses += 1
+        req.spec_wait = min(2 ** req.spec_misses, MAX_SPEC_WAIT)
+    else:
+        req.spec_misses = req.spec_wait = 0

@@ -253,6 +253,50 @@ def test_no_guesses_past_the_budget_or_the_batch_size_cutoff():
     s.check_integrity()
 
 
+
+def test_lookups_that_find_nothing_back_off_so_steps_overlap():
+    s = make_scheduler()
+    add(s, "a", max_tokens=40)
+    req = s.requests["a"]
+
+    def done(plan, proposals=None, sampled=(7,)):
+        s.update(StepResult(plan.step, list(sampled), [None] * len(sampled), [],
+                            num_sampled=[len(sampled)] if plan.seqs[0].draft_token_ids else None,
+                            proposals=proposals if plan.propose else []))
+
+    def sit_out(n):
+        """The next n plans ask for nothing, two in flight at a time but before a lookup."""
+        flight = []
+        for i in range(n):
+            flight.append(s.schedule())
+            assert not flight[-1].propose
+            assert s.can_schedule() == (i < n - 1 and len(flight) < 2)
+            if not s.can_schedule():
+                for plan in flight:
+                    done(plan)
+                flight = []
+
+    plan = s.schedule()
+    assert plan.propose and not s.can_schedule()
+    done(plan, [[]])                                # the lookup found nothing: sit out 2 plans
+    assert (req.spec_misses, req.spec_wait) == (1, 2)
+    sit_out(2)
+    plan = s.schedule()
+    assert plan.propose
+    done(plan, [[]])                                # a second miss in a row: 4 plans
+    assert (req.spec_misses, req.spec_wait) == (2, 4)
+    sit_out(4)
+    plan = s.schedule()
+    assert plan.propose
+    done(plan, [[5, 5, 5, 5]])                      # found: the count clears, guesses verify
+    assert (req.spec_misses, req.spec_wait) == (0, 0)
+    plan = s.schedule()
+    assert plan.seqs[0].draft_token_ids == [5, 5, 5, 5]
+    done(plan, [[6, 6]], sampled=(9,))              # all four refused: a miss, guesses dropped
+    assert (req.spec_misses, req.spec_wait) == (1, 2) and req.spec_token_ids == []
+    assert not s.schedule().seqs[0].draft_token_ids
+    s.check_integrity()
+
 # --- metrics -------------------------------------------------------------------------------
 
 def test_metrics_and_the_stats_line():
