@@ -3,7 +3,8 @@ a verify step costs.
 
 throughput: output tokens/s at batch 1, 4, 16, 64 with and without speculation, each request
 asked to rewrite a given text (its own sentences, shuffled), so the output copies its input, as
-editing and summarising do. Greedy unless --temperature. Real weights (with a tokenizer): the
+editing and summarising do; `--work open` asks open questions instead, whose answers copy
+little (what speculation costs where it does not pay). Greedy unless --temperature. Real weights (with a tokenizer): the
 default model unless --model. --method draft_model guesses with --draft-model (a smaller model
 with the same tokenizer), or with the target's own first --draft-num-layers layers; each row
 gives the acceptance rate and the mean accepted length (tokens a verifying sequence step yields).
@@ -17,6 +18,7 @@ stay comparable). --shape with --random-weights takes a shape's random weights.
 
     python scripts/bench_speculative.py throughput                       # default model
     python scripts/bench_speculative.py throughput --model Qwen/Qwen3-8B --batches 1 4 16 64
+    python scripts/bench_speculative.py throughput --work open --batches 1 4
     python scripts/bench_speculative.py verify --shape llama3.1-8b --random-weights
     python scripts/bench_speculative.py throughput --batches 1 2 --max-tokens 16 --device cpu
     python scripts/bench_speculative.py throughput --method draft_model --draft-num-layers 8 \
@@ -57,6 +59,25 @@ def grounded_prompts(n: int, seed: int = 0) -> list[str]:
     return prompts
 
 
+QUESTIONS = [
+    "Write a short story about a cat who learns to fly.",
+    "Explain how a refrigerator works to a child.",
+    "Give me three ideas for a birthday party in winter.",
+    "What were the main causes of the French Revolution?",
+    "Describe a day in the life of a lighthouse keeper.",
+    "Why is the sky blue? Answer in a few paragraphs.",
+    "Plan a three-day trip to a city you like.",
+    "What makes a good teacher? Give examples.",
+]
+
+
+def open_prompts(n: int, seed: int = 0) -> list[str]:
+    """n open questions, each led by a number of its own (no two share a cached prefix)."""
+    rng = random.Random(seed)
+    return [f"Request {rng.randrange(10 ** 6)}. {rng.choice(QUESTIONS)}\n\nAnswer:\n"
+            for _ in range(n)]
+
+
 def throughput(args, path: str | None) -> None:
     from conveyor import LLM, SamplingParams
 
@@ -79,11 +100,13 @@ def throughput(args, path: str | None) -> None:
         engines[name] = LLM(model=path, device=args.device, max_num_seqs=max(args.batches),
                             max_model_len=args.max_model_len, load_format=args.load_format,
                             speculative_config=config, **share)
-        engines[name].generate(grounded_prompts(1, seed=99), params, use_tqdm=False)  # warm-up
+    make = open_prompts if args.work == "open" else grounded_prompts
+    for llm in engines.values():
+        llm.generate(make(1, seed=99), params, use_tqdm=False)                # warm-up
     rates: dict[tuple[str, int], list[float]] = {}
     for r in range(args.rounds):
         for batch in args.batches:
-            prompts = grounded_prompts(batch, seed=1000 * r + batch)
+            prompts = make(batch, seed=1000 * r + batch)
             for name, llm in engines.items():
                 result = _timed(llm, prompts, params, name, batch)
                 result["round"] = r
@@ -183,6 +206,8 @@ def main() -> None:
     add_model_args(ap)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--work", choices=["grounded", "open"], default="grounded",
+                    help="throughput: rewrite a given text (grounded) or answer open questions")
     ap.add_argument("--method", choices=["ngram", "draft_model"], default="ngram",
                     help="throughput: the proposer")
     ap.add_argument("--draft-model", default=None,
