@@ -4,10 +4,11 @@ a verify step costs.
 throughput: output tokens/s at batch 1, 4, 16, 64 with and without speculation, each request
 asked to rewrite a given text (its own sentences, shuffled), so the output copies its input, as
 editing and summarising do; `--work open` asks open questions instead, whose answers copy
-little (what speculation costs where it does not pay). Greedy unless --temperature. Real weights (with a tokenizer): the
-default model unless --model. --method draft_model guesses with --draft-model (a smaller model
-with the same tokenizer), or with the target's own first --draft-num-layers layers; each row
-gives the acceptance rate and the mean accepted length (tokens a verifying sequence step yields).
+little (what speculation costs where it does not pay). Greedy unless --temperature. Real
+weights (with a tokenizer): the default model unless --model. --method draft_model guesses
+with --draft-model (a smaller model with the same tokenizer), or with the target's own first
+--draft-num-layers layers; each row gives the acceptance rate and the mean accepted length
+(tokens a verifying sequence step yields).
 Both engines stay loaded and take turns over --rounds passes of each batch, each pass on prompts
 of its own; the closing table gives the first round's figures and each round's ratio.
 

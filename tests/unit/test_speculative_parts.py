@@ -253,7 +253,6 @@ def test_no_guesses_past_the_budget_or_the_batch_size_cutoff():
     s.check_integrity()
 
 
-
 def test_lookups_that_find_nothing_back_off_so_steps_overlap():
     s = make_scheduler()
     add(s, "a", max_tokens=40)
@@ -296,6 +295,7 @@ def test_lookups_that_find_nothing_back_off_so_steps_overlap():
     assert (req.spec_misses, req.spec_wait) == (1, 2) and req.spec_token_ids == []
     assert not s.schedule().seqs[0].draft_token_ids
     s.check_integrity()
+
 
 # --- metrics -------------------------------------------------------------------------------
 
