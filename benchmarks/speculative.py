@@ -12,6 +12,10 @@ with --draft-model (a smaller model with the same tokenizer), or with the target
 Both engines stay loaded and take turns over --rounds passes of each batch, each pass on prompts
 of its own; the closing table gives the first round's figures and each round's ratio.
 
+replay: the plans speculation makes on the work (which verify, which only look for guesses,
+which overlap), with and without backing off, from the default model's greedy outputs replayed
+through the scheduler (no model in the loop after recording them).
+
 verify: the host-to-result time of a step that verifies k guesses (1 + k query tokens) against
 a one-token decode step, at --batch sequences of --context tokens, run on the model runner
 directly (the guesses are always rejected, so each step advances one token and the contexts
@@ -21,6 +25,7 @@ stay comparable). --shape with --random-weights takes a shape's random weights.
     python scripts/bench_speculative.py throughput --model Qwen/Qwen3-8B --batches 1 4 16 64
     python scripts/bench_speculative.py throughput --work open --batches 1 4
     python scripts/bench_speculative.py verify --shape llama3.1-8b --random-weights
+    python scripts/bench_speculative.py replay --work open --batch 4 --device cpu
     python scripts/bench_speculative.py throughput --batches 1 2 --max-tokens 16 --device cpu
     python scripts/bench_speculative.py throughput --method draft_model --draft-num-layers 8 \
         --shape qwen3-0.6b --random-weights --batches 1 4
@@ -201,9 +206,88 @@ def verify_step(args, path: str | None) -> None:
     append_json(args.json, result)
 
 
+def replay(args, path: str | None) -> None:
+    """The work's greedy outputs (one pass of --batch requests, no speculation) replayed through
+    the scheduler with n-gram lookups: a stand-in worker draws the recorded tokens (accepting
+    the guesses that match them) and looks up guesses as the worker would, so the plans are
+    those the engine makes, without the model. Per policy (asking on every plan, or backing
+    off after misses: scheduler.MAX_SPEC_WAIT), the plans that verify, that only look, and
+    that were planned beside another one in flight (overlapped)."""
+    from collections import deque
+
+    import numpy as np
+
+    from conveyor import LLM, SamplingParams
+    from conveyor.scheduler import scheduler as sched_mod
+    from conveyor.shared.config import EngineConfig
+    from conveyor.shared.messages.engine import AddRequest
+    from conveyor.shared.messages.worker import StepResult
+    from conveyor.worker.spec.ngram import ngram_guess
+
+    make = open_prompts if args.work == "open" else grounded_prompts
+    llm = LLM(model=path, device=args.device, max_model_len=args.max_model_len,
+              load_format=args.load_format)
+    outs = llm.generate(make(args.batch, seed=7),
+                        SamplingParams(temperature=0, max_tokens=args.max_tokens,
+                                       ignore_eos=True), use_tqdm=False)
+    recorded = {tuple(o.prompt_token_ids): list(o.outputs[0].token_ids) for o in outs}
+    k, lo, hi = args.k, args.lookup_min, args.lookup_max
+    print(f"{'policy':>10} {'plans':>6} {'verify':>7} {'look':>6} {'overlapped':>11} "
+          f"{'tokens/plan':>12}")
+    for name, wait in (("always", 0), ("back-off", sched_mod.MAX_SPEC_WAIT)):
+        config = EngineConfig(block_size=16, max_num_seqs=args.batch, speculative_config={
+            "method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": lo,
+            "prompt_lookup_max": hi}).with_defaults(offline=True)
+        saved, sched_mod.MAX_SPEC_WAIT = sched_mod.MAX_SPEC_WAIT, wait
+        try:
+            scheduler = sched_mod.Scheduler(config, 4096, (), args.max_model_len)
+            for i, prompt in enumerate(recorded):
+                scheduler.add(AddRequest(id=str(i), token_ids=list(prompt), sampling=SamplingParams(
+                    temperature=0, max_tokens=len(recorded[prompt]), ignore_eos=True)))
+            slots: dict[int, tuple[list[int], list[int], int]] = {}
+            flight, counts = deque(), {"plans": 0, "verify": 0, "look": 0, "overlapped": 0}
+            while scheduler.has_work():
+                while scheduler.can_schedule() and (plan := scheduler.schedule()) is not None:
+                    verifies = any(q.draft_token_ids for q in plan.seqs)
+                    counts["plans"] += 1
+                    counts["verify"] += verifies
+                    counts["look"] += plan.propose and not verifies
+                    counts["overlapped"] += bool(flight)
+                    flight.append(plan)
+                plan = flight.popleft()
+                for slot in plan.freed:
+                    slots.pop(slot, None)
+                for new in plan.new:
+                    slots[new.slot] = (list(new.token_ids), recorded[
+                        tuple(new.token_ids[:new.prompt_len])], new.prompt_len)
+                sampled, runs, proposals = [], [], []
+                for q in plan.seqs:
+                    if not q.sample:
+                        continue
+                    tokens, output, prompt_len = slots[q.slot]
+                    nxt = output[len(tokens) - prompt_len:]
+                    a = 0
+                    while (a < min(len(q.draft_token_ids), len(nxt))
+                           and q.draft_token_ids[a] == nxt[a]):
+                        a += 1
+                    drawn = nxt[:a + 1] or [0]
+                    tokens += drawn
+                    sampled += drawn
+                    runs.append(len(drawn))
+                    if plan.propose:
+                        proposals.append(ngram_guess(np.array(tokens), k, lo, hi))
+                scheduler.update(StepResult(plan.step, sampled, [None] * len(sampled), [],
+                                            num_sampled=runs, proposals=proposals))
+        finally:
+            sched_mod.MAX_SPEC_WAIT = saved
+        total = sum(map(len, recorded.values()))
+        print(f"{name:>10} {counts['plans']:>6} {counts['verify']:>7} {counts['look']:>6} "
+              f"{counts['overlapped']:>11} {total / counts['plans']:>12.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=["throughput", "verify"])
+    ap.add_argument("what", choices=["throughput", "verify", "replay"])
     add_model_args(ap)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
@@ -224,7 +308,8 @@ def main() -> None:
                     help="throughput: passes of each batch, the two engines taking turns")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--max-model-len", type=int, default=4096)
-    ap.add_argument("--batch", type=int, default=1, help="verify: sequences per step")
+    ap.add_argument("--batch", type=int, default=1,
+                    help="verify: sequences per step; replay: requests")
     ap.add_argument("--context", type=int, default=1024, help="verify: tokens of context")
     ap.add_argument("--steps", type=int, default=50, help="verify: steps of each kind")
     ap.add_argument("--json")
@@ -236,7 +321,7 @@ def main() -> None:
         path = model_path(args, ap)
     if args.method == "draft_model" and not (args.draft_model or args.draft_num_layers):
         ap.error("--method draft_model needs --draft-model or --draft-num-layers")
-    (throughput if args.what == "throughput" else verify_step)(args, path)
+    {"throughput": throughput, "verify": verify_step, "replay": replay}[args.what](args, path)
 
 
 if __name__ == "__main__":
