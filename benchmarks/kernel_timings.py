@@ -15,9 +15,9 @@ Weight-quantized GEMMs (--tables quant): the same shapes at M = 1, 16, 64, 256 a
 linear(), as the model runs them, with bf16, int8 (W8A16: the skinny GEMV at M = 1, the Triton
 GEMM, from 1,024 rows dequantize + cuBLAS) and fp8 (the skinny GEMV over fp8 weights at M = 1,
 per-token quantization + _scaled_mm above) and 4-bit (W4A16, group 128: the CUDA-core GEMV at
-M = 1, the tiled Triton kernel below 32 rows, dequantize + cuBLAS from there) weights; from 32
-rows also the 4-bit tiled kernel on its own, and from 256 rows both int8 prefill choices (to
-check the two modules' CUBLAS_FROM_M). GB/s counts the weight's bytes as stored. Its last lines
+M = 1, the tiled Triton kernel up to 64 rows, dequantize + cuBLAS above) weights; where
+linear() dequantizes, also the 4-bit tiled kernel on its own, and from 256 rows both int8
+prefill choices (to check the two modules' CUBLAS_FROM_M). GB/s counts the weight's bytes as stored. Its last lines
 add up a decode step's GEMMs with the LM head kept in bf16 (the default --keep-precision).
 
 The read ceiling (--tables read): how long a plain read of each weight's bytes takes (bf16 and
