@@ -34,6 +34,7 @@ stay comparable). --shape with --random-weights takes a shape's random weights.
 from __future__ import annotations
 
 import argparse
+import itertools
 import random
 import statistics
 import time
@@ -89,7 +90,7 @@ def throughput(args, path: str | None) -> None:
 
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
                             ignore_eos=True)
-    spec = {"method": args.method, "num_speculative_tokens": args.k}
+    spec = {"method": args.method}
     if args.method == "ngram":
         spec.update(prompt_lookup_min=args.lookup_min, prompt_lookup_max=args.lookup_max)
     else:
@@ -97,12 +98,15 @@ def throughput(args, path: str | None) -> None:
                                        ("draft_num_layers", args.draft_num_layers)) if v})
     if args.disable_by_batch_size:
         spec["disable_by_batch_size"] = args.disable_by_batch_size
-    # NOTE: both engines stay loaded and take turns, batch by batch and round by round, so a
-    # drift of the machine (clocks, other load) hits both alike; each (round, batch) has its own
-    # prompts, so no pass re-hits a prefix the engine cached in an earlier one
-    share = {"gpu_memory_utilization": 0.4} if args.device != "cpu" else {}
+    # NOTE: the engines (the baseline, one for each k) stay loaded and take turns, batch by batch
+    # and round by round, so a drift of the machine (clocks, other load) hits all alike; each
+    # (round, batch) has its own prompts, so no pass re-hits a prefix cached in an earlier one
+    configs = {"baseline": None} | {f"{args.method} k={k}": {**spec, "num_speculative_tokens": k}
+                                    for k in args.k}
+    share = ({"gpu_memory_utilization": round(0.8 / len(configs), 2)}
+             if args.device != "cpu" else {})
     engines = {}
-    for name, config in (("baseline", None), (args.method, spec)):
+    for name, config in configs.items():
         engines[name] = LLM(model=path, device=args.device, max_num_seqs=max(args.batches),
                             max_model_len=args.max_model_len, load_format=args.load_format,
                             speculative_config=config, **share)
@@ -121,13 +125,15 @@ def throughput(args, path: str | None) -> None:
                 rates.setdefault((name, batch), []).append(result["tokens_per_s"])
                 print(result, flush=True)
                 append_json(args.json, result)
-    print(f"\n{'batch':>5} {'baseline tok/s':>15} {args.method + ' tok/s':>15} {'ratio':>7}   "
+    print(f"\n{'batch':>5} {'':>12} {'baseline tok/s':>15} {'tok/s':>8} {'ratio':>7}   "
           f"ratio in each of {args.rounds} rounds (the first is the figure)")
     for batch in args.batches:
-        base, spec_rates = rates["baseline", batch], rates[args.method, batch]
-        print(f"{batch:>5} {base[0]:>15,.0f} {spec_rates[0]:>15,.0f} "
-              f"{spec_rates[0] / base[0]:>6.2f}x   "
-              + ", ".join(f"{s / b:.2f}x" for s, b in zip(spec_rates, base)))
+        base = rates["baseline", batch]
+        for name in list(configs)[1:]:
+            spec_rates = rates[name, batch]
+            print(f"{batch:>5} {name:>12} {base[0]:>15,.0f} {spec_rates[0]:>8,.0f} "
+                  f"{spec_rates[0] / base[0]:>6.2f}x   "
+                  + ", ".join(f"{s / b:.2f}x" for s, b in zip(spec_rates, base)))
 
 
 def _timed(llm, prompts: list[str], params, name: str, batch: int) -> dict:
@@ -155,7 +161,7 @@ def verify_step(args, path: str | None) -> None:
     from conveyor.shared.sampling_params import SamplingParams
     from conveyor.worker.model_runner import ModelRunner
 
-    bs, batch, k = 16, args.batch, args.k
+    bs, batch, k = 16, args.batch, args.k[0]
     length = args.context + (args.steps + 2) * (k + 1) + 16
     config = EngineConfig(model=path, device=args.device, load_format=args.load_format,
                           max_num_seqs=max(batch, 1), max_model_len=length, block_size=bs,
@@ -231,10 +237,11 @@ def replay(args, path: str | None) -> None:
                         SamplingParams(temperature=0, max_tokens=args.max_tokens,
                                        ignore_eos=True), use_tqdm=False)
     recorded = {tuple(o.prompt_token_ids): list(o.outputs[0].token_ids) for o in outs}
-    k, lo, hi = args.k, args.lookup_min, args.lookup_max
-    print(f"{'policy':>10} {'plans':>6} {'verify':>7} {'look':>6} {'overlapped':>11} "
+    lo, hi = args.lookup_min, args.lookup_max
+    print(f"{'k':>3} {'policy':>10} {'plans':>6} {'verify':>7} {'look':>6} {'overlapped':>11} "
           f"{'tokens/plan':>12}")
-    for name, wait in (("always", 0), ("back-off", sched_mod.MAX_SPEC_WAIT)):
+    for k, (name, wait) in itertools.product(args.k, (("always", 0),
+                                                      ("back-off", sched_mod.MAX_SPEC_WAIT))):
         config = EngineConfig(block_size=16, max_num_seqs=args.batch, speculative_config={
             "method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": lo,
             "prompt_lookup_max": hi}).with_defaults(offline=True)
@@ -281,7 +288,7 @@ def replay(args, path: str | None) -> None:
         finally:
             sched_mod.MAX_SPEC_WAIT = saved
         total = sum(map(len, recorded.values()))
-        print(f"{name:>10} {counts['plans']:>6} {counts['verify']:>7} {counts['look']:>6} "
+        print(f"{k:>3} {name:>10} {counts['plans']:>6} {counts['verify']:>7} {counts['look']:>6} "
               f"{counts['overlapped']:>11} {total / counts['plans']:>12.2f}")
 
 
@@ -290,7 +297,8 @@ def main() -> None:
     ap.add_argument("what", choices=["throughput", "verify", "replay"])
     add_model_args(ap)
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--k", type=int, nargs="+", default=[4],
+                    help="num_speculative_tokens (throughput and replay: each, side by side)")
     ap.add_argument("--work", choices=["grounded", "open"], default="grounded",
                     help="throughput: rewrite a given text (grounded) or answer open questions")
     ap.add_argument("--method", choices=["ngram", "draft_model"], default="ngram",
