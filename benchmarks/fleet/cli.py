@@ -169,7 +169,7 @@ def cmd_routers(args) -> None:
                          "requests per replica (min-max)":
                              f"{min(r.requests_per_replica)}-{max(r.requests_per_replica)}"})
             if args.measure and imbalance == own:
-                rows[-1] |= _measured(args, workload, policy)
+                rows[-1] |= _measured(args, workload, policy, cost)
     finally:
         router.MAX_IMBALANCE = own
     print(_markdown(rows))
@@ -179,16 +179,22 @@ def cmd_routers(args) -> None:
                        "argv": sys.argv, "rows": rows}, f, indent=1)
 
 
-def _measured(args, workload: Workload, policy: str) -> dict:
+def _measured(args, workload: Workload, policy: str, cost: CostModel) -> dict:
     """The same workload through `conveyor serve -dp N` here with `policy` (the server's own
-    imbalance threshold), measured in the client: its columns for the routers table."""
+    imbalance threshold), measured in the client: its columns for the routers table, and the
+    simulation again with the requests arriving when the client sent them (an `--rate inf`
+    burst leaves the client over a few milliseconds, not at once)."""
     from benchmarks.fleet.validate import served_run
 
     log = f"{args.output}.server-{policy}.log" if args.output else None
     m = served_run(args.dp, workload, policy, args.server_flags, log)
+    again = _sim(cost, workload, args, dp=args.dp, tp=args.tp, policy=policy,
+                 arrivals=m["sent_s"])
     return {"measured hit rate": f"{m['prefix_hit_rate']:.1%}",
             "measured tok/s": m["tok_per_s"], "measured TTFT p50 ms": m["ttft_ms"]["p50"],
-            "measured TTFT p99 ms": m["ttft_ms"]["p99"]}
+            "measured TTFT p99 ms": m["ttft_ms"]["p99"],
+            "at the sends: predicted hit rate": f"{again.prefix_hit_rate:.1%}",
+            "predicted tok/s": again.tok_per_s, "predicted TTFT p50 ms": again.ttft_ms["p50"]}
 
 
 def cmd_measure(args) -> None:

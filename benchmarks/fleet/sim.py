@@ -148,8 +148,10 @@ def simulate(cost: CostModel, workload: Workload, dp: int = 1, tp: int = 1, pp: 
              policy: str = "prefix_affinity", frontends: int = 1, caching: bool = True,
              max_num_seqs: int | None = None, token_budget: int | None = None,
              async_scheduling: bool | None = None, num_blocks: int | None = None,
-             seed: int = 0) -> Result:
-    """Run `workload` on dp replicas of tp x pp GPUs behind `frontends` routers."""
+             seed: int = 0, arrivals: list[float] | None = None) -> Result:
+    """Run `workload` on dp replicas of tp x pp GPUs behind `frontends` routers; `arrivals`
+    (seconds, one a request in the workload's order) replace the workload's own, e.g. the
+    times a measured run sent them."""
     from conveyor.frontend.router import PREFIX_BLOCKS, Router
     from conveyor.shared.messages.engine import AddRequest, TokenOutput, TokenOutputs
     from conveyor.shared.sampling_params import SamplingParams
@@ -164,6 +166,10 @@ def simulate(cost: CostModel, workload: Workload, dp: int = 1, tp: int = 1, pp: 
                         caching)
                 for r in range(dp)]
     seqs = workload.requests(bs)
+    if arrivals is not None:
+        for seq, t in zip(seqs, arrivals, strict=True):
+            seq.arrival = t
+        seqs.sort(key=lambda seq: seq.arrival)
     # (time, tie, lane, its replica) for a step's end; (time, tie, None, index) for an arrival
     events: list = []
     tie = itertools.count()

@@ -79,7 +79,8 @@ def served_run(dp: int, workload: Workload, policy: str, server_flags: list[str]
                         "p99": float(np.percentile(ttft, 99)), "mean": float(ttft.mean())},
             "tpot_ms": float(np.mean([(d[2] - d[1]) / (d[3] - 1) for d in done if d[3] > 1]))
             * 1e3,
-            "prefix_hit_rate": sum(d[4] for d in done) / sum(s.prompt_len for s in seqs)}
+            "prefix_hit_rate": sum(d[4] for d in done) / sum(s.prompt_len for s in seqs),
+            "sent_s": sent}
 
 
 def validate(workload: Workload, dps: list[int], policy: str, grid: dict,
