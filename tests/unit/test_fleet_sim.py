@@ -149,6 +149,21 @@ def test_prefix_affinity_finds_more_of_the_shared_prefixes():
         rates
 
 
+def test_given_arrivals_replace_the_workloads_own():
+    """A burst at once leaves affinity one step to find nothing cached; the same requests
+    spread out (given arrivals, out of order) find their prefixes; the burst's own arrivals
+    given back change nothing."""
+    cost = linear_cost()
+    w = Workload(48, input_len=(20, 40), output_len=(2, 4), prefix_groups=4, prefix_len=256)
+    burst = simulate(cost, w, dp=2, policy="prefix_affinity")
+    assert simulate(cost, w, dp=2, policy="prefix_affinity", arrivals=[0.0] * 48) == burst
+    spread = simulate(cost, w, dp=2, policy="prefix_affinity",
+                      arrivals=[0.5 * ((7 * i) % 48) for i in range(48)])
+    assert spread.prefix_hit_rate > burst.prefix_hit_rate
+    with pytest.raises(ValueError):
+        simulate(cost, w, arrivals=[0.0] * 47)
+
+
 def test_prefix_affinity_yields_to_the_least_loaded_past_the_threshold():
     # one prefix, every request: affinity alone would send all to one replica
     cost = linear_cost()
