@@ -17,8 +17,9 @@ GEMM, from 1,024 rows dequantize + cuBLAS) and fp8 (the skinny GEMV over fp8 wei
 per-token quantization + _scaled_mm above) and 4-bit (W4A16, group 128: the CUDA-core GEMV at
 M = 1, the tiled Triton kernel up to 64 rows, dequantize + cuBLAS above) weights; where
 linear() dequantizes, also the 4-bit tiled kernel on its own, and from 256 rows both int8
-prefill choices (to check the two modules' CUBLAS_FROM_M). GB/s counts the weight's bytes as stored. Its last lines
-add up a decode step's GEMMs with the LM head kept in bf16 (the default --keep-precision).
+prefill choices (to check the two modules' CUBLAS_FROM_M). GB/s counts the weight's bytes as
+stored. Its last lines add up a decode step's GEMMs with the LM head kept in bf16 (the default
+--keep-precision).
 
 The read ceiling (--tables read): how long a plain read of each weight's bytes takes (bf16 and
 1-byte), by a kernel that only XORs them (8 KB a program, one load a thread, one 4-byte store a

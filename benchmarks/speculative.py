@@ -9,7 +9,7 @@ weights (with a tokenizer): the default model unless --model. --method draft_mod
 with --draft-model (a smaller model with the same tokenizer), or with the target's own first
 --draft-num-layers layers; each row gives the acceptance rate and the mean accepted length
 (tokens a verifying sequence step yields).
-Both engines stay loaded and take turns over --rounds passes of each batch, each pass on prompts
+The engines stay loaded and take turns over --rounds passes of each batch, each pass on prompts
 of its own; the closing table gives the first round's figures and each round's ratio.
 
 replay: the plans speculation makes on the work (which verify, which only look for guesses,
@@ -101,8 +101,7 @@ def throughput(args, path: str | None) -> None:
     # NOTE: the engines (the baseline, one for each k) stay loaded and take turns, batch by batch
     # and round by round, so a drift of the machine (clocks, other load) hits all alike; each
     # (round, batch) has its own prompts, so no pass re-hits a prefix cached in an earlier one
-    configs = {"baseline": None} | {f"{args.method} k={k}": {**spec, "num_speculative_tokens": k}
-                                    for k in args.k}
+    configs = {"baseline": None} | {k: {**spec, "num_speculative_tokens": k} for k in args.k}
     share = ({"gpu_memory_utilization": round(0.8 / len(configs), 2)}
              if args.device != "cpu" else {})
     engines = {}
@@ -113,13 +112,16 @@ def throughput(args, path: str | None) -> None:
     make = open_prompts if args.work == "open" else grounded_prompts
     for llm in engines.values():
         llm.generate(make(1, seed=99), params, use_tqdm=False)                # warm-up
-    rates: dict[tuple[str, int], list[float]] = {}
+    rates: dict[tuple[str | int, int], list[float]] = {}
     for r in range(args.rounds):
         for batch in args.batches:
             prompts = make(batch, seed=1000 * r + batch)
             for name, llm in engines.items():
-                result = _timed(llm, prompts, params, name, batch)
+                result = _timed(llm, prompts, params, "baseline" if name == "baseline"
+                                else args.method, batch)
                 result["round"] = r
+                if name != "baseline":
+                    result["k"] = name
                 if name != "baseline" and args.method == "draft_model":
                     result["draft"] = {k: spec.get(k) for k in ("model", "draft_num_layers")}
                 rates.setdefault((name, batch), []).append(result["tokens_per_s"])
@@ -129,8 +131,8 @@ def throughput(args, path: str | None) -> None:
           f"ratio in each of {args.rounds} rounds (the first is the figure)")
     for batch in args.batches:
         base = rates["baseline", batch]
-        for name in list(configs)[1:]:
-            spec_rates = rates[name, batch]
+        for k in args.k:
+            spec_rates, name = rates[k, batch], f"{args.method} k={k}"
             print(f"{batch:>5} {name:>12} {base[0]:>15,.0f} {spec_rates[0]:>8,.0f} "
                   f"{spec_rates[0] / base[0]:>6.2f}x   "
                   + ", ".join(f"{s / b:.2f}x" for s, b in zip(spec_rates, base)))
@@ -313,7 +315,7 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=3,
-                    help="throughput: passes of each batch, the two engines taking turns")
+                    help="throughput: passes of each batch, the engines taking turns")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=1,

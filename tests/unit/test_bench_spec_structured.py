@@ -17,7 +17,8 @@ def test_speculative_throughput_alternates_engines(monkeypatch, capsys):
     passes = re.findall(r"'mode': '(\w+)', 'batch': (\d+).*'round': (\d)", out)
     assert sorted(passes) == sorted((m, b, r) for m in ("baseline", "ngram")
                                     for b in ("1", "2") for r in ("0", "1"))
-    rows = re.findall(r"^\s+(\d+)\s+[\d,]+\s+[\d,]+\s+[\d.]+x\s+([\d.]+x, [\d.]+x)$", out, re.M)
+    rows = re.findall(r"^\s+(\d+)\s+ngram k=4\s+[\d,]+\s+[\d,]+\s+[\d.]+x\s+([\d.]+x, [\d.]+x)$",
+                      out, re.M)
     assert [b for b, _ in rows] == ["1", "2"]
 
 
