@@ -85,6 +85,9 @@ def open_prompts(n: int, seed: int = 0) -> list[str]:
             for _ in range(n)]
 
 
+PROMPTS = {"grounded": grounded_prompts, "open": open_prompts}   # --work
+
+
 def throughput(args, path: str | None) -> None:
     from conveyor import LLM, SamplingParams
 
@@ -109,7 +112,7 @@ def throughput(args, path: str | None) -> None:
         engines[name] = LLM(model=path, device=args.device, max_num_seqs=max(args.batches),
                             max_model_len=args.max_model_len, load_format=args.load_format,
                             speculative_config=config, **share)
-    make = open_prompts if args.work == "open" else grounded_prompts
+    make = PROMPTS[args.work]
     for llm in engines.values():
         llm.generate(make(1, seed=99), params, use_tqdm=False)                # warm-up
     rates: dict[tuple[str | int, int], list[float]] = {}
@@ -122,8 +125,9 @@ def throughput(args, path: str | None) -> None:
                 result["round"] = r
                 if name != "baseline":
                     result["k"] = name
-                if name != "baseline" and args.method == "draft_model":
-                    result["draft"] = {k: spec.get(k) for k in ("model", "draft_num_layers")}
+                    if args.method == "draft_model":
+                        result["draft"] = {k: spec.get(k)
+                                           for k in ("model", "draft_num_layers")}
                 rates.setdefault((name, batch), []).append(result["tokens_per_s"])
                 print(result, flush=True)
                 append_json(args.json, result)
@@ -232,7 +236,7 @@ def replay(args, path: str | None) -> None:
     from conveyor.shared.messages.worker import StepResult
     from conveyor.worker.spec.ngram import ngram_guess
 
-    make = open_prompts if args.work == "open" else grounded_prompts
+    make = PROMPTS[args.work]
     llm = LLM(model=path, device=args.device, max_model_len=args.max_model_len,
               load_format=args.load_format)
     outs = llm.generate(make(args.batch, seed=7),
@@ -301,7 +305,7 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--k", type=int, nargs="+", default=[4],
                     help="num_speculative_tokens (throughput and replay: each, side by side)")
-    ap.add_argument("--work", choices=["grounded", "open"], default="grounded",
+    ap.add_argument("--work", choices=list(PROMPTS), default="grounded",
                     help="throughput: rewrite a given text (grounded) or answer open questions")
     ap.add_argument("--method", choices=["ngram", "draft_model"], default="ngram",
                     help="throughput: the proposer")

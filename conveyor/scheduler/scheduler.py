@@ -211,7 +211,7 @@ class Scheduler:
         self._in_flight.append((self._step, batch, now))
         # NOTE: asks for guesses if the requests it leaves running speculate and one is due
         propose = self._proposing()
-        if not propose:
+        if not propose and self.spec is not None:     # requests sitting out count it
             for req in self.running:
                 req.spec_wait = max(0, req.spec_wait - 1)
         self._solo_in_flight = propose or any(p.step.draft_token_ids for p in batch)

@@ -19,7 +19,7 @@ from conveyor.worker.layers.parallel import broadcast_tensor, tp_rank
 from conveyor.worker.sampler import LogprobTensors, SampledTensors, Sampler, SeqSamplingState
 from conveyor.worker.spec import ModelProposer, Proposer
 from conveyor.worker.spec.verify import verify
-from conveyor.worker.structured import PendingMasks, StructuredOutputMasks
+from conveyor.worker.structured import PendingMasks, StructuredOutputMasks, masked
 
 
 @dataclass
@@ -97,9 +97,11 @@ class StepDraw:
             # proposes is never overlapped with the next (the scheduler plans none meanwhile)
             self.read(st)
             t0 = time.perf_counter()
-            # NOTE: no guesses for a constrained output whose constraint has not started (a
-            # thought): a guess could end the thought and start the grammar inside the run
-            st.proposals = [[] if _unmasked_constraint(state) else guess
+            # NOTE: no guesses for a constrained output whose rows take no mask now (a thought:
+            # a guess could end it and start the grammar inside the run; or a rank other than
+            # the sampling one, whose guesses are not used)
+            st.proposals = [[] if state.params.structured_outputs is not None
+                            and not masked(state) else guess
                             for state, guess in zip(
                                 st.states, self.proposer.propose(st.sample_slots, st.states))]
             st.propose_time_s = time.perf_counter() - t0
@@ -176,10 +178,3 @@ class StepDraw:
                           num_sampled=counts, proposals=st.proposals,
                           propose_time_s=st.propose_time_s, mask_rows=rows,
                           mask_fill_s=fill_s, mask_wait_s=wait_s)
-
-
-def _unmasked_constraint(state: SeqSamplingState) -> bool:
-    """A constrained sequence whose rows take no mask now (its grammar not started, or not
-    held here: ranks other than the sampling one, whose guesses are not used)."""
-    return state.params.structured_outputs is not None and (state.grammar is None
-                                                             or state.grammar.free)

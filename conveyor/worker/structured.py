@@ -77,7 +77,7 @@ class StructuredOutputMasks:
         `PendingMasks.get()` waits for it and gives masks()'s value. With `drafts` (a step
         verifying guesses) states[i] has len(drafts[i]) + 1 rows from row_of[i], each masked
         after the guesses before it (`GrammarCompiler.fill_bitmask`)."""
-        rows = [i for i, s in enumerate(states) if s.grammar is not None and not s.grammar.free]
+        rows = [i for i, s in enumerate(states) if masked(s)]
         if not rows:
             return PendingMasks(None, None, None, self.device)
         guesses = [drafts[i] for i in rows] if drafts else None
@@ -109,6 +109,12 @@ class StructuredOutputMasks:
         else:
             pending.fill_s = pending.wait_s = run()     # the step loop ran it: all of it waited
         return pending
+
+
+def masked(state: SeqSamplingState) -> bool:
+    """Whether `state`'s rows take a mask now: it holds a matcher (the sampling rank does) and
+    its constraint has started (not a thought, `SeqGrammar.free`)."""
+    return state.grammar is not None and not state.grammar.free
 
 
 class PendingMasks:
