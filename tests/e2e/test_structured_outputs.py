@@ -218,7 +218,7 @@ def test_tp3_mixed_batch_equals_one_process():
               SamplingParams(**greedy)]
     prompts = ["A user record as JSON:", "My phone number is", "The three primary colors are"]
     reference = [o.outputs[0] for o in
-                 LLM(max_model_len=512).generate(prompts, params, use_tqdm=False)]
+                 LLM(max_model_len=512, device="cpu").generate(prompts, params, use_tqdm=False)]
 
     async def served(address):
         client = AsyncClient(address)
@@ -228,7 +228,8 @@ def test_tp3_mixed_batch_equals_one_process():
             client.close()
         return [o.outputs[0] for o in outs]
 
-    server = start_server("--tp", "3", "--max-model-len", "512", "--port", "-1")
+    server = start_server("--tp", "3", "--device", "cpu", "--max-model-len", "512",
+                          "--port", "-1")
     try:
         got = asyncio.run(served(server.addresses[0]))
     finally:
