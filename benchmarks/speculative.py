@@ -223,7 +223,7 @@ def replay(args, path: str | None) -> None:
     the scheduler with n-gram lookups: a stand-in worker draws the recorded tokens (accepting
     the guesses that match them) and looks up guesses as the worker would, so the plans are
     those the engine makes, without the model. Per policy (asking on every plan, or backing
-    off after misses: scheduler.MAX_SPEC_WAIT), the plans that verify, that only look, and
+    off where guesses do not pay: scheduler._back_off), the plans that verify, that only look, and
     that were planned beside another one in flight (overlapped)."""
     from collections import deque
 

@@ -49,8 +49,10 @@ class Request:
     # speculative decoding: the worker's guesses of the tokens after the last one, made with the
     # last result; valid only while nothing more is planned for it
     spec_token_ids: list[int] = field(default_factory=list)
-    # lookups in a row that came back empty, or whose guesses were all refused; and the plans
-    # still to pass before it asks again (its steps meanwhile overlap: Scheduler._proposing)
+    # guesses accepted per plan that looked for them, a moving average (spec_gain; hopeful at
+    # first); while it is below SPEC_COST, asks in a row that left it there (spec_misses) and
+    # the plans still to pass before it asks again (its steps meanwhile overlap)
+    spec_gain: float = 2.0
     spec_misses: int = 0
     spec_wait: int = 0
     finish_reason: str | None = None

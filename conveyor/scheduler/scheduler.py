@@ -145,8 +145,8 @@ class Scheduler:
 
     def _proposing(self) -> bool:
         """Whether the next plan asks for guesses: speculation is on at this batch size and a
-        running request is due to look for some (one whose lookups found nothing lately waits
-        a few plans, and steps without guesses overlap as they would without speculation)."""
+        running request is due to look for some (one whose guesses have not paid lately waits
+        a few plans: `_back_off`; steps without guesses overlap as without speculation)."""
         return self._speculating() and (not self.running
                                         or any(not r.spec_wait for r in self.running))
 
@@ -654,18 +654,29 @@ class Scheduler:
                                      f"tokens, but {pending[r]} sampling steps are in flight")
 
 
-# NOTE: the most plans a request sits out after lookups that brought nothing; the waits double
-# from 2 with each such lookup in a row (the plan before a lookup waits for the last result, so
-# a wait of w overlaps w - 1 steps)
+# NOTE: speculation's back-off. A plan that verifies or asks for guesses runs alone, so the
+# host's share of the step is not hidden behind the device's: on the default model about 1.5-2x
+# the time of an overlapped step. A request keeps asking while its guesses pay for that: while
+# the guesses it got accepted per asking plan average at least SPEC_COST (a moving average,
+# weight SPEC_GAIN_EMA; a lookup that found nothing counts 0). Below, it sits out its next 2, 4,
+# ... MAX_SPEC_WAIT plans (the plan before a lookup waits for the last result, so a wait of w
+# overlaps w - 1 steps). Counting accepted tokens, not single misses, keeps rewriting work
+# asking across the empty lookups between copied sentences (docs/BENCHMARKS.md).
 MAX_SPEC_WAIT = 8
+SPEC_COST = 1.0
+SPEC_GAIN_EMA = 0.5
 
 
 def _back_off(req: Request, guesses: list[int], accepted: int | None) -> None:
-    """After a step that looked for guesses for `req` (and verified `accepted` of its last ones,
-    None if it verified none): a lookup that found nothing or followed guesses all refused is a
-    miss, and the request sits out its next 2, 4, ... MAX_SPEC_WAIT plans (no guesses, so
-    those steps overlap); one that found guesses clears the count."""
-    if not guesses or accepted == 0:
+    """After a plan that looked for guesses for `req`: `accepted` of the guesses it verified
+    (None if it verified none) and what the lookup found. Guesses found are verified next
+    (a waiting request's too: its wait ends); otherwise the plan's accepted guesses (0 for a
+    lookup that found nothing) move the average, and the request waits while it is low."""
+    if accepted is None and guesses:
+        req.spec_wait = 0
+        return
+    req.spec_gain += SPEC_GAIN_EMA * ((accepted or 0) - req.spec_gain)
+    if req.spec_gain < SPEC_COST:
         req.spec_misses += 1
         req.spec_wait = min(2 ** req.spec_misses, MAX_SPEC_WAIT)
     else:

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from conveyor.scheduler.scheduler import Scheduler
+from conveyor.scheduler.scheduler import SPEC_COST, SPEC_GAIN_EMA, Scheduler
 from conveyor.shared.config import EngineConfig
 from conveyor.shared.messages.engine import AddRequest
 from conveyor.shared.messages.worker import StepResult
@@ -253,15 +253,26 @@ def test_no_guesses_past_the_budget_or_the_batch_size_cutoff():
     s.check_integrity()
 
 
-def test_lookups_that_find_nothing_back_off_so_steps_overlap():
+def test_requests_whose_guesses_do_not_pay_back_off_so_steps_overlap():
+    """A request asks while the guesses it got accepted per asking plan average at least
+    SPEC_COST (hopeful at first); below, it sits out 2, 4, ... plans, whose steps overlap.
+    A lookup that finds guesses gets them verified; after a long accepted run an empty
+    lookup does not stop it asking."""
     s = make_scheduler()
-    add(s, "a", max_tokens=40)
+    add(s, "a", max_tokens=60)
     req = s.requests["a"]
+    assert (SPEC_COST, SPEC_GAIN_EMA, req.spec_gain) == (1.0, 0.5, 2.0)
 
     def done(plan, proposals=None, sampled=(7,)):
         s.update(StepResult(plan.step, list(sampled), [None] * len(sampled), [],
                             num_sampled=[len(sampled)] if plan.seqs[0].draft_token_ids else None,
                             proposals=proposals if plan.propose else []))
+
+    def ask(proposals, sampled=(7,)):
+        plan = s.schedule()
+        assert plan.propose and not s.can_schedule()
+        done(plan, proposals, sampled)
+        return plan
 
     def sit_out(n):
         """The next n plans ask for nothing, two in flight at a time but before a lookup."""
@@ -275,23 +286,23 @@ def test_lookups_that_find_nothing_back_off_so_steps_overlap():
                     done(plan)
                 flight = []
 
-    plan = s.schedule()
-    assert plan.propose and not s.can_schedule()
-    done(plan, [[]])                                # the lookup found nothing: sit out 2 plans
-    assert (req.spec_misses, req.spec_wait) == (1, 2)
+    ask([[]])                                   # nothing found: the average falls to 1.0
+    assert (req.spec_gain, req.spec_wait) == (1.0, 0)
+    ask([[]])                                   # 0.5: below SPEC_COST, sit out 2 plans
+    assert (req.spec_gain, req.spec_misses, req.spec_wait) == (0.5, 1, 2)
     sit_out(2)
-    plan = s.schedule()
-    assert plan.propose
-    done(plan, [[]])                                # a second miss in a row: 4 plans
+    ask([[]])                                   # 0.25, a second time in a row: 4 plans
     assert (req.spec_misses, req.spec_wait) == (2, 4)
     sit_out(4)
-    plan = s.schedule()
-    assert plan.propose
-    done(plan, [[5, 5, 5, 5]])                      # found: the count clears, guesses verify
-    assert (req.spec_misses, req.spec_wait) == (0, 0)
-    plan = s.schedule()
+    ask([[5, 5, 5, 5]])                         # found: verified next, the average waits for it
+    assert (req.spec_gain, req.spec_wait) == (0.25, 0)
+    plan = ask([[]], sampled=(5, 5, 5, 5, 9))   # all four accepted: 2.125, back to asking
     assert plan.seqs[0].draft_token_ids == [5, 5, 5, 5]
-    done(plan, [[6, 6]], sampled=(9,))              # all four refused: a miss, guesses dropped
+    assert (req.spec_gain, req.spec_misses, req.spec_wait) == (2.125, 0, 0)
+    ask([[]])                                   # an empty lookup: 1.0625, still asking
+    ask([[6, 6]])
+    plan = ask([[]], sampled=(9,))              # both refused: 0.53, a miss, guesses dropped
+    assert plan.seqs[0].draft_token_ids == [6, 6]
     assert (req.spec_misses, req.spec_wait) == (1, 2) and req.spec_token_ids == []
     assert not s.schedule().seqs[0].draft_token_ids
     s.check_integrity()
