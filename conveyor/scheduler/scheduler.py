@@ -107,6 +107,7 @@ class Scheduler:
         self.spec_counts = SpecCounts()
         self.mask_counts = MaskCounts()
         self._solo_in_flight = False          # the plan in flight verifies or asks for guesses
+        self._plans_since_asking = 0
         # (step, its parts, when it was planned), oldest first
         self._in_flight: deque[tuple[int, list[_Planned], float]] = deque()
         self._step = 0
@@ -144,11 +145,18 @@ class Scheduler:
         return self.spec is not None and self.spec.speculates(len(self.running))
 
     def _proposing(self) -> bool:
-        """Whether the next plan asks for guesses: speculation is on at this batch size and a
-        running request is due to look for some (one whose guesses have not paid lately waits
-        a few plans: `_back_off`; steps without guesses overlap as without speculation)."""
-        return self._speculating() and (not self.running
-                                        or any(not r.spec_wait for r in self.running))
+        """Whether the next plan asks for guesses (and so runs alone): speculation is on at
+        this batch size, and the requests due to look for some (one whose guesses have not paid
+        lately waits a few plans: `_back_off`) have been getting SPEC_COST accepted guesses per
+        asking plan for each running request, or MAX_SPEC_WAIT plans passed without asking
+        (they look again). Steps without guesses overlap as without speculation."""
+        if not self._speculating():
+            return False
+        if not self.running:
+            return True
+        due = [r.spec_gain for r in self.running if not r.spec_wait]
+        return bool(due) and (sum(due) >= SPEC_COST * len(self.running)
+                              or self._plans_since_asking >= MAX_SPEC_WAIT)
 
     def _max_in_flight(self) -> int:
         # NOTE: guesses are made from the tokens of the last result, so a plan that uses or asks
@@ -214,6 +222,7 @@ class Scheduler:
         if not propose and self.spec is not None:     # requests sitting out count it
             for req in self.running:
                 req.spec_wait = max(0, req.spec_wait - 1)
+        self._plans_since_asking = 0 if propose else self._plans_since_asking + 1
         self._solo_in_flight = propose or any(p.step.draft_token_ids for p in batch)
         return StepPlan(self._step, new, [p.step for p in batch], self.slots.take_released(),
                         propose)
@@ -280,7 +289,7 @@ class Scheduler:
                 if req.status is RUNNING:
                     if current and step.draft_token_ids:
                         self.blocks.cache_full_blocks(req)
-                    if result.proposals:
+                    if result.proposals or step.draft_token_ids:
                         _back_off(req, guesses, len(tokens) - 1 if step.draft_token_ids else None)
                     # NOTE: guesses follow the tokens the worker had; stale if more is planned
                     req.spec_token_ids = (guesses if not (req.num_pending_tokens or req.spec_wait)
@@ -660,8 +669,10 @@ class Scheduler:
 # the guesses it got accepted per asking plan average at least SPEC_COST (a moving average,
 # weight SPEC_GAIN_EMA; a lookup that found nothing counts 0). Below, it sits out its next 2, 4,
 # ... MAX_SPEC_WAIT plans (the plan before a lookup waits for the last result, so a wait of w
-# overlaps w - 1 steps). Counting accepted tokens, not single misses, keeps rewriting work
-# asking across the empty lookups between copied sentences (docs/BENCHMARKS.md).
+# overlaps w - 1 steps). And since a plan runs alone for the whole batch, it asks only while
+# the requests due add up to SPEC_COST a running request (Scheduler._proposing). Counting
+# accepted tokens, not single misses, keeps rewriting work asking across the empty lookups
+# between copied sentences (docs/BENCHMARKS.md).
 MAX_SPEC_WAIT = 8
 SPEC_COST = 1.0
 SPEC_GAIN_EMA = 0.5

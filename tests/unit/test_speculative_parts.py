@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from conveyor.scheduler.scheduler import SPEC_COST, SPEC_GAIN_EMA, Scheduler
+from conveyor.scheduler.scheduler import MAX_SPEC_WAIT, SPEC_COST, SPEC_GAIN_EMA, Scheduler
 from conveyor.shared.config import EngineConfig
 from conveyor.shared.messages.engine import AddRequest
 from conveyor.shared.messages.worker import StepResult
@@ -254,14 +254,16 @@ def test_no_guesses_past_the_budget_or_the_batch_size_cutoff():
 
 
 def test_requests_whose_guesses_do_not_pay_back_off_so_steps_overlap():
-    """A request asks while the guesses it got accepted per asking plan average at least
-    SPEC_COST (hopeful at first); below, it sits out 2, 4, ... plans, whose steps overlap.
-    A lookup that finds guesses gets them verified; after a long accepted run an empty
-    lookup does not stop it asking."""
+    """A plan asks for guesses while the requests due to look add up to SPEC_COST accepted
+    guesses per asking plan for each running request (a moving average, hopeful at first);
+    a request below that also sits out 2, 4, ... plans, and plans that ask for nothing
+    overlap, until MAX_SPEC_WAIT plans passed without asking. Guesses a lookup finds are
+    verified, and their acceptance moves the average; after a long accepted run an empty
+    lookup does not stop the asking."""
     s = make_scheduler()
-    add(s, "a", max_tokens=60)
+    add(s, "a", max_tokens=80)
     req = s.requests["a"]
-    assert (SPEC_COST, SPEC_GAIN_EMA, req.spec_gain) == (1.0, 0.5, 2.0)
+    assert (SPEC_COST, SPEC_GAIN_EMA, MAX_SPEC_WAIT, req.spec_gain) == (1.0, 0.5, 8, 2.0)
 
     def done(plan, proposals=None, sampled=(7,)):
         s.update(StepResult(plan.step, list(sampled), [None] * len(sampled), [],
@@ -275,11 +277,11 @@ def test_requests_whose_guesses_do_not_pay_back_off_so_steps_overlap():
         return plan
 
     def sit_out(n):
-        """The next n plans ask for nothing, two in flight at a time but before a lookup."""
+        """The next n plans ask for nothing, two in flight at a time."""
         flight = []
         for i in range(n):
             flight.append(s.schedule())
-            assert not flight[-1].propose
+            assert not flight[-1].propose and not flight[-1].seqs[0].draft_token_ids
             assert s.can_schedule() == (i < n - 1 and len(flight) < 2)
             if not s.can_schedule():
                 for plan in flight:
@@ -290,14 +292,16 @@ def test_requests_whose_guesses_do_not_pay_back_off_so_steps_overlap():
     assert (req.spec_gain, req.spec_wait) == (1.0, 0)
     ask([[]])                                   # 0.5: below SPEC_COST, sit out 2 plans
     assert (req.spec_gain, req.spec_misses, req.spec_wait) == (0.5, 1, 2)
-    sit_out(2)
-    ask([[]])                                   # 0.25, a second time in a row: 4 plans
+    sit_out(MAX_SPEC_WAIT)                      # due again after 2, but 0.5 does not pay
+    ask([[]])                                   # so it looks again after 8: 0.25, 4 plans
     assert (req.spec_misses, req.spec_wait) == (2, 4)
-    sit_out(4)
+    sit_out(MAX_SPEC_WAIT)
     ask([[5, 5, 5, 5]])                         # found: verified next, the average waits for it
     assert (req.spec_gain, req.spec_wait) == (0.25, 0)
-    plan = ask([[]], sampled=(5, 5, 5, 5, 9))   # all four accepted: 2.125, back to asking
-    assert plan.seqs[0].draft_token_ids == [5, 5, 5, 5]
+    plan = s.schedule()                         # alone, without asking (0.25 does not pay)
+    assert plan.seqs[0].draft_token_ids == [5, 5, 5, 5] and not plan.propose
+    assert not s.can_schedule()
+    done(plan, sampled=(5, 5, 5, 5, 9))         # all four accepted: 2.125
     assert (req.spec_gain, req.spec_misses, req.spec_wait) == (2.125, 0, 0)
     ask([[]])                                   # an empty lookup: 1.0625, still asking
     ask([[6, 6]])
@@ -306,6 +310,25 @@ def test_requests_whose_guesses_do_not_pay_back_off_so_steps_overlap():
     assert (req.spec_misses, req.spec_wait) == (1, 2) and req.spec_token_ids == []
     assert not s.schedule().seqs[0].draft_token_ids
     s.check_integrity()
+
+
+def test_a_plan_asks_for_a_batch_only_where_the_requests_due_pay_for_it():
+    """Four requests, one of them accepting guesses well: its average alone (3.0) is below
+    SPEC_COST for four, so plans overlap; with two such requests (6.0) the next plan asks."""
+    s = make_scheduler()
+    for name in "abcd":
+        add(s, name, max_tokens=40)
+    plan = s.schedule()                          # the prefills: hopeful averages ask
+    assert plan.propose
+    done_all = StepResult(plan.step, [7] * 4, [None] * 4, [], proposals=[[]] * 4)
+    s.update(done_all)
+    gains = {"a": 3.0, "b": 0.0, "c": 0.0, "d": 0.0}
+    for name, gain in gains.items():
+        s.requests[name].spec_gain, s.requests[name].spec_wait = gain, 0
+    assert not s.schedule().propose
+    assert s.can_schedule()                      # a second plan overlaps the first
+    s.requests["b"].spec_gain = 3.0
+    assert not s.can_schedule()                  # the next asks: it waits to run alone
 
 
 # --- metrics -------------------------------------------------------------------------------
