@@ -223,14 +223,15 @@ def replay(args, path: str | None) -> None:
     the scheduler with n-gram lookups: a stand-in worker draws the recorded tokens (accepting
     the guesses that match them) and looks up guesses as the worker would, so the plans are
     those the engine makes, without the model. Per policy (asking on every plan, or backing
-    off where guesses do not pay: scheduler._back_off), the plans that verify, that only look, and
-    that were planned beside another one in flight (overlapped)."""
+    off where guesses do not pay: scheduler/speculation.py), the plans that verify, that only
+    look, and that were planned beside another one in flight (overlapped)."""
     from collections import deque
 
     import numpy as np
 
     from conveyor import LLM, SamplingParams
-    from conveyor.scheduler import scheduler as sched_mod
+    from conveyor.scheduler import speculation
+    from conveyor.scheduler.scheduler import Scheduler
     from conveyor.shared.config import EngineConfig
     from conveyor.shared.messages.engine import AddRequest
     from conveyor.shared.messages.worker import StepResult
@@ -247,13 +248,13 @@ def replay(args, path: str | None) -> None:
     print(f"{'k':>3} {'policy':>10} {'plans':>6} {'verify':>7} {'look':>6} {'overlapped':>11} "
           f"{'tokens/plan':>12}")
     for k, (name, wait) in itertools.product(args.k, (("always", 0),
-                                                      ("back-off", sched_mod.MAX_SPEC_WAIT))):
+                                                      ("back-off", speculation.MAX_SPEC_WAIT))):
         config = EngineConfig(block_size=16, max_num_seqs=args.batch, speculative_config={
             "method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": lo,
             "prompt_lookup_max": hi}).with_defaults(offline=True)
-        saved, sched_mod.MAX_SPEC_WAIT = sched_mod.MAX_SPEC_WAIT, wait
+        saved, speculation.MAX_SPEC_WAIT = speculation.MAX_SPEC_WAIT, wait
         try:
-            scheduler = sched_mod.Scheduler(config, 4096, (), args.max_model_len)
+            scheduler = Scheduler(config, 4096, (), args.max_model_len)
             for i, prompt in enumerate(recorded):
                 scheduler.add(AddRequest(id=str(i), token_ids=list(prompt), sampling=SamplingParams(
                     temperature=0, max_tokens=len(recorded[prompt]), ignore_eos=True)))
@@ -292,7 +293,7 @@ def replay(args, path: str | None) -> None:
                 scheduler.update(StepResult(plan.step, sampled, [None] * len(sampled), [],
                                             num_sampled=runs, proposals=proposals))
         finally:
-            sched_mod.MAX_SPEC_WAIT = saved
+            speculation.MAX_SPEC_WAIT = saved
         total = sum(map(len, recorded.values()))
         print(f"{k:>3} {name:>10} {counts['plans']:>6} {counts['verify']:>7} {counts['look']:>6} "
               f"{counts['overlapped']:>11} {total / counts['plans']:>12.2f}")

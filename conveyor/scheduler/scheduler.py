@@ -22,8 +22,9 @@ Speculative decoding (`speculative_config`; docs/SPECULATIVE.md): a result carri
 guesses of each sampled sequence's next tokens; the next plan verifies those that fit (the token
 budget, max_tokens, the context, free blocks) as a step of 1 + guesses tokens, and its result
 says how many were accepted: the request's progress goes back past the rejected ones, its blocks
-past them are freed and never enter the prefix cache. Guesses need the tokens just drawn, so
-while speculating one plan is in flight at a time (no overlap).
+past them are freed and never enter the prefix cache. Guesses need the tokens just drawn, so a
+plan that verifies or asks for guesses is alone in flight; which plans ask, and how a request
+whose guesses do not pay backs off, is speculation.py's.
 
 Pipeline parallel (`pipeline_parallel_size` P > 1): up to P plans (micro-batches) are in flight,
 one in each stage, and no request is in two of them at once while it samples: a request whose
@@ -50,6 +51,7 @@ from conveyor.scheduler.policy import Policy, SchedulingContext, make_policy
 from conveyor.scheduler.request import Request, RequestStatus
 from conveyor.scheduler.slots import SlotPool
 from conveyor.scheduler.spec_counts import SpecCounts
+from conveyor.scheduler.speculation import Asking, back_off, fitting_guesses
 from conveyor.scheduler.stop import check_stop
 from conveyor.shared.config import EngineConfig
 from conveyor.shared.messages.engine import AddRequest, Stats, TokenOutput
@@ -107,7 +109,7 @@ class Scheduler:
         self.spec_counts = SpecCounts()
         self.mask_counts = MaskCounts()
         self._solo_in_flight = False          # the plan in flight verifies or asks for guesses
-        self._plans_since_asking = 0
+        self.asking = Asking()
         # (step, its parts, when it was planned), oldest first
         self._in_flight: deque[tuple[int, list[_Planned], float]] = deque()
         self._step = 0
@@ -146,17 +148,9 @@ class Scheduler:
 
     def _proposing(self) -> bool:
         """Whether the next plan asks for guesses (and so runs alone): speculation is on at
-        this batch size, and the requests due to look for some (one whose guesses have not paid
-        lately waits a few plans: `_back_off`) have been getting SPEC_COST accepted guesses per
-        asking plan for each running request, or MAX_SPEC_WAIT plans passed without asking
-        (they look again). Steps without guesses overlap as without speculation."""
-        if not self._speculating():
-            return False
-        if not self.running:
-            return True
-        due = [r.spec_gain for r in self.running if not r.spec_wait]
-        return bool(due) and (sum(due) >= SPEC_COST * len(self.running)
-                              or self._plans_since_asking >= MAX_SPEC_WAIT)
+        this batch size and its guesses have been paying (speculation.py); steps without
+        guesses overlap as without speculation."""
+        return self._speculating() and self.asking.due(self.running)
 
     def _max_in_flight(self) -> int:
         # NOTE: guesses are made from the tokens of the last result, so a plan that uses or asks
@@ -219,10 +213,8 @@ class Scheduler:
         self._in_flight.append((self._step, batch, now))
         # NOTE: asks for guesses if the requests it leaves running speculate and one is due
         propose = self._proposing()
-        if not propose and self.spec is not None:     # requests sitting out count it
-            for req in self.running:
-                req.spec_wait = max(0, req.spec_wait - 1)
-        self._plans_since_asking = 0 if propose else self._plans_since_asking + 1
+        if self.spec is not None:
+            self.asking.planned(propose, self.running)
         self._solo_in_flight = propose or any(p.step.draft_token_ids for p in batch)
         return StepPlan(self._step, new, [p.step for p in batch], self.slots.take_released(),
                         propose)
@@ -290,7 +282,7 @@ class Scheduler:
                     if current and step.draft_token_ids:
                         self.blocks.cache_full_blocks(req)
                     if result.proposals or step.draft_token_ids:
-                        _back_off(req, guesses, len(tokens) - 1 if step.draft_token_ids else None)
+                        back_off(req, guesses, len(tokens) - 1 if step.draft_token_ids else None)
                     # NOTE: guesses follow the tokens the worker had; stale if more is planned
                     req.spec_token_ids = (guesses if not (req.num_pending_tokens or req.spec_wait)
                                           else [])
@@ -370,7 +362,7 @@ class Scheduler:
             if self.pp > 1 and req.num_pending_tokens:
                 continue                     # its token is still on its way through the stages
             num = min(req.num_remaining_tokens, budget)
-            guesses = self._guesses(req, budget) if speculate else []
+            guesses = fitting_guesses(req, budget, self.max_len) if speculate else []
             req.spec_token_ids = []
             if guesses and self.blocks.can_allocate(req, num + len(guesses)):
                 num += len(guesses)             # speculation never preempts anything
@@ -512,17 +504,6 @@ class Scheduler:
         """Whether the fairness guard holds for `req`: it arrived more than max_wait_s ago."""
         return req.arrival < now - self.config.max_wait_s
 
-    def _guesses(self, req: Request, budget: int) -> list[int]:
-        """The guesses of `req` its next step verifies: a decode with nothing in flight, as
-        many as the budget leaves (after its one token), max_tokens and the context allow."""
-        guesses = req.spec_token_ids
-        if not guesses or req.num_pending_tokens or req.num_remaining_tokens != 1:
-            return []
-        room = min(budget, self.max_len - req.num_tokens)
-        if req.sampling.max_tokens is not None:
-            room = min(room, req.sampling.max_tokens - req.num_output_tokens)
-        return guesses[:max(0, room - 1)]
-
     def _accepted(self, req: Request, num_guesses: int, num_accepted: int,
                   current: bool) -> None:
         """Count a verification, and roll the progress of `req` back past its rejected
@@ -661,34 +642,3 @@ class Scheduler:
             if r.num_pending_tokens != pending[r]:
                 raise IntegrityError(f"request {r.id} counts {r.num_pending_tokens} pending "
                                      f"tokens, but {pending[r]} sampling steps are in flight")
-
-
-# NOTE: speculation's back-off. A plan that verifies or asks for guesses runs alone, so the
-# host's share of the step is not hidden behind the device's: on the default model about 1.5-2x
-# the time of an overlapped step. A request keeps asking while its guesses pay for that: while
-# the guesses it got accepted per asking plan average at least SPEC_COST (a moving average,
-# weight SPEC_GAIN_EMA; a lookup that found nothing counts 0). Below, it sits out its next 2, 4,
-# ... MAX_SPEC_WAIT plans (the plan before a lookup waits for the last result, so a wait of w
-# overlaps w - 1 steps). And since a plan runs alone for the whole batch, it asks only while
-# the requests due add up to SPEC_COST a running request (Scheduler._proposing). Counting
-# accepted tokens, not single misses, keeps rewriting work asking across the empty lookups
-# between copied sentences (docs/BENCHMARKS.md).
-MAX_SPEC_WAIT = 8
-SPEC_COST = 1.0
-SPEC_GAIN_EMA = 0.5
-
-
-def _back_off(req: Request, guesses: list[int], accepted: int | None) -> None:
-    """After a plan that looked for guesses for `req`: `accepted` of the guesses it verified
-    (None if it verified none) and what the lookup found. Guesses found are verified next
-    (a waiting request's too: its wait ends); otherwise the plan's accepted guesses (0 for a
-    lookup that found nothing) move the average, and the request waits while it is low."""
-    if accepted is None and guesses:
-        req.spec_wait = 0
-        return
-    req.spec_gain += SPEC_GAIN_EMA * ((accepted or 0) - req.spec_gain)
-    if req.spec_gain < SPEC_COST:
-        req.spec_misses += 1
-        req.spec_wait = min(2 ** req.spec_misses, MAX_SPEC_WAIT)
-    else:
-        req.spec_misses = req.spec_wait = 0

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from conveyor.scheduler.scheduler import MAX_SPEC_WAIT, SPEC_COST, SPEC_GAIN_EMA, Scheduler
+from conveyor.scheduler.scheduler import Scheduler
+from conveyor.scheduler.speculation import MAX_SPEC_WAIT, SPEC_COST, SPEC_GAIN_EMA
 from conveyor.shared.config import EngineConfig
 from conveyor.shared.messages.engine import AddRequest
 from conveyor.shared.messages.worker import StepResult
