@@ -143,7 +143,8 @@ class Scheduler:
         return self.has_work() and len(self._in_flight) < self._max_in_flight()
 
     def _speculating(self) -> bool:
-        """Whether the next plan verifies and asks for guesses."""
+        """Whether speculation is on at this batch size: the next plan verifies the guesses at
+        hand (whether it also asks for new ones is `_proposing`)."""
         return self.spec is not None and self.spec.speculates(len(self.running))
 
     def _proposing(self) -> bool:
