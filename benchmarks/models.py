@@ -98,13 +98,15 @@ def build_random_model(shape: str, folder: str | Path | None = None, seed: int =
     return folder
 
 
-def build_random_int4(shape: str, fmt: str, folder: str | Path | None = None, group: int = 128,
-                      seed: int = 0, **overrides) -> Path:
-    """Save a random 4-bit checkpoint of `shape` in the published layout of `fmt` ("awq" or
-    "gptq", group size `group`; docs/QUANTIZATION.md), with a synthetic tokenizer: random 4-bit
-    values, zero points 8, scales about initializer_range / 4, the other tensors (embedding, LM
-    head, norms) drawn in bf16. Only the bytes and shapes matter (for timing): written tensor by
-    tensor, without building the model."""
+def build_random_quantized(shape: str, fmt: str, folder: str | Path | None = None,
+                           group: int = 128, seed: int = 0, **overrides) -> Path:
+    """Save a random quantized checkpoint of `shape` in the published layout of `fmt`, with a
+    synthetic tokenizer: "awq" or "gptq" (4-bit, group size `group`; docs/QUANTIZATION.md:
+    random 4-bit values, zero points 8, scales about initializer_range / 4), or "fp8" (e4m3
+    weights with `group` x `group` block scales, DeepSeek's and Qwen's FP8 layout, MoE experts
+    included: random e4m3 values of about one, scales initializer_range). The router, embedding,
+    LM head and norms are drawn in bf16. Only the bytes and shapes matter (for timing): written
+    tensor by tensor, without building the model."""
     import json
 
     from safetensors.torch import save_file
@@ -117,14 +119,18 @@ def build_random_int4(shape: str, fmt: str, folder: str | Path | None = None, gr
     save_tokenizer(folder, config.vocab_size, config.max_position_embeddings)
     config.save_pretrained(folder)
     cfg = json.loads((folder / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": fmt, "bits": 4, "group_size": group,
-                                  **({"version": "gemm", "zero_point": True} if fmt == "awq"
-                                     else {"desc_act": False, "sym": True})}
+    if fmt == "fp8":
+        cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                      "weight_block_size": [group, group]}
+    else:
+        cfg["quantization_config"] = {"quant_method": fmt, "bits": 4, "group_size": group,
+                                      **({"version": "gemm", "zero_point": True} if fmt == "awq"
+                                         else {"desc_act": False, "sym": True})}
     (folder / "config.json").write_text(json.dumps(cfg))
     gen = torch.Generator().manual_seed(seed)
     std = config.initializer_range
     eights = torch.tensor(0x88888888 - 2 ** 32, dtype=torch.int32)   # zero point 8, 8 nibbles
-    tensors, part = {}, 0
+    tensors, part, fp8_values = {}, 0, {}
 
     def flush():
         nonlocal tensors, part
@@ -136,6 +142,13 @@ def build_random_int4(shape: str, fmt: str, folder: str | Path | None = None, gr
         if len(shp) == 2 and name.startswith("model.layers.") and ".mlp.gate.weight" not in name:
             n, k = shp
             stem = name.removesuffix(".weight")
+            if fmt == "fp8":      # one random tensor a shape, copied: 30B values drawn
+                if shp not in fp8_values:         # one by one take minutes
+                    fp8_values[shp] = torch.randn(shp, generator=gen).to(torch.float8_e4m3fn)
+                tensors[name] = fp8_values[shp].clone()
+                tensors[stem + ".weight_scale_inv"] = torch.full((-(-n // group), k // group),
+                                                                 std)
+                continue
             words = torch.randint(-2 ** 31, 2 ** 31 - 1, (k, n // 8) if fmt == "awq"
                                   else (k // 8, n), generator=gen, dtype=torch.int32)
             tensors[stem + ".qweight"] = words
@@ -153,7 +166,8 @@ def build_random_int4(shape: str, fmt: str, folder: str | Path | None = None, gr
 
 
 def add_model_args(ap) -> None:
-    """--model, or --shape with --random-weights (--int4 for a random AWQ/GPTQ checkpoint);
+    """--model, or --shape with --random-weights (--int4 for a random AWQ/GPTQ checkpoint,
+    --fp8-blocks for a block-scaled fp8 one);
     plus --num-layers to shorten a shape, and --load-format, and --quantization /
     --keep-precision / --kv-cache-dtype for the engine (see quant_args)."""
     ap.add_argument("--model", help="a Hugging Face folder")
@@ -170,6 +184,10 @@ def add_model_args(ap) -> None:
     ap.add_argument("--int4", choices=["awq", "gptq"], default=None,
                     help="with --shape --random-weights: a random 4-bit checkpoint in this "
                          "format (group 128), loaded as published")
+    ap.add_argument("--fp8-blocks", action="store_true",
+                    help="with --shape --random-weights: a random fp8 checkpoint with 128 x 128 "
+                         "block scales (the layout of Qwen's and DeepSeek's FP8 releases), "
+                         "loaded as published")
     ap.add_argument("--keep-precision", default="lm_head,embed_tokens", metavar="PATTERNS",
                     help="layers left unquantized (comma-separated regexes)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
@@ -189,10 +207,11 @@ def model_path(args, ap) -> str:
         return args.model
     if not (args.shape and args.random_weights):
         ap.error("give --model, or --shape with --random-weights")
-    if getattr(args, "int4", None):
+    fmt = getattr(args, "int4", None) or ("fp8" if getattr(args, "fp8_blocks", False) else None)
+    if fmt:
         extra = {"num_hidden_layers": args.num_layers} if args.num_layers else {}
         args.load_format = "auto"
-        return str(build_random_int4(args.shape, args.int4, **extra))
+        return str(build_random_quantized(args.shape, fmt, **extra))
     path, args.load_format = random_model(args.shape, args.num_layers, args.load_format)
     return path
 

@@ -11,12 +11,17 @@ launch the down projection, which multiplies each row by its router weight. The 
 token are summed last. `fused_moe_ref` is the torch reference (and the CPU path): one expert
 at a time.
 
-Quantized experts (--quantization fp8 or int8): w13 and w2 in float8 e4m3 or int8 with one
-float32 scale per expert and output row ([E, 2I] and [E, H]); the tiles convert the 1-byte
-weights to x's dtype as they load them (exact: e4m3 and |int8| <= 127 fit bf16 and fp16) and
-scale the product's columns, so the activations stay in x's dtype (W8A16 math).
+Quantized experts (--quantization fp8 or int8, or an fp8 checkpoint): w13 and w2 in float8
+e4m3 or int8 with float32 scales [E, 2I, G] and [E, H, G]: G = 1, one scale a row, or an fp8
+checkpoint's square blocks, one scale a row and group of K / G inputs. The tiles convert the
+1-byte weights to x's dtype as they load them (exact: e4m3 and |int8| <= 127 fit bf16 and fp16)
+and scale the product's columns, or with groups scale each K step's weight tile before its dot
+(the weight dequantized to x's dtype, as a dense block-scaled layer does for many rows); the
+activations stay in x's dtype (W8A16 math).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -43,10 +48,10 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   ) -> torch.Tensor:
     """The reference: for each expert with tokens, its MLP over them, times their weights,
     added into out [T, H] (in x's dtype, as transformers does). Quantized experts are
-    dequantized (times their row scales) to x's dtype first."""
+    dequantized (times their scales) to x's dtype first."""
     if w13_scale is not None:
-        w13 = (w13.float() * w13_scale[:, :, None]).to(x.dtype)
-        w2 = (w2.float() * w2_scale[:, :, None]).to(x.dtype)
+        w13, w2 = dequantize_experts(w13, w13_scale, x.dtype), dequantize_experts(w2, w2_scale,
+                                                                                 x.dtype)
     out = torch.zeros_like(x)
     flat = topk_ids.reshape(-1).long()
     for e in flat.unique().tolist():
@@ -56,6 +61,14 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         y = F.linear(F.silu(gate) * up, w2[e]) * topk_weights.reshape(-1)[pairs, None]
         out.index_add_(0, tokens, y.to(out.dtype))
     return out
+
+
+def dequantize_experts(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+                       ) -> torch.Tensor:
+    """w [E, N, K] 1-byte, scale [E, N, G] (a row's G groups of K / G inputs) -> w in dtype."""
+    e, n, k = w.shape
+    g = scale.shape[2]
+    return (w.float().view(e, n, g, k // g) * scale[..., None]).view(e, n, k).to(dtype)
 
 
 @jit
@@ -131,12 +144,13 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int
 @jit(do_not_specialize=["num_pairs"])
 def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr,
                      total_ptr, scale_ptr, num_pairs, N, K, stride_am, stride_we, stride_wn,
-                     stride_cm, stride_se, TOP_K: tl.constexpr, MUL_WEIGHT: tl.constexpr,
-                     HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+                     stride_cm, stride_se, stride_sn, TOP_K: tl.constexpr,
+                     MUL_WEIGHT: tl.constexpr, HAS_SCALE: tl.constexpr, GROUP_K: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """c[pair] = a[pair // TOP_K] @ w[expert]^T (times the pair's router weight), for the
     pairs of one tile of sorted_ids; a [rows, K], w [E, N, K] (1-byte with HAS_SCALE, times
-    scale [E, N]), c [pairs, N]."""
+    scale [E, N, G]: GROUP_K = K / G inputs a scale, 0 for one a row), c [pairs, N]. A K step
+    lies within one group (BLOCK_K divides GROUP_K)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(total_ptr):
@@ -157,11 +171,16 @@ def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_id
         k_ok = offs_k + k0 < K
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if GROUP_K:
+            s = tl.load(scale_ptr + expert * stride_se + offs_n * stride_sn + k0 // GROUP_K,
+                        mask=n_ok, other=0.0)
+            w = w.to(tl.float32) * s[None, :]
         acc = tl.dot(a, w.to(a.dtype), acc)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    if HAS_SCALE:
-        acc = acc * tl.load(scale_ptr + expert * stride_se + offs_n, mask=n_ok, other=0.0)[None, :]
+    if HAS_SCALE and not GROUP_K:
+        acc = acc * tl.load(scale_ptr + expert * stride_se + offs_n * stride_sn, mask=n_ok,
+                            other=0.0)[None, :]
     if MUL_WEIGHT:
         acc = acc * tl.load(weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     c_ptrs = c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
@@ -189,13 +208,17 @@ def _gemm(a, w, scale, c, weights, sorted_ids, expert_ids, total, num_pairs, top
           tiles):
     block_m, block_n, block_k, warps, stages = tiles
     n, k = w.shape[1], w.shape[2]
+    group_k = k // scale.shape[2] if scale is not None and scale.shape[2] > 1 else 0
+    if group_k:                            # a K step within one group
+        block_k = math.gcd(block_k, group_k)
     grid = (sorted_ids.shape[0] // block_m, -(-n // block_n))
     _moe_gemm_kernel[grid](a, w, c, weights, sorted_ids, expert_ids, total,
                            w if scale is None else scale, num_pairs, n, k,
                            a.stride(0), w.stride(0), w.stride(1), c.stride(0),
                            0 if scale is None else scale.stride(0),
+                           0 if scale is None else scale.stride(1),
                            TOP_K=top_k, MUL_WEIGHT=mul_weight, HAS_SCALE=scale is not None,
-                           BLOCK_M=block_m,
+                           GROUP_K=group_k, BLOCK_M=block_m,
                            BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
 
 
@@ -217,10 +240,14 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
           and (one_byte if quantized else w13.dtype == x.dtype),
           f"x must be fp16 or bf16 and w13, w2 the same, or 1-byte with scales: {x.dtype}, "
           f"{w13.dtype}, {w2.dtype}")
-    check(not quantized or (w13_scale.shape == (e, two_i) and w2_scale.shape == (e, h)
+    check(not quantized or (w13_scale.shape[:2] == (e, two_i) and w2_scale.shape[:2] == (e, h)
+                            and w13_scale.dim() == w2_scale.dim() == 3
+                            and h % w13_scale.shape[2] == 0
+                            and (two_i // 2) % w2_scale.shape[2] == 0
                             and w13_scale.dtype == w2_scale.dtype == torch.float32
                             and w13_scale.is_contiguous() and w2_scale.is_contiguous()),
-          "w13_scale and w2_scale must be float32 [E, 2I] and [E, H]")
+          "w13_scale and w2_scale must be float32 [E, 2I, G] and [E, H, G'], G dividing H and "
+          "G' I")
     check(x.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1
           and w13.stride(1) == h and w2.stride(1) == two_i // 2,
           "x rows and the experts' weights must be contiguous")

@@ -10,8 +10,9 @@ With --quantization the layers are quantized after loading (layers/quantization.
 the model is built and loaded on the host and each layer goes to the device as it is quantized,
 so the device never holds the whole model in full precision. GGUF Q8_0 tensors of linear layers
 are then loaded as they are (int8 with one scale per 32 values) instead of dequantized, and so
-are a quantized checkpoint's 1-byte weights (config.quantization "fp8" or "int8"), with their
-per-tensor or per-channel `weight_scale` as one scale per row; static `input_scale`s are not
+are a quantized checkpoint's 1-byte weights (config.quantization "fp8" or "int8"; MoE experts'
+too), with their per-tensor or per-channel `weight_scale` as one scale per row, or square block
+scales as one per row and block of inputs; static `input_scale`s are not
 used (fp8 activations are quantized per token as they come; int8 runs W8A16). Per-layer KV
 cache scales (`self_attn.k_scale` / `v_scale`, or AutoFP8's `k_proj` / `v_proj.output_scale`)
 become `model.checkpoint_kv_scales`, which an fp8 KV pool uses instead of calibrating. A pipeline
@@ -31,6 +32,7 @@ from conveyor.shared.model_config import ModelConfig
 from conveyor.shared.model_files import ModelFiles
 from conveyor.worker.gguf_tensors import gguf_to_hf_name, gguf_weights
 from conveyor.worker.layers.linear import LinearBase, default_weight_loader
+from conveyor.worker.layers.moe import EXPERT_PARTS, FusedMoE
 from conveyor.worker.layers.pipeline import stage_weight_name
 from conveyor.worker.layers.quantization import Q8_0_GROUP, keep_matches, quantize_model
 from conveyor.worker.models import get_model_class
@@ -120,9 +122,13 @@ def _take_quantized(model: nn.Module, folder: Path, mode: str | None, block: int
     for module_name, (module, parts) in _by_module(model, is_stored).items():
         if not any(parts.values()):
             continue
+        if isinstance(module, FusedMoE) and all(parts.values()):
+            module.make_quantized(dtype, block)
+            taken.update({name: rows[name] for name in parts})
+            continue
         if not (isinstance(module, LinearBase) and all(parts.values())):
             raise ValueError(f"{module_name}: {mode} checkpoint weights load only into linear "
-                             f"layers whose every part is {mode}")
+                             f"layers or experts whose every part is {mode}")
         k = module.weight.shape[1]
         if block and k % block:
             raise ValueError(f"{module_name}: {k} inputs (on this rank) are not whole scale "
@@ -173,7 +179,10 @@ def _by_module(model: nn.Module, flags: dict[str, bool]
     for name, flag in flags.items():
         if stage_weight_name(name, layers, tied) is None:
             continue                             # another pipeline stage's
-        module = _packed_name(name, model.packed_modules)[0].removesuffix(".weight")
+        if m := _EXPERT.match(name):             # an expert's: its layer's FusedMoE
+            module = m.group(1)
+        else:
+            module = _packed_name(name, model.packed_modules)[0].removesuffix(".weight")
         grouped.setdefault(module, (modules.get(module), {}))[1][name] = flag
     return grouped
 
@@ -238,18 +247,17 @@ def _keep_q8_0(model: nn.Module, reader, keep: tuple[re.Pattern, ...]) -> set[st
     return names
 
 
-_EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight(_scale)?$")
 
 
 def _packed_name(name: str, packed: dict) -> tuple[str, object]:
     """A checkpoint name in our fused modules, and its shard id (None if not fused): an MoE
-    expert's projection goes into its layer's stacked w13 (gate, up) or w2 (down) with shard
-    id (expert, part) (layers/moe.py)."""
+    expert's projection (and its scales) goes into its layer's stacked w13 (gate, up) or w2
+    (down) with shard id (expert, part) (layers/moe.py)."""
     if m := _EXPERT.match(name):
-        from conveyor.worker.layers.moe import EXPERT_PARTS
-
         part = EXPERT_PARTS[m.group(3)]
-        return f"{m.group(1)}.{'w2' if part == 2 else 'w13'}", (int(m.group(2)), part)
+        return (f"{m.group(1)}.{'w2' if part == 2 else 'w13'}{m.group(4) or ''}",
+                (int(m.group(2)), part))
     for part, (fused, shard) in packed.items():
         if f".{part}." in name:
             return name.replace(f".{part}.", f".{fused}."), shard

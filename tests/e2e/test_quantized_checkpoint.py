@@ -99,9 +99,22 @@ def make_checkpoint(src, dst, method: str, strategy: str, kv_names: str | None =
 
 def reference_tokens(src, quantized: dict[str, tuple], round_inputs: bool = True
                      ) -> list[list[int]]:
+    """transformers on src with every quantized weight dequantized (written as a checkpoint of
+    its own, so MoE experts, which transformers fuses at load, take theirs too); round_inputs:
+    the quantized dense linear layers round their inputs to e4m3 per token (experts run W8A16
+    in conveyor, so theirs stay exact)."""
+    import tempfile
+
+    from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    tensors = load_file(src / "model.safetensors")
+    for name, (q, scale) in quantized.items():
+        tensors[name] = q.float() * scale
+    with tempfile.TemporaryDirectory() as tmp:
+        shutil.copy(src / "config.json", tmp)
+        save_file(tensors, f"{tmp}/model.safetensors")
+        model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
 
     def e4m3_per_token(module, args):
         x = args[0]
@@ -109,11 +122,9 @@ def reference_tokens(src, quantized: dict[str, tuple], round_inputs: bool = True
         return ((x / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float() * scale,)
 
     modules = dict(model.named_modules())
-    for name, (q, scale) in quantized.items():
-        linear = modules[name.removesuffix(".weight")]
-        linear.weight.data = q.float() * scale
-        if round_inputs:
-            linear.register_forward_pre_hook(e4m3_per_token)
+    dense = [name for name in quantized if ".experts." not in name]
+    for name in dense if round_inputs else []:
+        modules[name.removesuffix(".weight")].register_forward_pre_hook(e4m3_per_token)
     tokens = []
     with torch.inference_mode():
         for p in PROMPTS:
@@ -222,3 +233,73 @@ def test_bad_fp8_checkpoints_are_refused_clearly(tiny, tmp_path):
         (bad / "config.json").write_text(json.dumps({**config, "quantization_config": qc}))
         with pytest.raises(ValueError, match=match):
             LLM(model=str(bad), **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    """Qwen3-MoE: 6 experts of 64 rows (whole blocks of 32), layer 1 of 3 dense."""
+    return make_tiny_model("qwen3-moe", tmp_path_factory.mktemp("src") / "moe",
+                           moe_intermediate_size=64, max_position_embeddings=512)
+
+
+@pytest.mark.parametrize("method,strategy", [
+    ("fp8", "block"), ("compressed-tensors", "block"), ("compressed-tensors", "channel"),
+    ("compressed-tensors-int8", "channel")])
+def test_moe_checkpoint_loads_its_experts_quantized(tiny_moe, tmp_path, method, strategy):
+    """Every expert's gate/up/down in the checkpoint's bytes and scales (Qwen3-30B-A3B-FP8's
+    layout for "fp8" block), run W8A16 by the experts (the router stays in full precision):
+    greedy tokens equal to transformers on the dequantized weights."""
+    mode = "int8" if method.endswith("int8") else "fp8"
+    quantized = make_checkpoint(tiny_moe, tmp_path / "q", method, strategy)
+    llm = LLM(model=str(tmp_path / "q"), **ENGINE)
+    report = llm.quantization_report
+    # per layer qkv and o; gate_up and down in the dense layer, the experts in the other two
+    assert len(report.prequantized) == 3 * 2 + 2 + 2 and not report.quantized
+    experts = [m for m in llm.runner.model.modules() if hasattr(m, "w13")]
+    groups = 64 // BLOCK if strategy == "block" else 1
+    for m in experts:
+        assert m.w13.dtype == m.w2.dtype == (torch.int8 if mode == "int8"
+                                             else torch.float8_e4m3fn)
+        assert m.w13_scale.shape == (6, 128, groups) and m.w2_scale.shape == (6, 64, groups)
+    ours = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert ours == reference_tokens(tiny_moe, quantized,
+                                    round_inputs=mode == "fp8" and strategy != "block")
+
+
+def test_moe_block_checkpoint_at_tp2_equals_tp1(tiny_moe, tmp_path):
+    """TP 2 over gloo: each rank takes its 32 of every expert's 64 gate/up rows with their
+    scales, and the same 32 columns of down with their one block of scales. Block-scaled fp8
+    runs W8A16 at any TP, so the ranks' partial sums differ from TP 1's only in float32 order:
+    the top-5 rule (STYLE.md)."""
+    make_checkpoint(tiny_moe, tmp_path / "fp8", "fp8", "block")
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
+    llm = LLM(model=str(tmp_path / "fp8"), **ENGINE)
+    reference = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    served = served_outputs(PROMPTS, params, "--model", str(tmp_path / "fp8"), "--tp", "2",
+                            "--device", "cpu", "--skip-tokenizer-init")
+    assert_top5_close(reference, served)
+
+
+def test_moe_block_checkpoint_not_whole_blocks_is_refused(tiny_moe, tmp_path):
+    """Experts of 64 rows at TP 4 leave 16 a rank: half a block of 32."""
+    from conveyor.worker.layers.moe import FusedMoE
+
+    layer = FusedMoE(6, 2, 64, 64, True, torch.float32)
+    layer.inter = 16                               # as TP 4 would shard it
+    with pytest.raises(ValueError, match="not whole scale blocks of 32"):
+        layer.make_quantized(torch.float8_e4m3fn, BLOCK)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_moe_block_checkpoint_on_the_gpu_stays_close_to_the_cpu(tiny_moe, tmp_path):
+    """The fused-MoE kernels scaling each K step's weight tile by its block (CUDA graphs, bf16
+    activations): the top-5 rule against the float32 CPU run."""
+    make_checkpoint(tiny_moe, tmp_path / "q", "fp8", "block")
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
+    cpu = LLM(model=str(tmp_path / "q"), device="cpu", **ENGINE)
+    gpu = LLM(model=str(tmp_path / "q"), device="cuda", gpu_memory_utilization=0.3, **ENGINE)
+    for prompts in (PROMPTS, PROMPTS[:1]):
+        reference = [o.outputs[0] for o in cpu.generate(prompts, params, use_tqdm=False)]
+        ours = [o.outputs[0] for o in gpu.generate(prompts, params, use_tqdm=False)]
+        assert_top5_close(reference, ours)

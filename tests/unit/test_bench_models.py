@@ -32,18 +32,22 @@ def test_qwen3_30b_a3b_shape_has_its_published_size():
     assert 3.2e9 < active < 3.4e9
 
 
-def test_random_int4_checkpoint_loads_and_runs(tmp_path):
-    """benchmarks' random 4-bit checkpoints (a shortened qwen3-0.6b shape) load through the
-    published-format path and generate."""
-    from benchmarks.models import build_random_int4
+def test_random_quantized_checkpoints_load_and_run(tmp_path):
+    """benchmarks' random 4-bit and block-scaled fp8 checkpoints (shortened qwen3-0.6b and
+    qwen3-30b-a3b shapes) load through the published-format path and generate."""
+    from benchmarks.models import build_random_quantized
     from conveyor import LLM, SamplingParams
 
-    for fmt in ("awq", "gptq"):
-        path = build_random_int4("qwen3-0.6b", fmt, tmp_path / fmt, num_hidden_layers=1,
-                                 vocab_size=512)
+    small = dict(num_hidden_layers=1, vocab_size=512)
+    moe = dict(small, hidden_size=256, moe_intermediate_size=128, num_experts=4,
+               num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2)
+    for shape, fmt, extra in (("qwen3-0.6b", "awq", small), ("qwen3-0.6b", "gptq", small),
+                              ("qwen3-30b-a3b", "fp8", moe)):
+        path = build_random_quantized(shape, fmt, tmp_path / fmt, **extra)
         llm = LLM(model=str(path), device="cpu", skip_tokenizer_init=True,
                   kv_cache_memory_bytes=16 << 20, max_model_len=64)
         assert llm.quantization_report.mode == fmt
+        assert llm.quantization_report.prequantized
         out = llm.generate([{"prompt_token_ids": [3, 4, 5]}],
                            SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         assert len(out[0].outputs[0].token_ids) == 4

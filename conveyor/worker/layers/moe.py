@@ -7,7 +7,8 @@ MLP: each rank holds rows I/tp of every expert's gate and up, and those columns 
 its output is a partial sum that the next norm all-reduces (like LlamaMLP's).
 
 Checkpoint tensors `experts.{e}.gate_proj|up_proj|down_proj.weight` load through the shard ids
-(e, 0), (e, 1) and (e, 2) (loader.py maps the names; `expected_shards` lists them all).
+(e, 0), (e, 1) and (e, 2) (loader.py maps the names; `expected_shards` lists them all), and an
+fp8 checkpoint's `weight_scale` beside them the same way (`make_quantized`).
 """
 from __future__ import annotations
 
@@ -34,11 +35,37 @@ class FusedMoE(nn.Module):
                                 requires_grad=False)              # gate rows, then up rows
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, inter, dtype=dtype),
                                requires_grad=False)
-        for param, parts in ((self.w13, (0, 1)), (self.w2, (2,))):
+        self._expect(self.w13, self.w2)
+        # float32 once quantized: [E, 2I, G] and [E, H, G], one scale a row and group of K / G
+        # inputs (G = 1: a scale a row)
+        self.register_parameter("w13_scale", None)
+        self.register_parameter("w2_scale", None)
+
+    def _expect(self, w13: nn.Parameter, w2: nn.Parameter) -> None:
+        for param, parts in ((w13, (0, 1)), (w2, (2,))):
             param.weight_loader = self.weight_loader
-            param.expected_shards = {(e, p) for e in range(num_experts) for p in parts}
-        self.register_buffer("w13_scale", None)      # [E, 2I] float32 once quantized
-        self.register_buffer("w2_scale", None)       # [E, H]
+            param.expected_shards = {(e, p) for e in range(self.num_experts) for p in parts}
+
+    def make_quantized(self, dtype: torch.dtype, block: int) -> None:
+        """Load an fp8 checkpoint's experts as they are: 1-byte weights and float32 scales, one
+        a row (block = 0: the checkpoint's scales are per tensor or per channel, loader.py
+        gives them one a row), or one a row and block of inputs (square block scales, each
+        block row's scales repeated for its rows by loader.py)."""
+        e, two_i, h = self.w13.shape
+        if block and (h % block or self.inter % block):
+            raise ValueError(f"experts of {h} inputs and {self.inter} intermediate rows on "
+                             f"this rank are not whole scale blocks of {block}")
+        device = self.w13.device
+
+        def param(shape, dt):
+            return nn.Parameter(torch.empty(shape, dtype=dt, device=device),
+                                requires_grad=False)
+
+        self.w13, self.w2 = param((e, two_i, h), dtype), param((e, h, self.inter), dtype)
+        self.w13_scale = param((e, two_i, h // block if block else 1), torch.float32)
+        self.w2_scale = param((e, h, self.inter // block if block else 1), torch.float32)
+        self._expect(self.w13, self.w2)
+        self._expect(self.w13_scale, self.w2_scale)
 
     def quantize(self, mode: str, device: torch.device) -> tuple[int, int]:
         """--quantization int8 / fp8: every expert's rows quantized (one scale a row, as
@@ -54,15 +81,19 @@ class FusedMoE(nn.Module):
             before += w.numel() * w.element_size()
             after += q.numel() * q.element_size() + scale.numel() * 4
             setattr(self, name, nn.Parameter(q.view(e, n, k), requires_grad=False))
-            setattr(self, f"{name}_scale", scale.view(e, n))
+            setattr(self, f"{name}_scale", nn.Parameter(scale.view(e, n, 1),
+                                                        requires_grad=False))
         return before, after
 
     def weight_loader(self, param, loaded_weight, shard_id) -> None:
+        """An expert's projection, or its scales [rows, G] (a row's G groups of inputs)."""
         expert, part = shard_id
-        start = tp_rank() * self.inter
         if part == 2:                      # down_proj [H, I]: this rank's columns
-            default_weight_loader(param[expert], loaded_weight.narrow(1, start, self.inter))
+            cols = param.shape[2]          # I / tp, or its scale groups (one a row: whole)
+            start = tp_rank() * cols if loaded_weight.shape[1] > cols else 0
+            default_weight_loader(param[expert], loaded_weight.narrow(1, start, cols))
         else:
+            start = tp_rank() * self.inter
             default_weight_loader(param[expert].narrow(0, part * self.inter, self.inter),
                                   loaded_weight.narrow(0, start, self.inter))
 

@@ -115,6 +115,13 @@ def quantize_model(model: nn.Module, mode: str | None, keep: tuple[re.Pattern, .
     done: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}    # id(original weight) -> result
     for name, module in model.named_modules():
         if hasattr(module, "quantize") and hasattr(module, "w13"):   # experts (layers/moe.py)
+            if module.w13_scale is not None:                     # loaded quantized
+                report.prequantized.append(name)
+                report.bytes_before += (module.w13.numel() + module.w2.numel()) * getattr(
+                    torch, report.dtype).itemsize
+                report.bytes_after += sum(_nbytes(t) for t in (module.w13, module.w2,
+                                                               module.w13_scale, module.w2_scale))
+                continue
             if from_checkpoint or keep_matches(name, keep):
                 report.kept.append(name)
                 continue
