@@ -24,9 +24,11 @@ def _pack(values: torch.Tensor, order=range(8)) -> torch.Tensor:
 
 
 def quantize(w: torch.Tensor, group: int, perm: torch.Tensor):
-    """Asymmetric 4-bit per group of the inputs perm[j * group:(j + 1) * group]: -> q [N, K],
-    zero [N, G] (1..15), scale fp16 [N, G], and the dequantized weight [N, K] float32."""
+    """Asymmetric 4-bit per group of the inputs perm[j * group:(j + 1) * group] (group -1: the
+    whole row): -> q [N, K], zero [N, G] (1..15), scale fp16 [N, G], and the dequantized weight
+    [N, K] float32."""
     n, k = w.shape
+    group = group if group > 0 else k
     groups = perm.view(-1, group)                               # [G, group] input indices
     wg = w[:, groups]                                           # [N, G, group]
     lo, hi = wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0)
@@ -70,7 +72,7 @@ def write_int4(src: Path, dst: Path, ref: Path, fmt: str, group: int, act_order:
             out[f"{prefix}.qweight"] = _pack(q.contiguous()).t().contiguous()   # [K / 8, N]
             out[f"{prefix}.qzeros"] = _pack((zero - 1).t().contiguous())        # [G, N / 8]
             g_idx = torch.empty(k, dtype=torch.int32)
-            g_idx[perm] = (torch.arange(k) // group).int()
+            g_idx[perm] = (torch.arange(k) // (group if group > 0 else k)).int()
             out[f"{prefix}.g_idx"] = g_idx
         out[f"{prefix}.scales"] = scale.t().contiguous()                       # [G, N]
     for folder, data in ((dst, out), (ref, deq_all)):

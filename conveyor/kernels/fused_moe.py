@@ -17,7 +17,10 @@ checkpoint's square blocks, one scale a row and group of K / G inputs. The tiles
 1-byte weights to x's dtype as they load them (exact: e4m3 and |int8| <= 127 fit bf16 and fp16)
 and scale the product's columns, or with groups scale each K step's weight tile before its dot
 (the weight dequantized to x's dtype, as a dense block-scaled layer does for many rows); the
-activations stay in x's dtype (W8A16 math).
+activations stay in x's dtype (W8A16 math). 4-bit experts (an AWQ or GPTQ checkpoint): w13 and
+w2 int32 words of 8 values along K (kernels/w4a16_gemm.py's layout) with scales and zero points
+[E, rows, G]; each K step's words are unpacked into the tile and dequantized, (q - zero) *
+scale, before its dot (W4A16).
 """
 from __future__ import annotations
 
@@ -44,14 +47,15 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtyp
 
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                  w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None
+                  w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+                  w13_zero: torch.Tensor | None = None, w2_zero: torch.Tensor | None = None
                   ) -> torch.Tensor:
     """The reference: for each expert with tokens, its MLP over them, times their weights,
     added into out [T, H] (in x's dtype, as transformers does). Quantized experts are
     dequantized (times their scales) to x's dtype first."""
     if w13_scale is not None:
-        w13, w2 = dequantize_experts(w13, w13_scale, x.dtype), dequantize_experts(w2, w2_scale,
-                                                                                 x.dtype)
+        w13 = dequantize_experts(w13, w13_scale, w13_zero, x.dtype)
+        w2 = dequantize_experts(w2, w2_scale, w2_zero, x.dtype)
     out = torch.zeros_like(x)
     flat = topk_ids.reshape(-1).long()
     for e in flat.unique().tolist():
@@ -63,12 +67,19 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     return out
 
 
-def dequantize_experts(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
-                       ) -> torch.Tensor:
-    """w [E, N, K] 1-byte, scale [E, N, G] (a row's G groups of K / G inputs) -> w in dtype."""
-    e, n, k = w.shape
+def dequantize_experts(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                       dtype: torch.dtype) -> torch.Tensor:
+    """w [E, N, K] 1-byte, or [E, N, K / 8] int32 words of 4-bit values with zero points;
+    scale (and zero) [E, N, G], a row's G groups of K / G inputs -> W [E, N, K] in dtype."""
+    from conveyor.kernels.w4a16_gemm import unpack_int4
+
+    e, n = w.shape[:2]
     g = scale.shape[2]
-    return (w.float().view(e, n, g, k // g) * scale[..., None]).view(e, n, k).to(dtype)
+    if w.dtype == torch.int32:
+        q = unpack_int4(w.reshape(e * n, -1)).float().view(e, n, g, -1) - zero[..., None]
+    else:
+        q = w.float().view(e, n, g, -1)
+    return (q * scale[..., None]).view(e, n, -1).to(dtype)
 
 
 @jit
@@ -143,14 +154,16 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int
 
 @jit(do_not_specialize=["num_pairs"])
 def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr,
-                     total_ptr, scale_ptr, num_pairs, N, K, stride_am, stride_we, stride_wn,
-                     stride_cm, stride_se, stride_sn, TOP_K: tl.constexpr,
-                     MUL_WEIGHT: tl.constexpr, HAS_SCALE: tl.constexpr, GROUP_K: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     total_ptr, scale_ptr, zero_ptr, num_pairs, N, K, stride_am, stride_we,
+                     stride_wn, stride_cm, stride_se, stride_sn, TOP_K: tl.constexpr,
+                     MUL_WEIGHT: tl.constexpr, HAS_SCALE: tl.constexpr, INT4: tl.constexpr,
+                     GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
     """c[pair] = a[pair // TOP_K] @ w[expert]^T (times the pair's router weight), for the
     pairs of one tile of sorted_ids; a [rows, K], w [E, N, K] (1-byte with HAS_SCALE, times
-    scale [E, N, G]: GROUP_K = K / G inputs a scale, 0 for one a row), c [pairs, N]. A K step
-    lies within one group (BLOCK_K divides GROUP_K)."""
+    scale [E, N, G]: GROUP_K = K / G inputs a scale, 0 for one a row; with INT4, [E, N, K / 8]
+    words of 4-bit values and zero points like the scales), c [pairs, N]. A K step lies
+    within one group (BLOCK_K divides GROUP_K)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(total_ptr):
@@ -163,21 +176,28 @@ def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_id
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
+    WORDS: tl.constexpr = BLOCK_K // 8 if INT4 else BLOCK_K     # weight elements a K step
+    offs_w = tl.arange(0, WORDS)
     a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
     w_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn \
-        + offs_k[:, None]
+        + offs_w[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = offs_k + k0 < K
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        w_ok = offs_w + k0 // (8 if INT4 else 1) < K // (8 if INT4 else 1)
+        w = tl.load(w_ptrs, mask=w_ok[:, None] & n_ok[None, :], other=0)
         if GROUP_K:
-            s = tl.load(scale_ptr + expert * stride_se + offs_n * stride_sn + k0 // GROUP_K,
-                        mask=n_ok, other=0.0)
+            s_at = expert * stride_se + offs_n * stride_sn + k0 // GROUP_K
+            s = tl.load(scale_ptr + s_at, mask=n_ok, other=0.0)
+            if INT4:     # nibble i of word j is input 8 j + i
+                q = (w[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 15
+                w = tl.reshape(q, (BLOCK_K, BLOCK_N)).to(tl.float32) \
+                    - tl.load(zero_ptr + s_at, mask=n_ok, other=0.0)[None, :]
             w = w.to(tl.float32) * s[None, :]
         acc = tl.dot(a, w.to(a.dtype), acc)
         a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+        w_ptrs += WORDS
     if HAS_SCALE and not GROUP_K:
         acc = acc * tl.load(scale_ptr + expert * stride_se + offs_n * stride_sn, mask=n_ok,
                             other=0.0)[None, :]
@@ -204,52 +224,68 @@ def _tiles(num_pairs: int, num_experts: int) -> tuple[int, int, int, int, int]:
     return 128, 256, 64, 8, 4
 
 
-def _gemm(a, w, scale, c, weights, sorted_ids, expert_ids, total, num_pairs, top_k, mul_weight,
-          tiles):
+def _step_k(block_k: int, k: int, scale: torch.Tensor | None, int4: bool) -> tuple[int, int]:
+    """(BLOCK_K, GROUP_K) for a weight of k inputs: GROUP_K the inputs a scale covers where the
+    tile scales its weight before the dot (groups, or any 4-bit weight), else 0; BLOCK_K then
+    divides it, so a K step lies within one group."""
+    group_k = k // scale.shape[2] if scale is not None and (int4 or scale.shape[2] > 1) else 0
+    return (math.gcd(block_k, group_k) if group_k else block_k), group_k
+
+
+def _gemm(a, w, scale, zero, c, weights, sorted_ids, expert_ids, total, num_pairs, top_k,
+          mul_weight, tiles):
     block_m, block_n, block_k, warps, stages = tiles
-    n, k = w.shape[1], w.shape[2]
-    group_k = k // scale.shape[2] if scale is not None and scale.shape[2] > 1 else 0
-    if group_k:                            # a K step within one group
-        block_k = math.gcd(block_k, group_k)
+    int4 = w.dtype == torch.int32
+    n, k = w.shape[1], a.shape[1]
+    block_k, group_k = _step_k(block_k, k, scale, int4)
     grid = (sorted_ids.shape[0] // block_m, -(-n // block_n))
     _moe_gemm_kernel[grid](a, w, c, weights, sorted_ids, expert_ids, total,
-                           w if scale is None else scale, num_pairs, n, k,
-                           a.stride(0), w.stride(0), w.stride(1), c.stride(0),
+                           w if scale is None else scale, w if zero is None else zero,
+                           num_pairs, n, k, a.stride(0), w.stride(0), w.stride(1), c.stride(0),
                            0 if scale is None else scale.stride(0),
                            0 if scale is None else scale.stride(1),
                            TOP_K=top_k, MUL_WEIGHT=mul_weight, HAS_SCALE=scale is not None,
-                           GROUP_K=group_k, BLOCK_M=block_m,
+                           INT4=int4, GROUP_K=group_k, BLOCK_M=block_m,
                            BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, tiles: tuple[int, int, int, int, int] | None = None,
-              w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None
+              w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+              w13_zero: torch.Tensor | None = None, w2_zero: torch.Tensor | None = None
               ) -> torch.Tensor:
     """The MoE MLP of x [T, H] (see the module docstring) -> [T, H] in x's dtype."""
     from conveyor.kernels.silu_and_mul import silu_and_mul
 
     require_triton()
     t, h = x.shape
-    e, two_i, h13 = w13.shape
-    check(h13 == h and w2.shape == (e, h, two_i // 2) and two_i % 2 == 0,
-          f"w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} for x {tuple(x.shape)}")
     quantized = w13_scale is not None
+    int4 = w13.dtype == torch.int32
+    per = 8 if int4 else 1                                  # weight values an element
+    e, two_i = w13.shape[:2]
+    inter = two_i // 2
+    check(w13.shape[2] * per == h and w2.shape == (e, h, inter // per) and two_i % 2 == 0,
+          f"w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} for x {tuple(x.shape)}")
     one_byte = w13.dtype in (torch.float8_e4m3fn, torch.int8)
     check(x.dtype in (torch.float16, torch.bfloat16) and w13.dtype == w2.dtype
-          and (one_byte if quantized else w13.dtype == x.dtype),
-          f"x must be fp16 or bf16 and w13, w2 the same, or 1-byte with scales: {x.dtype}, "
-          f"{w13.dtype}, {w2.dtype}")
-    check(not quantized or (w13_scale.shape[:2] == (e, two_i) and w2_scale.shape[:2] == (e, h)
-                            and w13_scale.dim() == w2_scale.dim() == 3
-                            and h % w13_scale.shape[2] == 0
-                            and (two_i // 2) % w2_scale.shape[2] == 0
-                            and w13_scale.dtype == w2_scale.dtype == torch.float32
-                            and w13_scale.is_contiguous() and w2_scale.is_contiguous()),
-          "w13_scale and w2_scale must be float32 [E, 2I, G] and [E, H, G'], G dividing H and "
-          "G' I")
+          and ((one_byte or int4) if quantized else w13.dtype == x.dtype)
+          and (w13_zero is not None) == int4,
+          f"x must be fp16 or bf16 and w13, w2 the same, or 1-byte with scales, or 4-bit with "
+          f"scales and zero points: {x.dtype}, {w13.dtype}, {w2.dtype}")
+    for w, scale, zero, k in ((w13, w13_scale, w13_zero, h), (w2, w2_scale, w2_zero, inter)):
+        check(not quantized or (scale.dim() == 3 and scale.shape[:2] == w.shape[:2]
+                                and k % scale.shape[2] == 0 and scale.dtype == torch.float32
+                                and scale.is_contiguous()
+                                and (zero is None or (zero.shape == scale.shape
+                                                      and zero.dtype == torch.float32
+                                                      and zero.is_contiguous()))),
+              "scales (and 4-bit zero points) must be float32 [E, rows, G], G dividing the "
+              "inputs")
+        check(not quantized or _step_k(16, k, scale, int4)[0] == 16,
+              f"groups of inputs must be whole steps of 16 inputs: {k} inputs, "
+              f"{scale.shape[2]} groups")
     check(x.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1
-          and w13.stride(1) == h and w2.stride(1) == two_i // 2,
+          and w13.stride(1) == h // per and w2.stride(1) == inter // per,
           "x rows and the experts' weights must be contiguous")
     top_k = topk_ids.shape[1]
     check(topk_ids.shape == topk_weights.shape == (t, top_k),
@@ -262,10 +298,10 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     sorted_ids, expert_ids, total = align(topk_ids, e, tiles[0])
     weights = topk_weights.reshape(-1).contiguous()
     gate_up = torch.empty((pairs, two_i), dtype=x.dtype, device=x.device)
-    _gemm(x, w13, w13_scale, gate_up, weights, sorted_ids, expert_ids, total, pairs, top_k,
-          False, tiles)
+    _gemm(x, w13, w13_scale, w13_zero, gate_up, weights, sorted_ids, expert_ids, total, pairs,
+          top_k, False, tiles)
     act = silu_and_mul(gate_up)                                      # [pairs, I]
     down = torch.empty((pairs, h), dtype=x.dtype, device=x.device)
-    _gemm(act, w2, w2_scale, down, weights, sorted_ids, expert_ids, total, pairs, 1, True,
-          tiles)
+    _gemm(act, w2, w2_scale, w2_zero, down, weights, sorted_ids, expert_ids, total, pairs, 1,
+          True, tiles)
     return down.view(t, top_k, h).sum(dim=1, dtype=torch.float32).to(x.dtype)

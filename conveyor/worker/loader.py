@@ -157,9 +157,12 @@ def _take_int4(model: nn.Module, folder: Path, config: ModelConfig,
     layers = {n.removesuffix(".qweight") + ".weight": True for n in names
               if n.endswith(".qweight")}
     for module_name, (module, _) in _by_module(model, layers).items():
+        if isinstance(module, FusedMoE):
+            module.make_int4(group, act_order)
+            continue
         if not isinstance(module, LinearBase):
             raise ValueError(f"{module_name}: 4-bit checkpoint weights load only into linear "
-                             f"layers")
+                             f"layers and experts")
         k = module.weight.shape[1]
         module.make_int4(k // group if group else 1, act_order)
     weights = int4_weights(safetensors_weights(folder), config.quantization, zero_offset,
@@ -247,13 +250,13 @@ def _keep_q8_0(model: nn.Module, reader, keep: tuple[re.Pattern, ...]) -> set[st
     return names
 
 
-_EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight(_scale)?$")
+_EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight(_scale|_zero)?$")
 
 
 def _packed_name(name: str, packed: dict) -> tuple[str, object]:
     """A checkpoint name in our fused modules, and its shard id (None if not fused): an MoE
-    expert's projection (and its scales) goes into its layer's stacked w13 (gate, up) or w2
-    (down) with shard id (expert, part) (layers/moe.py)."""
+    expert's projection (and its scales and zero points) goes into its layer's stacked w13
+    (gate, up) or w2 (down) with shard id (expert, part) (layers/moe.py)."""
     if m := _EXPERT.match(name):
         part = EXPERT_PARTS[m.group(3)]
         return (f"{m.group(1)}.{'w2' if part == 2 else 'w13'}{m.group(4) or ''}",

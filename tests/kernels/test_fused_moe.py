@@ -123,6 +123,35 @@ def test_fused_moe_block_scaled_experts(t, h, inter, block, device):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("t,h,inter,group", [(1, 128, 64, 32), (21, 192, 96, 32),
+                                             (300, 256, 384, 128), (5, 96, 48, 0)])
+def test_fused_moe_int4_experts(t, h, inter, group, device):
+    """4-bit experts (an AWQ or GPTQ checkpoint's, in kernels/w4a16_gemm.py's layout: words
+    along K, scales and zero points per row and group; group 0: one a row): each K step's words
+    unpacked in the tile, at each tile class; the reference dequantizes first."""
+    from conveyor.kernels.w4a16_gemm import pack_int4
+
+    gen = torch.Generator(device=device).manual_seed(t + h)
+    experts, top_k = 6, 2
+    x = torch.randn(t, h, device=device, generator=gen).to(torch.bfloat16)
+
+    def int4(n, k):
+        g = k // group if group else 1
+        q = torch.randint(0, 16, (experts * n, k), device=device, generator=gen)
+        zero = torch.randint(1, 16, (experts, n, g), device=device, generator=gen).float()
+        scale = torch.rand(experts, n, g, device=device, generator=gen) / (4 * k ** 0.5)
+        return pack_int4(q).view(experts, n, k // 8), scale, zero
+
+    w13, s13, z13 = int4(2 * inter, h)
+    w2, s2, z2 = int4(h, inter)
+    weights, ids = route(torch.randn(t, experts, device=device, generator=gen), top_k, True,
+                         torch.bfloat16)
+    want = fused_moe_ref(x.float(), w13, w2, weights.float(), ids, s13, s2, z13, z2)
+    got = fused_moe(x, w13, w2, weights, ids, None, s13, s2, z13, z2)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.interpreter
 @pytest.mark.parametrize("t,experts,top_k,block_m", [(1, 8, 2, 16), (37, 5, 3, 16),
                                                      (300, 64, 8, 64), (9, 128, 1, 4),
                                                      (700, 3, 2, 128), (2, 200, 1, 32)])

@@ -81,3 +81,43 @@ def test_llm_serves_a_gptq_checkpoint(tmp_path):
                                 attention_mask=torch.ones(1, len(p), dtype=torch.long),
                                 pad_token_id=0)[0, len(p):].tolist()
         assert out.outputs[0].token_ids == want
+
+
+@pytest.mark.parametrize("fmt,group", [("awq", 32), ("gptq", 64), ("awq", 0)])
+def test_moe_int4_checkpoint_matches_transformers(tmp_path, fmt, group):
+    """Qwen3-MoE with every expert in 4 bits (as Qwen3-30B-A3B-GPTQ-Int4 and the AWQ releases
+    are published): the experts keep their words, scales and zero points, and the logits and
+    greedy tokens are transformers' on the dequantized weights (group 0: one a row)."""
+    from test_models import greedy, hf_greedy, pool_for, run_step
+    from transformers import AutoModelForCausalLM
+
+    src = make_tiny_model("qwen3-moe", tmp_path / "src", hidden_size=128, head_dim=32,
+                          moe_intermediate_size=64, intermediate_size=256)
+    write_int4(src, tmp_path / "q", tmp_path / "ref", fmt, group or -1)
+    files = resolve_model(str(tmp_path / "q"))
+    config = read_model_config(files)
+    ours = load_model(config, files, torch.float32, "cpu", quantization=fmt)
+    experts = ours.model.layers[0].mlp.experts
+    groups = (128 // group, 64 // group) if group else (1, 1)
+    assert experts.w13.dtype == torch.int32 and experts.w13.shape == (6, 128, 16)
+    assert experts.w13_zero.shape == (6, 128, groups[0])
+    assert experts.w2_scale.shape == (6, 128, groups[1])
+    assert "model.layers.2.mlp.experts" in ours.quant_report.prequantized
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path / "ref", dtype=torch.float32).eval()
+    prompt = torch.randint(3, 256, (23,), generator=torch.Generator().manual_seed(1)).tolist()
+    logits = run_step(ours, pool_for(ours), {0: prompt}, [(0, len(prompt))], 0)[0]
+    with torch.no_grad():
+        want = ref(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(logits, want, atol=1e-4, rtol=1e-4)
+    eos = config.eos_token_ids[0]
+    got = [t[:t.index(eos) + 1] if eos in t else t for t in greedy(ours, [prompt], 10)]
+    assert got == hf_greedy(ref, [prompt], 10)
+
+
+def test_moe_act_order_checkpoint_is_refused(tmp_path):
+    src = make_tiny_model("qwen3-moe", tmp_path / "src", hidden_size=128, head_dim=32,
+                          moe_intermediate_size=64, intermediate_size=256)
+    write_int4(src, tmp_path / "q", tmp_path / "ref", "gptq", 32, act_order=True)
+    files = resolve_model(str(tmp_path / "q"))
+    with pytest.raises(ValueError, match="act-order"):
+        load_model(read_model_config(files), files, torch.float32, "cpu", quantization="gptq")

@@ -7,8 +7,9 @@ MLP: each rank holds rows I/tp of every expert's gate and up, and those columns 
 its output is a partial sum that the next norm all-reduces (like LlamaMLP's).
 
 Checkpoint tensors `experts.{e}.gate_proj|up_proj|down_proj.weight` load through the shard ids
-(e, 0), (e, 1) and (e, 2) (loader.py maps the names; `expected_shards` lists them all), and an
-fp8 checkpoint's `weight_scale` beside them the same way (`make_quantized`).
+(e, 0), (e, 1) and (e, 2) (loader.py maps the names; `expected_shards` lists them all), and a
+quantized checkpoint's scales (and 4-bit zero points) beside them the same way
+(`make_quantized`, `make_int4`).
 """
 from __future__ import annotations
 
@@ -40,6 +41,10 @@ class FusedMoE(nn.Module):
         # inputs (G = 1: a scale a row)
         self.register_parameter("w13_scale", None)
         self.register_parameter("w2_scale", None)
+        # 4-bit checkpoints: w13 and w2 int32 words of 8 values along the inputs, and float32
+        # zero points beside the scales (W = (q - zero) * scale, kernels/w4a16_gemm.py's layout)
+        self.register_parameter("w13_zero", None)
+        self.register_parameter("w2_zero", None)
 
     def _expect(self, w13: nn.Parameter, w2: nn.Parameter) -> None:
         for param, parts in ((w13, (0, 1)), (w2, (2,))):
@@ -51,21 +56,37 @@ class FusedMoE(nn.Module):
         a row (block = 0: the checkpoint's scales are per tensor or per channel, loader.py
         gives them one a row), or one a row and block of inputs (square block scales, each
         block row's scales repeated for its rows by loader.py)."""
+        self._make(dtype, block, 1, "scale blocks")
+
+    def make_int4(self, group: int, act_order: bool) -> None:
+        """Load an AWQ or GPTQ checkpoint's experts (each converted to the W4A16 layout by
+        worker/int4_checkpoint.py): int32 words of 8 values [E, rows, inputs / 8] and float32
+        scales and zero points [E, rows, inputs / group] (group 0: one a row)."""
+        if act_order:
+            raise ValueError("GPTQ act-order (desc_act) experts are not supported: their "
+                             "inputs' order differs from expert to expert")
+        self._make(torch.int32, group, 8, "groups")
+
+    def _make(self, dtype: torch.dtype, group: int, per_word: int, what: str) -> None:
         e, two_i, h = self.w13.shape
-        if block and (h % block or self.inter % block):
+        if (group and (h % group or self.inter % group)) or self.inter % per_word:
             raise ValueError(f"experts of {h} inputs and {self.inter} intermediate rows on "
-                             f"this rank are not whole scale blocks of {block}")
+                             f"this rank are not whole {what} of {group or per_word}")
         device = self.w13.device
 
-        def param(shape, dt):
+        def param(shape, dt=torch.float32):
             return nn.Parameter(torch.empty(shape, dtype=dt, device=device),
                                 requires_grad=False)
 
-        self.w13, self.w2 = param((e, two_i, h), dtype), param((e, h, self.inter), dtype)
-        self.w13_scale = param((e, two_i, h // block if block else 1), torch.float32)
-        self.w2_scale = param((e, h, self.inter // block if block else 1), torch.float32)
+        self.w13 = param((e, two_i, h // per_word), dtype)
+        self.w2 = param((e, h, self.inter // per_word), dtype)
+        self.w13_scale = param((e, two_i, h // group if group else 1))
+        self.w2_scale = param((e, h, self.inter // group if group else 1))
         self._expect(self.w13, self.w2)
         self._expect(self.w13_scale, self.w2_scale)
+        if dtype == torch.int32:
+            self.w13_zero, self.w2_zero = param(self.w13_scale.shape), param(self.w2_scale.shape)
+            self._expect(self.w13_zero, self.w2_zero)
 
     def quantize(self, mode: str, device: torch.device) -> tuple[int, int]:
         """--quantization int8 / fp8: every expert's rows quantized (one scale a row, as
@@ -86,10 +107,11 @@ class FusedMoE(nn.Module):
         return before, after
 
     def weight_loader(self, param, loaded_weight, shard_id) -> None:
-        """An expert's projection, or its scales [rows, G] (a row's G groups of inputs)."""
+        """An expert's projection, or its scales or zero points [rows, G] (a row's G groups of
+        inputs)."""
         expert, part = shard_id
         if part == 2:                      # down_proj [H, I]: this rank's columns
-            cols = param.shape[2]          # I / tp, or its scale groups (one a row: whole)
+            cols = param.shape[2]          # I / tp, its words or groups (one a row: whole)
             start = tp_rank() * cols if loaded_weight.shape[1] > cols else 0
             default_weight_loader(param[expert], loaded_weight.narrow(1, start, cols))
         else:
@@ -102,7 +124,7 @@ class FusedMoE(nn.Module):
         from conveyor.kernels.fused_moe import fused_moe, fused_moe_ref, route
 
         weights, ids = route(router_logits, self.top_k, self.renormalize, x.dtype)
-        scales = (self.w13_scale, self.w2_scale)
+        scales = (self.w13_scale, self.w2_scale, self.w13_zero, self.w2_zero)
         if x.is_cuda and triton_available() and x.dtype != torch.float32:
             return fused_moe(x, self.w13, self.w2, weights, ids, None, *scales)
         return fused_moe_ref(x, self.w13, self.w2, weights, ids, *scales)

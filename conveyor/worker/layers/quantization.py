@@ -117,10 +117,12 @@ def quantize_model(model: nn.Module, mode: str | None, keep: tuple[re.Pattern, .
         if hasattr(module, "quantize") and hasattr(module, "w13"):   # experts (layers/moe.py)
             if module.w13_scale is not None:                     # loaded quantized
                 report.prequantized.append(name)
-                report.bytes_before += (module.w13.numel() + module.w2.numel()) * getattr(
-                    torch, report.dtype).itemsize
-                report.bytes_after += sum(_nbytes(t) for t in (module.w13, module.w2,
-                                                               module.w13_scale, module.w2_scale))
+                values = (module.w13.numel() + module.w2.numel()) * (
+                    8 if module.w13.dtype == torch.int32 else 1)          # 4-bit words
+                report.bytes_before += values * getattr(torch, report.dtype).itemsize
+                report.bytes_after += sum(_nbytes(t) for t in (
+                    module.w13, module.w2, module.w13_scale, module.w2_scale, module.w13_zero,
+                    module.w2_zero) if t is not None)
                 continue
             if from_checkpoint or keep_matches(name, keep):
                 report.kept.append(name)
