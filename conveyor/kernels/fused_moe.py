@@ -186,7 +186,7 @@ def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_id
         k_ok = offs_k + k0 < K
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w_ok = offs_w + k0 // (8 if INT4 else 1) < K // (8 if INT4 else 1)
-        w = tl.load(w_ptrs, mask=w_ok[:, None] & n_ok[None, :], other=0)
+        w = tl.load(w_ptrs, mask=w_ok[:, None] & n_ok[None, :], other=0.0)
         if GROUP_K:
             s_at = expert * stride_se + offs_n * stride_sn + k0 // GROUP_K
             s = tl.load(scale_ptr + s_at, mask=n_ok, other=0.0)
@@ -273,15 +273,15 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
           f"x must be fp16 or bf16 and w13, w2 the same, or 1-byte with scales, or 4-bit with "
           f"scales and zero points: {x.dtype}, {w13.dtype}, {w2.dtype}")
     for w, scale, zero, k in ((w13, w13_scale, w13_zero, h), (w2, w2_scale, w2_zero, inter)):
-        check(not quantized or (scale.dim() == 3 and scale.shape[:2] == w.shape[:2]
-                                and k % scale.shape[2] == 0 and scale.dtype == torch.float32
-                                and scale.is_contiguous()
-                                and (zero is None or (zero.shape == scale.shape
-                                                      and zero.dtype == torch.float32
-                                                      and zero.is_contiguous()))),
+        if not quantized:
+            break
+        check(scale.dim() == 3 and scale.shape[:2] == w.shape[:2] and k % scale.shape[2] == 0
+              and scale.dtype == torch.float32 and scale.is_contiguous()
+              and (zero is None or (zero.shape == scale.shape and zero.dtype == torch.float32
+                                    and zero.is_contiguous())),
               "scales (and 4-bit zero points) must be float32 [E, rows, G], G dividing the "
               "inputs")
-        check(not quantized or _step_k(16, k, scale, int4)[0] == 16,
+        check(_step_k(16, k, scale, int4)[0] == 16,
               f"groups of inputs must be whole steps of 16 inputs: {k} inputs, "
               f"{scale.shape[2]} groups")
     check(x.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1

@@ -206,7 +206,17 @@ def test_w4a16_and_fused_moe_kernels(compiled, m):
     for dtype in (torch.float8_e4m3fn, torch.int8):          # quantized experts
         fused_moe(torch.zeros(m, h, dtype=BF), torch.zeros(experts, 2 * inter, h, dtype=dtype),
                   torch.zeros(experts, h, inter, dtype=dtype), weights, ids, None,
-                  torch.ones(experts, 2 * inter), torch.ones(experts, h))
+                  torch.ones(experts, 2 * inter, 1), torch.ones(experts, h, 1))
+    # an fp8 checkpoint's 128 x 128 blocks; an AWQ / GPTQ checkpoint's 4-bit experts, group 128
+    s13, s2 = torch.ones(experts, 2 * inter, h // 128), torch.ones(experts, h, inter // 128)
+    fused_moe(torch.zeros(m, h, dtype=BF),
+              torch.zeros(experts, 2 * inter, h, dtype=torch.float8_e4m3fn),
+              torch.zeros(experts, h, inter, dtype=torch.float8_e4m3fn), weights, ids, None,
+              s13, s2)
+    fused_moe(torch.zeros(m, h, dtype=BF),
+              torch.zeros(experts, 2 * inter, h // 8, dtype=torch.int32),
+              torch.zeros(experts, h, inter // 8, dtype=torch.int32), weights, ids, None,
+              s13, s2, s13, s2)
     # decode rows on the CUDA cores, then tensor-core tiles; from CUBLAS_FROM_M rows the weight
     # is dequantized, then multiplied by cuBLAS
     int4 = ("_w4a16_gemv_kernel" if m == 1 else

@@ -97,17 +97,20 @@ def test_fused_moe_quantized_experts(mode, device):
 def test_fused_moe_block_scaled_experts(t, h, inter, block, device):
     """fp8 experts with square block scales (an fp8 checkpoint's, each block row's scales
     repeated for its rows): each K step's weight tile is scaled by its group before its dot,
-    at each tile class (1-8, 9-32, more rows an expert); the reference dequantizes first."""
+    at each tile class (1-8, 9-32, more rows an expert); the reference takes the weights
+    dequantized to bf16, as the tiles make them, and computes in float32."""
+    from conveyor.kernels.fused_moe import dequantize_experts
+
     gen = torch.Generator(device=device).manual_seed(t + h)
     experts, top_k = 6, 2
     x = torch.randn(t, h, device=device, generator=gen).to(torch.bfloat16)
 
     def blocked(n, k):
         w = torch.randn(experts, n, k, device=device, generator=gen) / k ** 0.5
-        # blocks of magnitudes 1/8 to 8 apart, so a scale applied to the wrong block shows
+        # blocks of magnitudes 1/16 to 1 (16x apart), so a scale applied to the wrong block shows
         size = torch.rand(experts, n // block, 1, k // block, 1, device=device, generator=gen)
         w = (w.view(experts, n // block, block, k // block, block)
-             * (size * 4 - 2).exp2()).view(experts, n, k)
+             * (size * 4 - 4).exp2()).view(experts, n, k)
         amax = w.view(experts, n // block, block, k // block, block).abs().amax((2, 4))
         scale = (amax / 448).repeat_interleave(block, 1)                 # [E, N, K / block]
         q = (w / scale.repeat_interleave(block, 2)).to(torch.float8_e4m3fn)
@@ -117,7 +120,8 @@ def test_fused_moe_block_scaled_experts(t, h, inter, block, device):
     w2, s2 = blocked(h, inter)
     weights, ids = route(torch.randn(t, experts, device=device, generator=gen), top_k, True,
                          torch.bfloat16)
-    want = fused_moe_ref(x.float(), w13, w2, weights.float(), ids, s13, s2)
+    want = fused_moe_ref(x.float(), *(dequantize_experts(w, s, None, torch.bfloat16).float()
+                                      for w, s in ((w13, s13), (w2, s2))), weights.float(), ids)
     got = fused_moe(x, w13, w2, weights, ids, None, s13, s2)
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
 
