@@ -11,7 +11,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Hugging Face's linear layers, and Mixtral's experts (w1 gate, w3 up, w2 down)
+_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1",
+           "w2", "w3")
 _AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 
 

@@ -179,13 +179,15 @@ def _by_module(model: nn.Module, flags: dict[str, bool]
     modules = dict(model.named_modules())
     grouped: dict[str, tuple[nn.Module | None, dict[str, bool]]] = {}
     layers, tied = model.config.num_hidden_layers, model.config.tie_word_embeddings
+    rename = getattr(model, "checkpoint_name", None)       # Mixtral's w1/w2/w3 experts
     for name, flag in flags.items():
         if stage_weight_name(name, layers, tied) is None:
             continue                             # another pipeline stage's
-        if m := _EXPERT.match(name):             # an expert's: its layer's FusedMoE
+        ours = rename(name) if rename else name
+        if m := _EXPERT.match(ours):             # an expert's: its layer's FusedMoE
             module = m.group(1)
         else:
-            module = _packed_name(name, model.packed_modules)[0].removesuffix(".weight")
+            module = _packed_name(ours, model.packed_modules)[0].removesuffix(".weight")
         grouped.setdefault(module, (modules.get(module), {}))[1][name] = flag
     return grouped
 

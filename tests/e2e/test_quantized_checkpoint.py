@@ -60,7 +60,8 @@ def make_checkpoint(src, dst, method: str, strategy: str, kv_names: str | None =
     tensors = load_file(src / "model.safetensors")
     out, quantized = {}, {}
     for name, t in tensors.items():
-        if name.startswith("model.layers.") and name.endswith("proj.weight"):
+        if name.startswith("model.layers.") and name.endswith(("proj.weight", ".w1.weight",
+                                                               ".w2.weight", ".w3.weight")):
             if strategy == "block":        # one scale per BLOCK x BLOCK tile
                 n, k = t.shape
                 tiles = t.view(n // BLOCK, BLOCK, k // BLOCK, BLOCK).abs().amax((1, 3))
@@ -264,6 +265,19 @@ def test_moe_checkpoint_loads_its_experts_quantized(tiny_moe, tmp_path, method, 
     ours = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     assert ours == reference_tokens(tiny_moe, quantized,
                                     round_inputs=mode == "fp8" and strategy != "block")
+
+
+def test_mixtral_fp8_block_checkpoint_loads_its_experts_quantized(tmp_path):
+    """Mixtral's checkpoint names its experts block_sparse_moe.experts.{e}.w1/w3/w2: they load
+    into the same stacked experts, scales and all."""
+    src = make_tiny_model("mixtral", tmp_path / "src", intermediate_size=64,
+                          max_position_embeddings=512)
+    quantized = make_checkpoint(src, tmp_path / "q", "fp8", "block")
+    assert "model.layers.0.block_sparse_moe.experts.3.w2.weight" in quantized
+    llm = LLM(model=str(tmp_path / "q"), **ENGINE)
+    assert "model.layers.1.mlp.experts" in llm.quantization_report.prequantized
+    ours = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert ours == reference_tokens(src, quantized, round_inputs=False)
 
 
 def test_moe_block_checkpoint_at_tp2_equals_tp1(tiny_moe, tmp_path):

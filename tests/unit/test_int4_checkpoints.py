@@ -114,6 +114,23 @@ def test_moe_int4_checkpoint_matches_transformers(tmp_path, fmt, group):
     assert got == hf_greedy(ref, [prompt], 10)
 
 
+def test_mixtral_gptq_checkpoint_matches_transformers(tmp_path):
+    """Mixtral's experts (block_sparse_moe.experts.{e}.w1/w3/w2) in 4 bits load into the same
+    stacked experts."""
+    from test_models import greedy, hf_greedy
+    from transformers import AutoModelForCausalLM
+
+    src = make_tiny_model("mixtral", tmp_path / "src", hidden_size=128, head_dim=32,
+                          intermediate_size=64)
+    write_int4(src, tmp_path / "q", tmp_path / "ref", "gptq", 32)
+    files = resolve_model(str(tmp_path / "q"))
+    ours = load_model(read_model_config(files), files, torch.float32, "cpu", quantization="gptq")
+    assert ours.model.layers[1].mlp.experts.w2.dtype == torch.int32
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path / "ref", dtype=torch.float32).eval()
+    prompt = torch.randint(3, 256, (23,), generator=torch.Generator().manual_seed(2)).tolist()
+    assert greedy(ours, [prompt], 10) == hf_greedy(ref, [prompt], 10)
+
+
 def test_moe_act_order_checkpoint_is_refused(tmp_path):
     src = make_tiny_model("qwen3-moe", tmp_path / "src", hidden_size=128, head_dim=32,
                           moe_intermediate_size=64, intermediate_size=256)

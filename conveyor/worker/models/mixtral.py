@@ -22,10 +22,15 @@ class MixtralForCausalLM(LlamaForCausalLM):
         return SparseMoeBlock(e["num_local_experts"], e["num_experts_per_tok"],
                               config.hidden_size, config.intermediate_size, True, dtype)
 
+    @staticmethod
+    def checkpoint_name(name: str) -> str:
+        """A checkpoint tensor's name as Qwen3-MoE's (its scales' and 4-bit parts' too)."""
+        name = name.replace(".block_sparse_moe.", ".mlp.")
+        if ".experts." in name:
+            for old, new in _EXPERT_NAMES.items():
+                name = name.replace(old, new)
+        return name
+
     def convert_weights(self, weights):
         for name, tensor in weights:
-            name = name.replace(".block_sparse_moe.", ".mlp.")
-            if ".experts." in name:
-                for old, new in _EXPERT_NAMES.items():
-                    name = name.replace(old, new)
-            yield name, tensor
+            yield self.checkpoint_name(name), tensor
