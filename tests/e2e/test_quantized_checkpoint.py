@@ -294,6 +294,21 @@ def test_moe_block_checkpoint_at_tp2_equals_tp1(tiny_moe, tmp_path):
     assert_top5_close(reference, served)
 
 
+def test_moe_awq_checkpoint_at_tp2_equals_tp1(tiny_moe, tmp_path):
+    """4-bit experts at TP 2: each rank takes its 32 gate/up rows of every expert with their
+    scales and zero points, and down's words, groups and zero points of its 32 columns."""
+    from int4_util import write_int4
+
+    write_int4(tiny_moe, tmp_path / "awq", tmp_path / "ref", "awq", BLOCK)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
+    llm = LLM(model=str(tmp_path / "awq"), **ENGINE)
+    assert llm.runner.model.model.layers[0].mlp.experts.w13.dtype == torch.int32
+    reference = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    served = served_outputs(PROMPTS, params, "--model", str(tmp_path / "awq"), "--tp", "2",
+                            "--device", "cpu", "--skip-tokenizer-init")
+    assert_top5_close(reference, served)
+
+
 def test_moe_block_checkpoint_not_whole_blocks_is_refused(tiny_moe, tmp_path):
     """Experts of 64 rows at TP 4 leave 16 a rank: half a block of 32."""
     from conveyor.worker.layers.moe import FusedMoE
