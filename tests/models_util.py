@@ -3,6 +3,8 @@ transformers without downloading anything.
 """
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -133,6 +135,94 @@ def make_tiny_gguf(path, quant: str = "Q8_0", seed: int = 0, **overrides) -> Pat
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return Path(path)
+
+
+_GGUF_MOE = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+             "q_norm": "attn_q_norm", "k_norm": "attn_k_norm", "input_layernorm": "attn_norm",
+             "post_attention_layernorm": "ffn_norm", "gate": "ffn_gate_inp"}
+_GGUF_EXPERTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps",
+                 "down_proj": "ffn_down_exps", "w1": "ffn_gate_exps", "w3": "ffn_up_exps",
+                 "w2": "ffn_down_exps"}
+
+
+def make_tiny_moe_gguf(arch: str, path, ref, quant: str = "Q8_0", **overrides) -> Path:
+    """Save the tiny random "qwen3-moe" or "mixtral" preset as a GGUF file at `path` the way
+    llama.cpp converts them (arch "qwen3moe", or "llama" with experts for Mixtral; each layer's
+    experts stacked into blk.N.ffn_gate_exps / ffn_up_exps / ffn_down_exps [E, out, in]), 2-D
+    and 3-D weights quantized to `quant`, the router and norms float32; and into the folder
+    `ref` the same model with the dequantized weights, for transformers to run as the
+    reference. Every layer is a mixture (no mlp_only_layers)."""
+    import gguf
+    from safetensors.torch import load_file, save_file
+
+    src = make_tiny_model(arch, Path(ref).with_suffix(".src"), **overrides)
+    config = json.loads((src / "config.json").read_text())
+    tensors = load_file(src / "model.safetensors")
+    gguf_arch = "qwen3moe" if arch == "qwen3-moe" else "llama"
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    experts = config.get("num_experts") or config["num_local_experts"]
+    writer = gguf.GGUFWriter(str(path), gguf_arch)
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(config["head_dim"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base((config.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_bos_token_id(config["bos_token_id"])
+    writer.add_eos_token_id(config["eos_token_id"])
+    writer.add_expert_count(experts)
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    if gguf_arch == "qwen3moe":
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    kind = gguf.GGMLQuantizationType[quant]
+    dequantized = dict(tensors)
+
+    def add(name, w: torch.Tensor, hf_names, num_heads=None, quantize=True):
+        array = w.float().numpy()
+        if quantize and array.ndim >= 2:
+            packed = gguf.quants.quantize(array, kind)
+            deq = torch.from_numpy(gguf.quants.dequantize(packed, kind).copy())
+            for i, hf in enumerate(hf_names):     # a stack: one expert each
+                dequantized[hf] = deq[i] if len(hf_names) > 1 else deq
+            if num_heads is not None and gguf_arch == "llama":     # llama.cpp's q/k order
+                w = w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, -1).transpose(1, 2)
+                packed = gguf.quants.quantize(w.reshape(array.shape).float().numpy(), kind)
+            writer.add_tensor(name, packed, raw_dtype=kind)
+        else:
+            writer.add_tensor(name, array)
+
+    add("token_embd.weight", tensors["model.embed_tokens.weight"], ["model.embed_tokens.weight"])
+    add("output_norm.weight", tensors["model.norm.weight"], [])
+    if "lm_head.weight" in tensors:
+        add("output.weight", tensors["lm_head.weight"], ["lm_head.weight"])
+    for i in range(config["num_hidden_layers"]):
+        prefix = f"model.layers.{i}."
+        for name, t in tensors.items():
+            if not name.startswith(prefix) or ".experts." in name:
+                continue
+            module = name.removeprefix(prefix).rsplit(".", 1)[0].split(".")[-1]
+            ours = _GGUF_MOE[module]
+            add(f"blk.{i}.{ours}.weight", t, [name],
+                {"attn_q": heads, "attn_k": kv_heads}.get(ours), quantize=ours != "ffn_gate_inp")
+        for proj in sorted({n.split(".")[-2] for n in tensors if n.startswith(prefix + "")
+                            and ".experts." in n}):
+            names = [n for e in range(experts) for n in tensors
+                     if n.startswith(f"{prefix}") and f".experts.{e}.{proj}.weight" in n]
+            add(f"blk.{i}.{_GGUF_EXPERTS[proj]}.weight",
+                torch.stack([tensors[n] for n in names]), names)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    ref = Path(ref)
+    ref.mkdir(parents=True)
+    shutil.copy(src / "config.json", ref)
+    save_file({k: v.contiguous() for k, v in dequantized.items()}, ref / "model.safetensors")
     return Path(path)
 
 

@@ -144,7 +144,7 @@ def read_model_config(files: ModelFiles) -> ModelConfig:
 
 
 _GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-               "qwen3": "Qwen3ForCausalLM"}
+               "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
 
 
 def gguf_to_hf_config(path: Path) -> dict:
@@ -183,6 +183,17 @@ def gguf_to_hf_config(path: Path) -> dict:
     }
     if arch == "qwen2":
         cfg["attention_bias"] = True
+    experts = field(f"{arch}.expert_count")
+    if experts:
+        # every layer a mixture of `experts` (stacked blk.N.ffn_*_exps tensors); llama.cpp
+        # converts Mixtral to "llama" with experts, whose router weights are always renormalised
+        cfg.update(num_experts_per_tok=field(f"{arch}.expert_used_count"))
+        if arch == "llama":
+            cfg.update(architectures=["MixtralForCausalLM"], num_local_experts=experts)
+        else:
+            cfg.update(num_experts=experts, mlp_only_layers=[], decoder_sparse_step=1,
+                       moe_intermediate_size=field(f"{arch}.expert_feed_forward_length"),
+                       norm_topk_prob=bool(field(f"{arch}.expert_weights_norm", True)))
     return cfg
 
 

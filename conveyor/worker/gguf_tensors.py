@@ -1,6 +1,8 @@
 """The tensors of a GGUF file under Hugging Face names, in torch layout: llama.cpp's tensor names
 mapped back, its q/k row order undone, and Q8_0 blocks either dequantized or kept as int8 values
-with their scales (the loader, worker/loader.py, decides which).
+with their scales (the loader, worker/loader.py, decides which). A mixture of experts' stacked
+tensors (blk.N.ffn_gate_exps and the like, [E, out, in]) are dequantized and given as each
+expert's projection.
 """
 from __future__ import annotations
 
@@ -29,7 +31,11 @@ _GGUF_LAYER = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "ffn_gate_inp": "mlp.gate",                  # a mixture of experts' router
 }
+# a mixture's experts, stacked [E, out, in]: loaded as each expert's projection
+_GGUF_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
+                 "ffn_down_exps": "down_proj"}
 _GGUF_LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -64,6 +70,13 @@ def gguf_weights(reader, int8_names: set[str] = frozenset()
     # NOTE: llama.cpp's converter permutes the q/k rows of "llama" models only.
     permuted = {"self_attn.q_proj": heads, "self_attn.k_proj": kv_heads} if arch == "llama" else {}
     for tensor in reader.tensors:
+        m = _GGUF_LAYER_NAME.fullmatch(tensor.name)
+        if m and m.group(2) in _GGUF_EXPERTS:
+            stacked = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            for e, w in enumerate(torch.from_numpy(stacked.copy())):
+                yield (f"model.layers.{m.group(1)}.mlp.experts.{e}."
+                       f"{_GGUF_EXPERTS[m.group(2)]}.weight"), w
+            continue
         name = gguf_to_hf_name(tensor.name)
         if name is None:
             if tensor.name == "rope_freqs.weight":   # llama3 scaling, recomputed from the config

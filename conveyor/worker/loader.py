@@ -246,6 +246,7 @@ def _keep_q8_0(model: nn.Module, reader, keep: tuple[re.Pattern, ...]) -> set[st
     for module_name, (module, parts) in _by_module(model, is_q8_0).items():
         if (isinstance(module, LinearBase) and all(parts.values())
                 and not keep_matches(module_name, keep)
+                and not getattr(module, "keep_precision", False)     # an MoE router
                 and module.weight.shape[1] % Q8_0_GROUP == 0):
             module.make_quantized(torch.int8, module.weight.shape[1] // Q8_0_GROUP)
             names.update(parts)

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from models_util import make_tiny_gguf
+from models_util import make_tiny_gguf, make_tiny_moe_gguf
 
 from conveyor import LLM, SamplingParams
 from conveyor.shared.model_files import default_model_path
@@ -98,6 +98,38 @@ def test_gguf_q8_0_kept_in_int8_matches_dequantized(tmp_path):
                           b.prompt_logprobs[1:] + b.outputs[0].logprobs):
             assert set(pa) == set(pb)
             assert all(abs(pa[t].logprob - pb[t].logprob) < 1e-4 for t in pa)
+
+
+@pytest.mark.parametrize("arch,overrides", [
+    ("qwen3-moe", dict(mlp_only_layers=[], moe_intermediate_size=64)),
+    ("mixtral", dict(intermediate_size=64, sliding_window=None))])
+def test_gguf_moe_matches_transformers(tmp_path, arch, overrides):
+    """A mixture of experts as llama.cpp writes it (Qwen3-MoE as "qwen3moe", Mixtral as
+    "llama" with experts; each layer's experts stacked in one tensor), Q8_0: greedy tokens
+    equal to transformers on the dequantized weights. With --quantization int8 the experts are
+    quantized per row from them (the router stays in full precision)."""
+    from transformers import AutoModelForCausalLM
+
+    path = make_tiny_moe_gguf(arch, tmp_path / "moe.Q8_0.gguf", tmp_path / "ref", **overrides)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 23)]
+    # min_tokens masks EOS as the reference's min_new_tokens does
+    params = SamplingParams(temperature=0, max_tokens=10, min_tokens=10, ignore_eos=True)
+    llm = LLM(str(path), skip_tokenizer_init=True)
+    ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path / "ref", dtype=torch.float32).eval()
+    for p, got in zip(prompts, ours):
+        with torch.no_grad():
+            want = ref.generate(torch.tensor([p]), max_new_tokens=10, min_new_tokens=10,
+                                do_sample=False, pad_token_id=0,
+                                attention_mask=torch.ones(1, len(p), dtype=torch.long)
+                                )[0, len(p):].tolist()
+        assert got == want
+    int8 = LLM(str(path), skip_tokenizer_init=True, quantization="int8")
+    experts = int8.runner.model.model.layers[0].mlp
+    assert experts.experts.w13.dtype == torch.int8
+    assert experts.gate.weight.dtype == torch.float32
+    assert "model.layers.1.mlp.experts" in int8.quantization_report.quantized
 
 
 def test_gguf_q8_0_layers_kept_in_precision_are_dequantized(tmp_path):
