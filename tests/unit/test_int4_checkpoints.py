@@ -10,6 +10,23 @@ from conveyor.kernels.w4a16_gemm import dequantize_int4, pack_int4, unpack_int4,
 from conveyor.shared.model_files import read_model_config, resolve_model
 from conveyor.worker.loader import load_model
 
+
+def assert_matches_reference(ours, ref_folder, eos: int) -> None:
+    """A prompt's logits and 10 greedy tokens from `ours` equal transformers' on ref_folder
+    (the dequantized weights)."""
+    from test_models import greedy, hf_greedy, pool_for, run_step
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(ref_folder, dtype=torch.float32).eval()
+    prompt = torch.randint(3, 256, (23,), generator=torch.Generator().manual_seed(1)).tolist()
+    logits = run_step(ours, pool_for(ours), {0: prompt}, [(0, len(prompt))], 0)[0]
+    with torch.no_grad():
+        want = ref(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(logits, want, atol=1e-4, rtol=1e-4)
+    got = [t[:t.index(eos) + 1] if eos in t else t for t in greedy(ours, [prompt], 10)]
+    assert got == hf_greedy(ref, [prompt], 10)
+
+
 CASES = [("awq", 32, False), ("awq", 128, False), ("gptq", 64, False), ("gptq", 128, True),
          ("gptq", 32, True)]
 
@@ -17,9 +34,6 @@ CASES = [("awq", 32, False), ("awq", 128, False), ("gptq", 64, False), ("gptq", 
 @pytest.mark.parametrize("fmt,group,act_order", CASES)
 def test_int4_checkpoint_matches_transformers_on_dequantized_weights(tmp_path, fmt, group,
                                                                      act_order):
-    from test_models import greedy, hf_greedy, pool_for, run_step
-    from transformers import AutoModelForCausalLM
-
     src = make_tiny_model("qwen3", tmp_path / "src", hidden_size=128, intermediate_size=256,
                           head_dim=32)
     write_int4(src, tmp_path / "q", tmp_path / "ref", fmt, group, act_order)
@@ -31,16 +45,7 @@ def test_int4_checkpoint_matches_transformers_on_dequantized_weights(tmp_path, f
     assert qkv.weight.dtype == torch.int32 and qkv.weight_scale.shape[1] == 128 // group
     assert (qkv.weight_perm is not None) == act_order
     assert ours.quant_report.prequantized
-    ref = AutoModelForCausalLM.from_pretrained(tmp_path / "ref", dtype=torch.float32).eval()
-
-    prompt = torch.randint(3, 256, (23,), generator=torch.Generator().manual_seed(1)).tolist()
-    logits = run_step(ours, pool_for(ours), {0: prompt}, [(0, len(prompt))], 0)[0]
-    with torch.no_grad():
-        want = ref(torch.tensor([prompt])).logits[0]
-    torch.testing.assert_close(logits, want, atol=1e-4, rtol=1e-4)
-    eos = config.eos_token_ids[0]
-    got = [t[:t.index(eos) + 1] if eos in t else t for t in greedy(ours, [prompt], 10)]
-    assert got == hf_greedy(ref, [prompt], 10)
+    assert_matches_reference(ours, tmp_path / "ref", config.eos_token_ids[0])
 
 
 def test_pack_unpack_and_reference():
@@ -88,9 +93,6 @@ def test_moe_int4_checkpoint_matches_transformers(tmp_path, fmt, group):
     """Qwen3-MoE with every expert in 4 bits (as Qwen3-30B-A3B-GPTQ-Int4 and the AWQ releases
     are published): the experts keep their words, scales and zero points, and the logits and
     greedy tokens are transformers' on the dequantized weights (group 0: one a row)."""
-    from test_models import greedy, hf_greedy, pool_for, run_step
-    from transformers import AutoModelForCausalLM
-
     src = make_tiny_model("qwen3-moe", tmp_path / "src", hidden_size=128, head_dim=32,
                           moe_intermediate_size=64, intermediate_size=256)
     write_int4(src, tmp_path / "q", tmp_path / "ref", fmt, group or -1)
@@ -103,32 +105,20 @@ def test_moe_int4_checkpoint_matches_transformers(tmp_path, fmt, group):
     assert experts.w13_zero.shape == (6, 128, groups[0])
     assert experts.w2_scale.shape == (6, 128, groups[1])
     assert "model.layers.2.mlp.experts" in ours.quant_report.prequantized
-    ref = AutoModelForCausalLM.from_pretrained(tmp_path / "ref", dtype=torch.float32).eval()
-    prompt = torch.randint(3, 256, (23,), generator=torch.Generator().manual_seed(1)).tolist()
-    logits = run_step(ours, pool_for(ours), {0: prompt}, [(0, len(prompt))], 0)[0]
-    with torch.no_grad():
-        want = ref(torch.tensor([prompt])).logits[0]
-    torch.testing.assert_close(logits, want, atol=1e-4, rtol=1e-4)
-    eos = config.eos_token_ids[0]
-    got = [t[:t.index(eos) + 1] if eos in t else t for t in greedy(ours, [prompt], 10)]
-    assert got == hf_greedy(ref, [prompt], 10)
+    assert_matches_reference(ours, tmp_path / "ref", config.eos_token_ids[0])
 
 
 def test_mixtral_gptq_checkpoint_matches_transformers(tmp_path):
     """Mixtral's experts (block_sparse_moe.experts.{e}.w1/w3/w2) in 4 bits load into the same
     stacked experts."""
-    from test_models import greedy, hf_greedy
-    from transformers import AutoModelForCausalLM
-
     src = make_tiny_model("mixtral", tmp_path / "src", hidden_size=128, head_dim=32,
                           intermediate_size=64)
     write_int4(src, tmp_path / "q", tmp_path / "ref", "gptq", 32)
     files = resolve_model(str(tmp_path / "q"))
-    ours = load_model(read_model_config(files), files, torch.float32, "cpu", quantization="gptq")
+    config = read_model_config(files)
+    ours = load_model(config, files, torch.float32, "cpu", quantization="gptq")
     assert ours.model.layers[1].mlp.experts.w2.dtype == torch.int32
-    ref = AutoModelForCausalLM.from_pretrained(tmp_path / "ref", dtype=torch.float32).eval()
-    prompt = torch.randint(3, 256, (23,), generator=torch.Generator().manual_seed(2)).tolist()
-    assert greedy(ours, [prompt], 10) == hf_greedy(ref, [prompt], 10)
+    assert_matches_reference(ours, tmp_path / "ref", config.eos_token_ids[0])
 
 
 def test_moe_act_order_checkpoint_is_refused(tmp_path):
