@@ -39,6 +39,16 @@ _GGUF_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
 _GGUF_LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
+def expert_names(tensor) -> list[str] | None:
+    """The Hugging Face names of a stacked experts tensor's experts, in order (None for any
+    other tensor)."""
+    m = _GGUF_LAYER_NAME.fullmatch(tensor.name)
+    if not (m and m.group(2) in _GGUF_EXPERTS):
+        return None
+    return [f"model.layers.{m.group(1)}.mlp.experts.{e}.{_GGUF_EXPERTS[m.group(2)]}.weight"
+            for e in range(len(tensor.data))]
+
+
 def gguf_to_hf_name(name: str) -> str | None:
     """The Hugging Face name of a GGUF tensor, or None if it has none."""
     if name in _GGUF_GLOBAL:
@@ -59,7 +69,8 @@ def gguf_weights(reader, int8_names: set[str] = frozenset()
                  ) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors of a GGUF file (an open gguf.GGUFReader) in torch layout [out, in] under
     Hugging Face names, dequantized to float32; Q8_0 tensors named in `int8_names` instead as
-    int8 values and their float32 scales [out, in / 32] (under the name + "_scale")."""
+    int8 values and their float32 scales [out, in / 32] (under the name + "_scale"), a stack of
+    experts whose first expert is named there likewise for each expert."""
     import gguf
 
     fields = reader.fields
@@ -70,12 +81,18 @@ def gguf_weights(reader, int8_names: set[str] = frozenset()
     # NOTE: llama.cpp's converter permutes the q/k rows of "llama" models only.
     permuted = {"self_attn.q_proj": heads, "self_attn.k_proj": kv_heads} if arch == "llama" else {}
     for tensor in reader.tensors:
-        m = _GGUF_LAYER_NAME.fullmatch(tensor.name)
-        if m and m.group(2) in _GGUF_EXPERTS:
+        experts = expert_names(tensor)
+        if experts is not None and experts[0] in int8_names:
+            data = tensor.data
+            q, scale = q8_0_blocks(data.reshape(-1, data.shape[-1]))
+            for name, qe, se in zip(experts, q.view(len(experts), -1, q.shape[1]),
+                                    scale.view(len(experts), -1, scale.shape[1])):
+                yield name, qe
+                yield name + "_scale", se
+            continue
+        if experts is not None:
             stacked = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-            for e, w in enumerate(torch.from_numpy(stacked.copy())):
-                yield (f"model.layers.{m.group(1)}.mlp.experts.{e}."
-                       f"{_GGUF_EXPERTS[m.group(2)]}.weight"), w
+            yield from zip(experts, torch.from_numpy(stacked.copy()))
             continue
         name = gguf_to_hf_name(tensor.name)
         if name is None:

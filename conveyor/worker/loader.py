@@ -30,7 +30,7 @@ from torch import nn
 
 from conveyor.shared.model_config import ModelConfig
 from conveyor.shared.model_files import ModelFiles
-from conveyor.worker.gguf_tensors import gguf_to_hf_name, gguf_weights
+from conveyor.worker.gguf_tensors import expert_names, gguf_to_hf_name, gguf_weights
 from conveyor.worker.layers.linear import LinearBase, default_weight_loader
 from conveyor.worker.layers.moe import EXPERT_PARTS, FusedMoE
 from conveyor.worker.layers.pipeline import stage_weight_name
@@ -232,19 +232,24 @@ def _with_scales(weights: Weights, rows_of: dict[str, int],
 
 
 def _keep_q8_0(model: nn.Module, reader, keep: tuple[re.Pattern, ...]) -> set[str]:
-    """Make the linear layers whose every checkpoint weight is GGUF Q8_0 take int8 weights and
-    group scales (layers matched by `keep`, or whose input is not whole blocks, are left as they
-    are); returns the checkpoint names to load without dequantizing."""
+    """Make the linear layers (and experts) whose every checkpoint weight is GGUF Q8_0 take int8
+    weights and group scales (layers matched by `keep`, or whose input is not whole blocks, are
+    left as they are); returns the checkpoint names to load without dequantizing."""
     import gguf
 
     is_q8_0 = {}                              # checkpoint weight name -> stored as Q8_0
     for tensor in reader.tensors:
-        name = gguf_to_hf_name(tensor.name)
-        if name is not None and name.endswith(".weight"):
-            is_q8_0[name] = tensor.tensor_type == gguf.GGMLQuantizationType.Q8_0
+        for name in expert_names(tensor) or [gguf_to_hf_name(tensor.name)]:
+            if name is not None and name.endswith(".weight"):
+                is_q8_0[name] = tensor.tensor_type == gguf.GGMLQuantizationType.Q8_0
     names = set()
     for module_name, (module, parts) in _by_module(model, is_q8_0).items():
-        if (isinstance(module, LinearBase) and all(parts.values())
+        if (isinstance(module, FusedMoE) and all(parts.values())
+                and not keep_matches(module_name, keep)
+                and module.w13.shape[2] % Q8_0_GROUP == 0 and module.inter % Q8_0_GROUP == 0):
+            module.make_quantized(torch.int8, Q8_0_GROUP)     # scales a row and 32 inputs
+            names.update(parts)
+        elif (isinstance(module, LinearBase) and all(parts.values())
                 and not keep_matches(module_name, keep)
                 and not getattr(module, "keep_precision", False)     # an MoE router
                 and module.weight.shape[1] % Q8_0_GROUP == 0):

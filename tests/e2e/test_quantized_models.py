@@ -106,8 +106,9 @@ def test_gguf_q8_0_kept_in_int8_matches_dequantized(tmp_path):
 def test_gguf_moe_matches_transformers(tmp_path, arch, overrides):
     """A mixture of experts as llama.cpp writes it (Qwen3-MoE as "qwen3moe", Mixtral as
     "llama" with experts; each layer's experts stacked in one tensor), Q8_0: greedy tokens
-    equal to transformers on the dequantized weights. With --quantization int8 the experts are
-    quantized per row from them (the router stays in full precision)."""
+    equal to transformers on the dequantized weights. With --quantization int8 the experts keep
+    the file's int8 values and scales of 32 inputs (the router stays in full precision), and
+    give the same tokens."""
     from transformers import AutoModelForCausalLM
 
     path = make_tiny_moe_gguf(arch, tmp_path / "moe.Q8_0.gguf", tmp_path / "ref", **overrides)
@@ -126,10 +127,11 @@ def test_gguf_moe_matches_transformers(tmp_path, arch, overrides):
                                 )[0, len(p):].tolist()
         assert got == want
     int8 = LLM(str(path), skip_tokenizer_init=True, quantization="int8")
-    experts = int8.runner.model.model.layers[0].mlp
-    assert experts.experts.w13.dtype == torch.int8
-    assert experts.gate.weight.dtype == torch.float32
-    assert "model.layers.1.mlp.experts" in int8.quantization_report.quantized
+    mlp = int8.runner.model.model.layers[0].mlp
+    assert mlp.experts.w13.dtype == torch.int8 and mlp.experts.w13_scale.shape[2] == 64 // 32
+    assert mlp.gate.weight.dtype == torch.float32
+    assert "model.layers.1.mlp.experts" in int8.quantization_report.prequantized
+    assert [o.outputs[0].token_ids for o in int8.generate(prompts, params, use_tqdm=False)] == ours
 
 
 def test_gguf_q8_0_layers_kept_in_precision_are_dequantized(tmp_path):

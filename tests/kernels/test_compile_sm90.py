@@ -213,6 +213,10 @@ def test_w4a16_and_fused_moe_kernels(compiled, m):
               torch.zeros(experts, 2 * inter, h, dtype=torch.float8_e4m3fn),
               torch.zeros(experts, h, inter, dtype=torch.float8_e4m3fn), weights, ids, None,
               s13, s2)
+    fused_moe(torch.zeros(m, h, dtype=BF),                  # GGUF Q8_0: groups of 32
+              torch.zeros(experts, 2 * inter, h, dtype=torch.int8),
+              torch.zeros(experts, h, inter, dtype=torch.int8), weights, ids, None,
+              torch.ones(experts, 2 * inter, h // 32), torch.ones(experts, h, inter // 32))
     fused_moe(torch.zeros(m, h, dtype=BF),
               torch.zeros(experts, 2 * inter, h // 8, dtype=torch.int32),
               torch.zeros(experts, h, inter // 8, dtype=torch.int32), weights, ids, None,

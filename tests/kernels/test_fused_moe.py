@@ -92,13 +92,15 @@ def test_fused_moe_quantized_experts(mode, device):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int8])
 @pytest.mark.parametrize("t,h,inter,block", [(1, 96, 64, 32), (21, 160, 96, 32),
                                              (300, 256, 384, 128), (7, 128, 64, 64)])
-def test_fused_moe_block_scaled_experts(t, h, inter, block, device):
-    """fp8 experts with square block scales (an fp8 checkpoint's, each block row's scales
-    repeated for its rows): each K step's weight tile is scaled by its group before its dot,
-    at each tile class (1-8, 9-32, more rows an expert); the reference takes the weights
-    dequantized to bf16, as the tiles make them, and computes in float32."""
+def test_fused_moe_block_scaled_experts(t, h, inter, block, dtype, device):
+    """1-byte experts with square block scales (an fp8 checkpoint's, each block row's scales
+    repeated for its rows; GGUF Q8_0's int8 groups of 32 take the same path): each K step's
+    weight tile is scaled by its group before its dot, at each tile class (1-8, 9-32, more
+    rows an expert); the reference takes the weights dequantized to bf16, as the tiles make
+    them, and computes in float32."""
     from conveyor.kernels.fused_moe import dequantize_experts
 
     gen = torch.Generator(device=device).manual_seed(t + h)
@@ -112,9 +114,10 @@ def test_fused_moe_block_scaled_experts(t, h, inter, block, device):
         w = (w.view(experts, n // block, block, k // block, block)
              * (size * 4 - 4).exp2()).view(experts, n, k)
         amax = w.view(experts, n // block, block, k // block, block).abs().amax((2, 4))
-        scale = (amax / 448).repeat_interleave(block, 1)                 # [E, N, K / block]
-        q = (w / scale.repeat_interleave(block, 2)).to(torch.float8_e4m3fn)
-        return q, scale.contiguous()
+        top = 448 if dtype == torch.float8_e4m3fn else 127
+        scale = (amax / top).repeat_interleave(block, 1)                 # [E, N, K / block]
+        q = w / scale.repeat_interleave(block, 2)
+        return (q if dtype == torch.float8_e4m3fn else q.round()).to(dtype), scale.contiguous()
 
     w13, s13 = blocked(2 * inter, h)
     w2, s2 = blocked(h, inter)
