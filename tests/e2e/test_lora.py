@@ -240,7 +240,8 @@ def test_tp2_shards_adapters_like_the_base(models, expected):
 
     base, adapters = models
     server = start_server("--model", str(base), "--skip-tokenizer-init", "--tp", "2",
-                          "--port", "-1", "--enable-lora", "--max-loras", "2", "--lora-modules",
+                          "--port", "-1", "--device", "cpu", "--enable-lora", "--max-loras",
+                          "2", "--lora-modules",
                           *[f"{n}={p}" for n, p in adapters.items()])
     try:
         with Client(server.addresses[0], timeout=120) as client:
@@ -379,8 +380,8 @@ def test_tp2_with_stacked_layers(tmp_path):
     assert _stacked(one) == {True}
     del one
     server = start_server("--model", str(base), "--skip-tokenizer-init", "--tp", "2",
-                          "--port", "-1", "--enable-lora", "--max-loras", "1",
-                          "--lora-modules", f"a={adapter}")
+                          "--port", "-1", "--device", "cpu", "--enable-lora", "--max-loras",
+                          "1", "--lora-modules", f"a={adapter}")
     try:
         with Client(server.addresses[0], timeout=120) as client:
             for name in ("a", None):

@@ -32,14 +32,16 @@ def llama5(tmp_path_factory) -> str:
 
 
 def one_process(path: str, prompts=PROMPTS, params=GREEDY) -> list[list[int]]:
-    llm = LLM(model=path, skip_tokenizer_init=True, **ENGINE)
+    llm = LLM(model=path, skip_tokenizer_init=True, device="cpu", **ENGINE)
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
 def served(path: str, *args: str, prompts=PROMPTS, params=GREEDY) -> list[list[int]]:
     from conveyor.client import Client
 
-    server = start_server("--model", path, "--skip-tokenizer-init", "--port", "-1", *args)
+    device = () if "--device" in args else ("--device", "cpu")   # gloo unless told
+    server = start_server("--model", path, "--skip-tokenizer-init", "--port", "-1", *device,
+                          *args)
     try:
         with Client(server.addresses[0], timeout=60) as client:
             return [r.outputs[0].token_ids for r in client.generate(prompts, params)]
@@ -80,7 +82,7 @@ def test_arrivals_preemption_and_abort_under_pp2(llama5):
     reference = one_process(llama5, prompts, params)
     server = start_server("--model", llama5, "--skip-tokenizer-init", "--port", "-1",
                           "--pp", "2", "--num-kv-blocks", "20", "--block-size", "4",
-                          "--max-num-seqs", "8")
+                          "--max-num-seqs", "8", "--device", "cpu")
 
     async def run():
         client = AsyncClient(server.addresses[0])
@@ -120,7 +122,7 @@ def test_structured_outputs_at_pp2():
                                                                          "apple pie"]))
     regex = SamplingParams(temperature=0.8, seed=1, max_tokens=30,
                            structured_outputs=StructuredOutputs(regex=r"[0-9]{3}-[a-z]{4}"))
-    server = start_server("--pp", "2", "--port", "-1", "--frontends", "1")
+    server = start_server("--pp", "2", "--port", "-1", "--frontends", "1", "--device", "cpu")
     try:
         with Client(server.addresses[0], timeout=120) as client:
             chosen = [o.outputs[0].text for o in client.generate(

@@ -185,10 +185,10 @@ def test_fp8_checkpoint_at_tp2_stays_close_to_tp1(tiny, tmp_path):
     (measured: 0.077 on this model, whose weights are large: initializer_range 0.2)."""
     make_checkpoint(tiny, tmp_path / "fp8", "compressed-tensors", "channel")
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
-    llm = LLM(model=str(tmp_path / "fp8"), **ENGINE)
+    llm = LLM(model=str(tmp_path / "fp8"), device="cpu", **ENGINE)
     reference = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     served = served_outputs(PROMPTS, params, "--model", str(tmp_path / "fp8"), "--tp", "2",
-                            "--skip-tokenizer-init")
+                            "--device", "cpu", "--skip-tokenizer-init")
     assert_top5_close(reference, served)
     for one, other in zip(reference, served):
         first = one.token_ids[0]
@@ -287,7 +287,7 @@ def test_moe_block_checkpoint_at_tp2_equals_tp1(tiny_moe, tmp_path):
     the top-5 rule (STYLE.md)."""
     make_checkpoint(tiny_moe, tmp_path / "fp8", "fp8", "block")
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
-    llm = LLM(model=str(tmp_path / "fp8"), **ENGINE)
+    llm = LLM(model=str(tmp_path / "fp8"), device="cpu", **ENGINE)
     reference = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     served = served_outputs(PROMPTS, params, "--model", str(tmp_path / "fp8"), "--tp", "2",
                             "--device", "cpu", "--skip-tokenizer-init")
@@ -301,7 +301,7 @@ def test_moe_awq_checkpoint_at_tp2_equals_tp1(tiny_moe, tmp_path):
 
     write_int4(tiny_moe, tmp_path / "awq", tmp_path / "ref", "awq", BLOCK)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
-    llm = LLM(model=str(tmp_path / "awq"), **ENGINE)
+    llm = LLM(model=str(tmp_path / "awq"), device="cpu", **ENGINE)
     assert llm.runner.model.model.layers[0].mlp.experts.w13.dtype == torch.int32
     reference = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     served = served_outputs(PROMPTS, params, "--model", str(tmp_path / "awq"), "--tp", "2",

@@ -31,7 +31,8 @@ SHAPE = dict(hidden_size=64, head_dim=8, num_attention_heads=8, num_key_value_he
              intermediate_size=128, vocab_size=250, max_position_embeddings=512)
 PROMPTS = [[5, 17, 200, 31], list(range(40, 77)), [249, 0, 1]]
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-RAY = ["--distributed-executor-backend", "ray", "--skip-tokenizer-init", "--port", "-1"]
+RAY = ["--distributed-executor-backend", "ray", "--skip-tokenizer-init", "--port", "-1",
+       "--device", "cpu"]
 
 
 def _processes() -> dict[int, tuple[str, int]]:
@@ -132,7 +133,7 @@ def _fails_fast(args: list[str], within_s: float = 60) -> str:
 @pytest.fixture(scope="module")
 def reference(model) -> list[list[int]]:
     """One in-process engine's greedy tokens."""
-    llm = LLM(model=model, skip_tokenizer_init=True, max_num_seqs=64,
+    llm = LLM(model=model, skip_tokenizer_init=True, max_num_seqs=64, device="cpu",
               kv_cache_memory_bytes=64 << 20, max_model_len=512)
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 

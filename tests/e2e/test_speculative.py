@@ -184,7 +184,7 @@ def test_served_with_tp2_matches_tp1(tmp_path):
     reference = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
     got = served_outputs(PROMPTS, GREEDY, "--model", path, "--tp", "2", "--skip-tokenizer-init",
-                         "--speculative-config", spec)
+                         "--speculative-config", spec, "--device", "cpu")
     assert [o.token_ids for o in got] == reference
 
 

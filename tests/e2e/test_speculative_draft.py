@@ -141,7 +141,8 @@ def test_served_with_tp2_matches_tp1(tmp_path):
     reference = [o.outputs[0].token_ids
                  for o in llm.generate(PROMPTS, TP_GREEDY, use_tqdm=False)]
     got = served_outputs(PROMPTS, TP_GREEDY, "--model", path, "--tp", "2",
-                         "--skip-tokenizer-init", "--speculative-config", json.dumps(FIRST_LAYER))
+                         "--skip-tokenizer-init", "--speculative-config", json.dumps(FIRST_LAYER),
+                         "--device", "cpu")
     assert [o.token_ids for o in got] == reference
 
 

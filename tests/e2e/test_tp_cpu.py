@@ -17,7 +17,8 @@ SHAPE = dict(hidden_size=64, head_dim=8, num_attention_heads=8, num_key_value_he
              intermediate_size=128, vocab_size=250, max_position_embeddings=512)
 PROMPTS = [[5, 17, 200, 31], list(range(40, 77)), [9] * 3 + list(range(100, 120)), [249, 0, 1]]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-ENGINE = dict(max_num_seqs=64, kv_cache_memory_bytes=64 << 20, max_model_len=512)
+# on the CPU (gloo) even where a GPU is present
+ENGINE = dict(max_num_seqs=64, kv_cache_memory_bytes=64 << 20, max_model_len=512, device="cpu")
 
 
 def tp1_tokens(path: str, **engine) -> list[list[int]]:
@@ -27,7 +28,7 @@ def tp1_tokens(path: str, **engine) -> list[list[int]]:
 
 def served_tokens(path: str, tp: int, *args: str) -> list[list[int]]:
     return [o.token_ids for o in served_outputs(PROMPTS, GREEDY, "--model", path, "--tp", str(tp),
-                                                "--skip-tokenizer-init", *args)]
+                                                "--skip-tokenizer-init", "--device", "cpu", *args)]
 
 
 def test_tp2_and_tp4_match_tp1(tmp_path):
@@ -58,7 +59,7 @@ def test_quantized_tp2_stays_close_to_tp1(tmp_path):
     llm = LLM(model=path, skip_tokenizer_init=True, **ENGINE, **quant)
     reference = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     served = served_outputs(PROMPTS, params, "--model", path, "--tp", "2", "--skip-tokenizer-init",
-                            "--quantization", "int8", "--kv-cache-dtype", "fp8")
+                            "--quantization", "int8", "--kv-cache-dtype", "fp8", "--device", "cpu")
     assert all(len(o.token_ids) == 12 for o in served)
     assert_top5_close(reference, served)
 

@@ -31,7 +31,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "conveyor"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     keys = tmp_path_factory.mktemp("curve")
-    with launch("--tp", "3", "--max-num-seqs", "4", api_key=KEY, curve_keys=keys) as s:
+    with launch("--tp", "3", "--device", "cpu", "--max-num-seqs", "4", api_key=KEY,
+                curve_keys=keys) as s:
         yield s
 
 

@@ -38,7 +38,7 @@ def test_missing_model(tmp_path):
 
 @needs_model
 def test_tp_not_dividing_heads():
-    assert "attention heads" in _one_line_failure("--tp", "2")
+    assert "attention heads" in _one_line_failure("--tp", "2", "--device", "cpu")
 
 
 @needs_model
