@@ -185,7 +185,10 @@ def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_id
     for k0 in range(0, K, BLOCK_K):
         k_ok = offs_k + k0 < K
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w_ok = offs_w + k0 // (8 if INT4 else 1) < K // (8 if INT4 else 1)
+        if INT4:
+            w_ok = offs_w + k0 // 8 < K // 8
+        else:
+            w_ok = k_ok
         w = tl.load(w_ptrs, mask=w_ok[:, None] & n_ok[None, :], other=0.0)
         if GROUP_K:
             s_at = expert * stride_se + offs_n * stride_sn + k0 // GROUP_K
