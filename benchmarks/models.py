@@ -130,7 +130,7 @@ def build_random_quantized(shape: str, fmt: str, folder: str | Path | None = Non
     gen = torch.Generator().manual_seed(seed)
     std = config.initializer_range
     eights = torch.tensor(0x88888888 - 2 ** 32, dtype=torch.int32)   # zero point 8, 8 nibbles
-    tensors, part, fp8_values = {}, 0, {}
+    tensors, part, drawn = {}, 0, {}
 
     def flush():
         nonlocal tensors, part
@@ -142,16 +142,19 @@ def build_random_quantized(shape: str, fmt: str, folder: str | Path | None = Non
         if len(shp) == 2 and name.startswith("model.layers.") and ".mlp.gate.weight" not in name:
             n, k = shp
             stem = name.removesuffix(".weight")
-            if fmt == "fp8":      # one random tensor a shape, copied: 30B values drawn
-                if shp not in fp8_values:         # one by one take minutes
-                    fp8_values[shp] = torch.randn(shp, generator=gen).to(torch.float8_e4m3fn)
-                tensors[name] = fp8_values[shp].clone()
+            # one random tensor a shape, copied: drawing an MoE's 30B values one expert at a
+            # time takes minutes
+            if shp not in drawn:
+                drawn[shp] = (torch.randn(shp, generator=gen).to(torch.float8_e4m3fn)
+                              if fmt == "fp8" else
+                              torch.randint(-2 ** 31, 2 ** 31 - 1, (k, n // 8) if fmt == "awq"
+                                            else (k // 8, n), generator=gen, dtype=torch.int32))
+            if fmt == "fp8":
+                tensors[name] = drawn[shp].clone()
                 tensors[stem + ".weight_scale_inv"] = torch.full((-(-n // group), k // group),
                                                                  std)
                 continue
-            words = torch.randint(-2 ** 31, 2 ** 31 - 1, (k, n // 8) if fmt == "awq"
-                                  else (k // 8, n), generator=gen, dtype=torch.int32)
-            tensors[stem + ".qweight"] = words
+            tensors[stem + ".qweight"] = drawn[shp].clone()
             tensors[stem + ".qzeros"] = eights.expand(k // group, n // 8).clone()
             tensors[stem + ".scales"] = torch.full((k // group, n), std / 4, dtype=torch.float16)
             if fmt == "gptq":

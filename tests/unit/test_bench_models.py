@@ -42,8 +42,8 @@ def test_random_quantized_checkpoints_load_and_run(tmp_path):
     moe = dict(small, hidden_size=256, moe_intermediate_size=128, num_experts=4,
                num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2)
     for shape, fmt, extra in (("qwen3-0.6b", "awq", small), ("qwen3-0.6b", "gptq", small),
-                              ("qwen3-30b-a3b", "fp8", moe)):
-        path = build_random_quantized(shape, fmt, tmp_path / fmt, **extra)
+                              ("qwen3-30b-a3b", "fp8", moe), ("qwen3-30b-a3b", "awq", moe)):
+        path = build_random_quantized(shape, fmt, tmp_path / f"{shape}-{fmt}", **extra)
         llm = LLM(model=str(path), device="cpu", skip_tokenizer_init=True,
                   kv_cache_memory_bytes=16 << 20, max_model_len=64)
         assert llm.quantization_report.mode == fmt
