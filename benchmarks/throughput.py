@@ -19,6 +19,7 @@ finds none of its prompts in the prefix cache.
 
     python scripts/bench_throughput.py --shape qwen3-0.6b --random-weights [--compare-hf]
     python scripts/bench_throughput.py --shape llama3.1-8b --random-weights --kv-cache-dtype fp8
+    python scripts/bench_throughput.py --shape qwen3-30b-a3b --random-weights --fp8-blocks
     python scripts/bench_throughput.py --model /path/to/hf/folder
     python scripts/bench_throughput.py --shape llama3.1-70b --random-weights --tp 8
 
