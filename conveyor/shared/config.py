@@ -166,6 +166,11 @@ class EngineConfig:
         if self.speculative_config is not None:
             object.__setattr__(self, "speculative_config",
                                SpeculativeConfig.parse(self.speculative_config))
+            draft_tp = self.speculative_config.draft_tensor_parallel_size
+            if draft_tp not in (None, 1, self.tensor_parallel_size):
+                raise ValueError(f"speculative_config: draft_tensor_parallel_size must be 1 or "
+                                 f"tensor_parallel_size ({self.tensor_parallel_size}), got "
+                                 f"{draft_tp}")
         if self.pipeline_parallel_size > 1:
             # NOTE: each of these needs what only one stage has: guesses are verified and
             # rolled back where they are drawn, adapters span every layer, and the fp8 KV

@@ -4,6 +4,8 @@
      "prompt_lookup_max": 5}
     {"method": "draft_model", "model": "PATH", "num_speculative_tokens": 4}
     {"method": "draft_model", "draft_num_layers": 4, "num_speculative_tokens": 4}
+    {"method": "draft_model", "model": "PATH", "num_speculative_tokens": 4,
+     "draft_tensor_parallel_size": 1}
 
 A proposer (conveyor/worker/spec/) guesses up to num_speculative_tokens next tokens of a
 sequence; the target model scores them all in one forward pass and keeps the longest run its
@@ -35,6 +37,9 @@ class SpeculativeConfig:
     # draft_model: the draft is the first N decoder layers of `model` (or, without one, of the
     # target itself) followed by its final norm and head: a model drafting for itself
     draft_num_layers: int | None = None
+    # draft_model: 1 runs the draft whole on the first rank (for a draft whose heads do not
+    # split over the target's ranks); None or the target's tensor_parallel_size shards it
+    draft_tensor_parallel_size: int | None = None
     # no speculation while at least this many requests run: a large batch is compute-bound,
     # and a step that verifies gives up the overlap of planning with the device
     disable_by_batch_size: int | None = None          # None: DISABLE_BY_BATCH_SIZE
@@ -53,14 +58,14 @@ class SpeculativeConfig:
         if self.num_speculative_tokens is None:
             fail("num_speculative_tokens", "is required")
         for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
-                    "disable_by_batch_size", "draft_num_layers"):
+                    "disable_by_batch_size", "draft_num_layers", "draft_tensor_parallel_size"):
             positive_int(key)
         if self.disable_by_batch_size is None:
             object.__setattr__(self, "disable_by_batch_size", DISABLE_BY_BATCH_SIZE)
         if self.num_speculative_tokens > 32:
             fail("num_speculative_tokens", "must be at most 32")
         if self.method == "ngram":
-            for key in ("model", "draft_num_layers"):
+            for key in ("model", "draft_num_layers", "draft_tensor_parallel_size"):
                 if getattr(self, key) is not None:
                     fail(key, "is for method draft_model only")
             lo, hi = self.prompt_lookup_min, self.prompt_lookup_max

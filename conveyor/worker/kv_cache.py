@@ -13,6 +13,7 @@ import torch
 
 from conveyor.shared.config import EngineConfig
 from conveyor.shared.model_config import ModelConfig
+from conveyor.worker.layers.parallel import tp_size
 from conveyor.worker.layers.pipeline import stage
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -23,13 +24,14 @@ def kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtyp
     return FP8_DTYPE if config.kv_cache_fp8 else model_dtype
 
 
-def kv_heads_per_rank(model: ModelConfig, tp_size: int) -> int:
-    # NOTE: with more ranks than KV heads, each KV head is replicated on several ranks.
-    return max(1, model.num_key_value_heads // tp_size)
+def kv_heads_per_rank(model: ModelConfig) -> int:
+    """The KV heads this rank holds (its tensor-parallel group's share, as its attention
+    layers have). NOTE: with more ranks than KV heads, each is replicated on several ranks."""
+    return max(1, model.num_key_value_heads // tp_size())
 
 
 def bytes_per_block(model: ModelConfig, config: EngineConfig, dtype: torch.dtype) -> int:
-    per_layer = 2 * config.block_size * kv_heads_per_rank(model, config.tensor_parallel_size)
+    per_layer = 2 * config.block_size * kv_heads_per_rank(model)
     per_layer *= model.head_dim * torch.empty((), dtype=dtype).element_size()
     return per_layer * len(stage().layers(model.num_hidden_layers))
 
@@ -41,7 +43,6 @@ def num_blocks_for_budget(model: ModelConfig, config: EngineConfig, dtype: torch
 
 def allocate_kv_cache(model: ModelConfig, config: EngineConfig, num_blocks: int,
                       dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
-    shape = (num_blocks, 2, config.block_size,
-             kv_heads_per_rank(model, config.tensor_parallel_size), model.head_dim)
+    shape = (num_blocks, 2, config.block_size, kv_heads_per_rank(model), model.head_dim)
     return [torch.zeros(shape, dtype=dtype, device=device)
             for _ in stage().layers(model.num_hidden_layers)]

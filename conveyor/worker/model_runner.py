@@ -38,12 +38,12 @@ from conveyor.worker.kv_cache import (
 )
 from conveyor.worker.kv_scales import calibrate_kv_scales, set_kv_scales
 from conveyor.worker.layers.lora import LoRABatch
-from conveyor.worker.layers.parallel import min_over_ranks, tp_rank
+from conveyor.worker.layers.parallel import min_over_ranks, tp_rank, tp_size
 from conveyor.worker.layers.pipeline import recv_activations, send_activations, stage
 from conveyor.worker.layers.quantization import QuantReport, check_device, resolve_mode
 from conveyor.worker.loader import load_model
 from conveyor.worker.sampler import Sampler, SeqSamplingState
-from conveyor.worker.spec import ModelProposer, make_proposer
+from conveyor.worker.spec import ModelProposer, NoGuesses, make_proposer
 from conveyor.worker.step_inputs import StepInputs
 from conveyor.worker.structured import StructuredOutputMasks
 
@@ -107,11 +107,17 @@ class ModelRunner:
                                                     config.max_num_seqs, self.device)
         spec = config.speculative
         self.drafter: ModelProposer | None = None   # draft_model: the draft, its pool and q
+        proposer = make_proposer(spec) if spec is not None and spec.method == "ngram" else None
         if spec is not None and spec.method == "draft_model":
             from conveyor.worker.spec.draft_model import DraftModelProposer
 
-            self.drafter = DraftModelProposer(config, model_config, files, self.dtype,
-                                              self.device, max_model_len)
+            replicated = spec.draft_tensor_parallel_size == 1 and tp_size() > 1
+            if replicated and tp_rank() != 0:
+                proposer = NoGuesses()        # rank 0 holds the whole draft and guesses
+            else:
+                self.drafter = proposer = DraftModelProposer(
+                    config, model_config, files, self.dtype, self.device, max_model_len,
+                    replicated)
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.graphs = None      # CUDA graphs of the forward pass, made once the pool exists
@@ -135,7 +141,6 @@ class ModelRunner:
         if self.drafter is not None:
             self.drafter.bind(self.num_blocks, self.slots, self.inputs, self.sampler, graph_args)
         # the draw holds the proposer: it guesses once a step's tokens are read
-        proposer = self.drafter or (make_proposer(spec) if spec is not None else None)
         self.draw = StepDraw(self.sampler, self.structured, proposer, self.drafter, self.slots,
                              self.block_size, self.device)
 

@@ -146,6 +146,49 @@ def test_served_with_tp2_matches_tp1(tmp_path):
     assert [o.token_ids for o in got] == reference
 
 
+@pytest.mark.slow
+def test_a_draft_replicated_on_one_rank_at_tp2(tmp_path):
+    """draft_tensor_parallel_size 1 at --tp 2 (gloo): rank 0 holds the whole draft and guesses
+    alone. The target drafting for itself (its heads would split too) has nearly every guess
+    accepted, so rank 0's guesses verify on both ranks; a draft of 3 heads, which does not
+    split over 2 ranks, is refused without the option and gives TP 1's tokens with it."""
+    from serve_util import start_server
+    from test_tp_cpu import ENGINE, PROMPTS, SHAPE
+    from test_tp_cpu import GREEDY as TP_GREEDY
+
+    from conveyor.client import Client
+
+    path = str(make_tiny_model("llama", tmp_path / "llama", **SHAPE))
+    reference = [o.outputs[0].token_ids
+                 for o in LLM(model=path, skip_tokenizer_init=True, **ENGINE).generate(
+                     PROMPTS, TP_GREEDY, use_tqdm=False)]
+    odd = make_tiny_model("llama", tmp_path / "odd", seed=1, num_hidden_layers=1, hidden_size=24,
+                          head_dim=8, num_attention_heads=3, num_key_value_heads=1,
+                          intermediate_size=48, vocab_size=SHAPE["vocab_size"])
+    whole = {"method": "draft_model", "num_speculative_tokens": 3,
+             "draft_tensor_parallel_size": 1}
+    def serve(spec):
+        return start_server("--model", path, "--tp", "2", "--device", "cpu", "--port", "-1",
+                            "--skip-tokenizer-init", "--speculative-config", json.dumps(spec))
+
+    sharded = {**whole, "model": str(odd)}
+    del sharded["draft_tensor_parallel_size"]
+    with pytest.raises(RuntimeError, match="draft_tensor_parallel_size 1 runs it whole"):
+        serve(sharded).kill_all()
+    for spec, accepted in (({**whole, "draft_num_layers": 2}, 0.95),
+                           ({**whole, "model": str(odd)}, 0.0)):
+        server = serve(spec)
+        try:
+            with Client(server.addresses[0], timeout=60) as client:
+                got = [r.outputs[0].token_ids for r in client.generate(PROMPTS, TP_GREEDY)]
+                stats = client.stats()
+        finally:
+            server.kill_all()
+        assert got == reference, spec
+        assert stats.spec_num_draft_tokens > 0
+        assert stats.spec_num_accepted_tokens >= accepted * stats.spec_num_draft_tokens
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
 @pytest.mark.parametrize("spec", [SELF, FIRST_LAYER], ids=["self", "first-layer"])

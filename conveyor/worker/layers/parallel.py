@@ -12,10 +12,14 @@ gloo on CPU) uses torch.distributed.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 
 _tp_group = None     # None: the default group (no pipeline parallelism)
+_single = False      # inside single_rank()
 
 
 def set_tp_group(group) -> None:
@@ -24,13 +28,26 @@ def set_tp_group(group) -> None:
     _tp_group = group
 
 
+@contextmanager
+def single_rank() -> Iterator[None]:
+    """For a model held whole by one rank (a draft replicated rather than sharded): layers
+    built and run inside see one rank, rank 0 of 1, and their collectives do nothing."""
+    global _single
+    before, _single = _single, True
+    try:
+        yield
+    finally:
+        _single = before
+
+
 def tp_rank() -> int:
-    return dist.get_rank(_tp_group) if dist.is_available() and dist.is_initialized() else 0
+    return (dist.get_rank(_tp_group) if not _single and dist.is_available()
+            and dist.is_initialized() else 0)
 
 
 def tp_size() -> int:
-    return (dist.get_world_size(_tp_group) if dist.is_available() and dist.is_initialized()
-            else 1)
+    return (dist.get_world_size(_tp_group) if not _single and dist.is_available()
+            and dist.is_initialized() else 1)
 
 
 def _world_size() -> int:
@@ -124,7 +141,8 @@ def all_reduce_rms_norm(x: torch.Tensor, norm, residual: torch.Tensor | None = N
                         fp8: bool = False):
     """norm(sum of x over the ranks, residual, fp8): one kernel where the one-shot path takes
     x (its rows come back unquantized: the next layer quantizes them)."""
-    if _one_shot is not None and _one_shot.takes(x) and norm.weight.dtype == x.dtype:
+    if (_one_shot is not None and not _single and _one_shot.takes(x)
+            and norm.weight.dtype == x.dtype):
         return _one_shot(x, norm.weight, norm.eps, residual)
     return norm(all_reduce(x), residual, fp8=fp8)
 

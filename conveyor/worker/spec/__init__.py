@@ -43,6 +43,14 @@ class ModelProposer(Proposer, Protocol):
         """q of a verify step's rows, [R, V] (None: greedy only, or point masses)."""
 
 
+class NoGuesses:
+    """The proposer of a rank whose guesses would go unused (a draft held whole by rank 0,
+    draft_model.py): it guesses nothing, and its steps read their tokens where rank 0's do."""
+
+    def propose(self, slots: list[int], states: list[SeqSamplingState]) -> list[list[int]]:
+        return [[] for _ in states]
+
+
 def make_proposer(config: SpeculativeConfig) -> Proposer:
     if config.method == "ngram":
         from conveyor.worker.spec.ngram import NgramProposer

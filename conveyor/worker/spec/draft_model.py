@@ -14,11 +14,15 @@ Greedy requests guess the draft's argmax. Sampled ones draw from q, the draft's 
 the request's temperature, top-k, top-p and min-p; verification accepts a guess d with
 probability min(1, p(d) / q(d)) (spec/verify.py), so q is kept per slot until the next step
 verifies its guesses. The draft is sharded over the tensor-parallel ranks like the target; every
-rank runs it and rank 0 draws (its tokens are broadcast). On a GPU its forward passes replay CUDA
-graphs of its own (the target's StepGraphs, over the draft and its pool).
+rank runs it and rank 0 draws (its tokens are broadcast). Or, `replicated`
+(draft_tensor_parallel_size 1), rank 0 alone holds it whole and runs it inside
+`single_rank()`, with no collectives: only rank 0's guesses and q are used, so the other ranks
+need none. On a GPU its forward passes replay CUDA graphs of its own (the target's StepGraphs,
+over the draft and its pool).
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import replace
 
 import torch
@@ -27,7 +31,7 @@ from conveyor.shared.config import EngineConfig
 from conveyor.shared.model_config import ModelConfig
 from conveyor.shared.model_files import ModelFiles
 from conveyor.worker.kv_cache import allocate_kv_cache, bytes_per_block
-from conveyor.worker.layers.parallel import broadcast_tensor, tp_rank, tp_size
+from conveyor.worker.layers.parallel import broadcast_tensor, single_rank, tp_rank, tp_size
 from conveyor.worker.layers.quantization import resolve_mode
 from conveyor.worker.loader import load_model
 from conveyor.worker.sampler import Sampler, SeqSamplingState
@@ -39,12 +43,16 @@ from conveyor.worker.step_inputs import StepInputs
 
 class DraftModelProposer:
     def __init__(self, config: EngineConfig, target: ModelConfig, target_files: ModelFiles,
-                 dtype: torch.dtype, device: torch.device, max_model_len: int):
+                 dtype: torch.dtype, device: torch.device, max_model_len: int,
+                 replicated: bool = False):
         spec = config.speculative
         self.k = spec.num_speculative_tokens
         self.files, self.model_config = draft_model_files(spec, target, target_files,
                                                           config.revision)
-        _check_shards(self.model_config, tp_size())
+        # every call that builds or runs the draft goes through _ranks()
+        self._ranks = single_rank if replicated else nullcontext
+        with self._ranks():
+            _check_shards(self.model_config, tp_size())
         self.config = config
         self.dtype, self.device = dtype, device
         self.vocab_size = target.vocab_size          # of the guesses and of q
@@ -55,9 +63,10 @@ class DraftModelProposer:
         self.scratch_per_slot = -(-self.k // self.block_size)
         # NOTE: quantized as the target is (--quantization, or its checkpoint's own)
         quantization = resolve_mode(config.quantization, self.model_config.quantization)
-        self.model = load_model(self.model_config, self.files, dtype, device, quantization,
-                                config.keep_patterns, config.load_format, config.seed,
-                                first_layers=spec.draft_num_layers is not None)
+        with self._ranks():
+            self.model = load_model(self.model_config, self.files, dtype, device, quantization,
+                                    config.keep_patterns, config.load_format, config.seed,
+                                    first_layers=spec.draft_num_layers is not None)
         self.kv_caches: list[torch.Tensor] = []
         self.graphs = None
         self.num_blocks = 0
@@ -76,7 +85,8 @@ class DraftModelProposer:
 
     def kv_bytes_per_block(self) -> int:
         """What a block of the shared pool costs in the draft's own pool."""
-        return bytes_per_block(self.model_config, self.config, self.dtype)
+        with self._ranks():
+            return bytes_per_block(self.model_config, self.config, self.dtype)
 
     def scratch_bytes(self) -> int:
         return self.config.max_num_seqs * self.scratch_per_slot * self.kv_bytes_per_block()
@@ -88,31 +98,37 @@ class DraftModelProposer:
         tokens, max blocks a sequence) to capture the draft's graphs with, or None (eager)."""
         self.num_blocks, self.slots, self.inputs, self.sampler = num_blocks, slots, inputs, sampler
         total = num_blocks + self.config.max_num_seqs * self.scratch_per_slot
-        # NOTE: the draft's pool is in the model dtype even with an fp8 target pool (no scales)
-        self.kv_caches = allocate_kv_cache(self.model_config, self.config, total, self.dtype,
-                                           self.device)
-        if graph_args is not None:
-            from conveyor.worker.cuda_graph import StepGraphs
+        with self._ranks():
+            # NOTE: the draft's pool is in the model dtype even with an fp8 target pool
+            self.kv_caches = allocate_kv_cache(self.model_config, self.config, total,
+                                               self.dtype, self.device)
+            if graph_args is not None:
+                from conveyor.worker.cuda_graph import StepGraphs
 
-            self.graphs = StepGraphs(self.model, self.kv_caches, *graph_args, self.device)
+                self.graphs = StepGraphs(self.model, self.kv_caches, *graph_args, self.device)
 
     # --- steps --------------------------------------------------------------------------------
 
     def alongside(self, dev: dict[str, torch.Tensor], graph, num_seqs: int, ctx) -> None:
         """Run the draft on the inputs of the target's step just queued (StepInputs.build's
         tensors; graph: the shape the target replayed, else ctx: its eager context)."""
-        if graph is not None:
-            self.graphs.run(graph, num_seqs, {**dev, "tokens": dev["tokens"][:3]},
-                            self.inputs.block_tables)
-        else:
-            tokens = dev["tokens"]
-            self.model(tokens[0], tokens[1], replace(ctx, kv_caches=self.kv_caches))
+        with self._ranks():
+            if graph is not None:
+                self.graphs.run(graph, num_seqs, {**dev, "tokens": dev["tokens"][:3]},
+                                self.inputs.block_tables)
+            else:
+                tokens = dev["tokens"]
+                self.model(tokens[0], tokens[1], replace(ctx, kv_caches=self.kv_caches))
 
     def propose(self, slots: list[int], states: list[SeqSamplingState]) -> list[list[int]]:
         """k guesses of each sequence (its tokens read, its position rewound past rejected
         guesses): k decode steps of the draft, each fed the token the one before drew."""
         if not slots:
             return []
+        with self._ranks():
+            return self._propose(slots, states)
+
+    def _propose(self, slots: list[int], states: list[SeqSamplingState]) -> list[list[int]]:
         S, bs = len(slots), self.block_size
         last_pos = self.max_model_len - 1
         first = [len(s.token_ids) - 1 for s in states]       # position of the last token
@@ -215,7 +231,9 @@ def _check_shards(config: ModelConfig, tp: int) -> None:
                     ("MLP width", config.intermediate_size)):
         if n % tp:
             raise ValueError(f"speculative_config: the draft model's {n} {what} do not split "
-                             f"over tensor_parallel_size {tp}")
+                             f"over tensor_parallel_size {tp}: draft_tensor_parallel_size 1 "
+                             f"runs it whole on one rank")
     if kv % tp and tp % kv:
         raise ValueError(f"speculative_config: the draft model's {kv} KV heads do not split "
-                         f"over (nor replicate evenly on) tensor_parallel_size {tp}")
+                         f"over (nor replicate evenly on) tensor_parallel_size {tp}: "
+                         f"draft_tensor_parallel_size 1 runs it whole on one rank")
