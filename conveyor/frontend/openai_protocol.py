@@ -1,11 +1,14 @@
 """The OpenAI API's requests (completions and chat completions); their responses are built in
 frontend/openai_responses.py.
 
-Requests are decoded with msgspec: a field of the wrong type is a clear 400, unknown fields are
-ignored (as OpenAI's servers do). `sampling_params` maps a request onto SamplingParams, with
-vLLM's extra fields (top_k, min_p, ignore_eos, repetition_penalty, min_tokens, prompt_logprobs,
-...) and the server's defaults (generation_config.json) for what the request leaves unset;
-`max_tokens: 0` with `echo` returns the prompt alone (one token is computed and left out).
+Requests are decoded with msgspec: a field of the wrong type is a clear 400, and so is a field
+the server does not know (OpenAI's servers refuse unrecognized arguments too): a request is
+never run without what it asked for. The fields an OpenAI client echoes back in an assistant
+message of the history are taken when they say nothing (null or empty). `sampling_params`
+maps a request onto SamplingParams, with vLLM's extra fields (top_k, min_p, ignore_eos,
+repetition_penalty, min_tokens, prompt_logprobs, ...) and the server's defaults
+(generation_config.json) for what the request leaves unset; `max_tokens: 0` with `echo`
+returns the prompt alone (one token is computed and left out).
 """
 from __future__ import annotations
 
@@ -16,24 +19,28 @@ from conveyor.shared.sampling_params import MAX_LOGPROBS, SamplingParams
 from conveyor.shared.structured_outputs import StructuredOutputs
 
 
-class StreamOptions(msgspec.Struct, kw_only=True):
+class _Strict(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A request object: a field it does not declare is refused (400 naming it)."""
+
+
+class StreamOptions(_Strict, kw_only=True):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+class JsonSchemaFormat(_Strict, kw_only=True):
     name: str | None = None
     description: str | None = None
     schema: dict | None = None
     strict: bool | None = None               # the schema is enforced either way
 
 
-class ResponseFormat(msgspec.Struct, kw_only=True):
+class ResponseFormat(_Strict, kw_only=True):
     type: str                                # text, json_object or json_schema
     json_schema: JsonSchemaFormat | None = None
 
 
-class _Common(msgspec.Struct, kw_only=True):
+class _Common(_Strict, kw_only=True):
     """What both endpoints take: OpenAI's sampling fields plus vLLM's extras."""
     model: str | None = None
     n: int = 1
@@ -80,12 +87,19 @@ class CompletionRequest(_Common, kw_only=True):
     best_of: int | None = None
 
 
-class ChatMessage(msgspec.Struct, kw_only=True):
+class ChatMessage(_Strict, kw_only=True):
     role: str
     content: str | list[dict] | None = None
     name: str | None = None
     tool_calls: list[dict] | None = None     # an assistant's calls (arguments: JSON text)
     tool_call_id: str | None = None          # a tool message: the call it answers
+    reasoning_content: str | None = None     # an assistant's thought (the chat template's)
+    # what the openai client keeps of an assistant message it was sent: taken only while
+    # they say nothing (chat_messages)
+    refusal: str | None = None
+    annotations: list | None = None
+    audio: dict | None = None
+    function_call: dict | None = None
 
 
 class ChatRequest(_Common, kw_only=True):
@@ -231,10 +245,13 @@ def chat_messages(req: ChatRequest) -> list[dict]:
             content = "".join(parts)
         else:
             content = m.content or ""
+        for key in ("refusal", "annotations", "audio", "function_call"):
+            if getattr(m, key):
+                raise ValueError(f"messages[{i}].{key} is not supported")
         message = {"role": m.role, "content": content}
         if m.tool_calls:
             message["tool_calls"] = history_tool_calls(m.tool_calls, f"messages[{i}]")
-        for key in ("name", "tool_call_id"):
+        for key in ("name", "tool_call_id", "reasoning_content"):
             if getattr(m, key) is not None:
                 message[key] = getattr(m, key)
         out.append(message)

@@ -52,7 +52,7 @@ def _decode(body: bytes, kind: type):
         return oai.decode_request(body, kind)
 
 
-class _TokenizeRequest(msgspec.Struct, kw_only=True):
+class _TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str | None = None
     prompt: str | None = None
     messages: list[oai.ChatMessage] | None = None
@@ -60,7 +60,7 @@ class _TokenizeRequest(msgspec.Struct, kw_only=True):
     add_generation_prompt: bool = True
 
 
-class _DetokenizeRequest(msgspec.Struct, kw_only=True):
+class _DetokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str | None = None
     tokens: list[int]
 

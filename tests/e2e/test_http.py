@@ -97,6 +97,11 @@ def test_chat_equals_the_offline_api_streamed_or_not(oai, llm):
     assert text == want and roles == 1
     assert usage.completion_tokens == r.usage.completion_tokens
     assert usage.prompt_tokens == r.usage.prompt_tokens > 10
+    # the reply as the client holds it (its null refusal, annotations, ...) goes back as history
+    history = CHAT + [r.choices[0].message.model_dump(),
+                      {"role": "user", "content": "And the secondary ones?"}]
+    again = oai.chat.completions.create(model="smol", messages=history, max_tokens=4)
+    assert again.usage.prompt_tokens > r.usage.prompt_tokens + r.usage.completion_tokens
 
 
 def test_n_seed_and_logprobs(oai):
@@ -170,7 +175,11 @@ def test_api_keys(server, oai):
     ({"prompt": "x", "seed": 2 ** 64}, "seed must fit in 64 bits"),
     ({"prompt": "x", "priority": -2 ** 63 - 1}, "priority must fit in 64 bits"),
     ({"prompt": "x", "stop_token_ids": [2 ** 64]}, "stop_token_ids must fit in 64 bits"),
-    (b'{"prompt": "x", "unknown": ' + b"[" * 1000 + b"]" * 1000 + b"}", "nested too deeply"),
+    (b'{"prompt": "x", "guided_json": {"a": ' + b"[" * 1000 + b"]" * 1000 + b"}}",
+     "nested too deeply"),
+    ({"prompt": "x", "suffix_tokens": 3}, "unknown field `suffix_tokens`"),       # not honoured
+    ({"prompt": "x", "stream_options": {"include_usage": True, "x": 1}},
+     "unknown field `x` - at `$.stream_options`"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream"),
     ({"max_tokens": 3}, "prompt"),
     (b"{not json", "JSON"),
@@ -181,6 +190,11 @@ def test_invalid_requests_are_400(server, body, needle):
 
 def test_chat_errors_and_other_statuses(server):
     assert "messages" in _error(_post(server, "/v1/chat/completions", {"messages": []}), 400)
+    legacy = {"messages": CHAT, "functions": [{"name": "f", "parameters": {}}]}
+    assert "unknown field `functions`" in _error(_post(server, "/v1/chat/completions",
+                                                        legacy), 400)
+    audio = {"messages": [{"role": "assistant", "content": "hi", "audio": {"id": "a"}}]}
+    assert "messages[0].audio" in _error(_post(server, "/v1/chat/completions", audio), 400)
     tools = {"messages": CHAT, "tools": [{"type": "function"}]}
     assert "tools" in _error(_post(server, "/v1/chat/completions", tools), 400)
     _error(_post(server, "/v1/completions", {"prompt": "x" * 70000}), 413)
