@@ -52,10 +52,10 @@ class FusedMoE(nn.Module):
             param.expected_shards = {(e, p) for e in range(self.num_experts) for p in parts}
 
     def make_quantized(self, dtype: torch.dtype, block: int) -> None:
-        """Load an fp8 checkpoint's experts as they are: 1-byte weights and float32 scales, one
-        a row (block = 0: the checkpoint's scales are per tensor or per channel, loader.py
-        gives them one a row), or one a row and block of inputs (square block scales, each
-        block row's scales repeated for its rows by loader.py)."""
+        """Load a checkpoint's 1-byte experts as they are (fp8 or int8 checkpoints, GGUF
+        Q8_0): `dtype` weights and float32 scales, one a row (block = 0: per tensor or per
+        channel, loader.py gives them one a row), or one a row and block of inputs (square
+        block scales, each block row's repeated for its rows by loader.py; Q8_0's 32)."""
         self._make(dtype, block, 1, "scale blocks")
 
     def make_int4(self, group: int, act_order: bool) -> None:
