@@ -151,7 +151,8 @@ def _coalesce(items: list[RequestOutput]) -> list[tuple[int, CompletionOutput]]:
 
 
 class EventStream(Response):
-    """Server-sent events: chunks as deltas come, then usage if asked, then [DONE]."""
+    """Server-sent events: the shape's chunks as deltas come, then its closing ones (usage if
+    asked), then [DONE] where the API has it (the Responses API names each event instead)."""
 
     def __init__(self, run: Run, shape, first: list[RequestOutput], include_usage: bool):
         super().__init__(media_type="text/event-stream")
@@ -171,24 +172,26 @@ class EventStream(Response):
                 for prompt, c in _coalesce(items):
                     chunk = shape.chunk(prompt, c)
                     if chunk is not None:            # a parser may hold a piece back
-                        events.append(chunk)
+                        events += chunk if isinstance(chunk, list) else [chunk]
                 if failed is not None:
-                    events.append({"error": error_body(*failed)["error"]})
+                    events += shape.failure(error_body(*failed)["error"])
                     break
                 if not run.open:
-                    if self.include_usage:
-                        events.append(shape.usage_chunk())
+                    events += shape.closing(self.include_usage)
                     break
-                await send({"type": "http.response.body", "body": _sse(events),
-                            "more_body": True})
+                await send({"type": "http.response.body", "more_body": True,
+                            "body": _sse(events, shape.sse_event_names)})
                 events, items = [], await run.next()
                 if items is None:
                     return
-            await send({"type": "http.response.body", "body": _sse(events) + b"data: [DONE]\n\n",
-                        "more_body": False})
+            done = b"data: [DONE]\n\n" if shape.done_marker else b""
+            await send({"type": "http.response.body", "more_body": False,
+                        "body": _sse(events, shape.sse_event_names) + done})
         finally:
             run.close()
 
 
-def _sse(events: list[dict]) -> bytes:
-    return b"".join([b"data: " + _JSON.encode(e) + b"\n\n" for e in events])
+def _sse(events: list[dict], named: bool) -> bytes:
+    """named: each event's `type` also as its SSE event name."""
+    return b"".join([(b"event: " + e["type"].encode() + b"\n" if named else b"")
+                     + b"data: " + _JSON.encode(e) + b"\n\n" for e in events])

@@ -75,6 +75,7 @@ class ResponseShape:
     A subclass says what a choice holds (`body`: text or message, logprobs)."""
     object_name = chunk_object = ""
     token_ids = False                        # add each choice's token ids (vLLM's extra)
+    sse_event_names, done_marker = False, True     # the stream's form (http.EventStream)
 
     def __init__(self, id: str, model: str, n: int, prompt_logprobs: int | None = None):
         self.id, self.model, self.n = id, model, n
@@ -94,6 +95,14 @@ class ResponseShape:
     def usage_chunk(self) -> dict:
         return {**self.base([], chunk=True),
                 "usage": usage(self.prompt_tokens, self.completion_tokens)}
+
+    def closing(self, include_usage: bool) -> list[dict]:
+        """The stream's last chunks."""
+        return [self.usage_chunk()] if include_usage else []
+
+    def failure(self, error: dict) -> list[dict]:
+        """The chunks that end a stream whose request failed."""
+        return [{"error": error}]
 
     def saw(self, prompt_index: int, out: RequestOutput) -> None:
         """Note an output of a prompt: the first one carries the prompt's tokens."""

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API of a frontend process (FastAPI on uvicorn): its routes.
 
-POST /v1/completions, /v1/chat/completions (streamed as server-sent events when asked),
+POST /v1/completions, /v1/chat/completions, /v1/responses (streamed as server-sent events when
+asked),
 /tokenize, /detokenize; GET /v1/models, /tokenizer_info, /health, /ping (also POST), /metrics,
 /version; with --allow-runtime-lora-updating POST /v1/load_lora_adapter and
 /v1/unload_lora_adapter. A request runs with a LoRA adapter by naming it as its `model`. Every
@@ -29,6 +30,7 @@ from conveyor.frontend.core import READY, FrontendCore
 from conveyor.frontend.http import ApiError, Run, error_response
 from conveyor.frontend.openai_responses import ChatShape, CompletionShape
 from conveyor.frontend.reasoning import REASONING_PARSERS
+from conveyor.frontend.responses_api import ResponsesRequest, ResponsesShape, chat_request
 from conveyor.frontend.tokenizer import apply_chat_template, check_token_ids
 from conveyor.frontend.tools import constrain, constraint_schema, tool_mode
 from conveyor.shared.messages.client import GenerateRequest
@@ -135,6 +137,23 @@ class Routes:
 
     async def chat_completions(self, request: Request):
         req, model = await self.parse(request, oai.ChatRequest)
+        gen, reader = self._chat(request, req, model)
+        shape = ChatShape(f"chatcmpl-{uuid.uuid4().hex}", model, req.n,
+                          req.top_logprobs or 0, req.prompt_logprobs, reader)
+        shape.token_ids = req.return_token_ids
+        return await self._respond(request, [gen], shape, req)
+
+    async def responses(self, request: Request):
+        """The Responses API: the chat request it means (responses_api.py), one choice."""
+        resp, model = await self.parse(request, ResponsesRequest)
+        with _bad_request():
+            req = chat_request(resp)
+        gen, reader = self._chat(request, req, model)
+        return await self._respond(request, [gen], ResponsesShape(resp, model, reader), req)
+
+    def _chat(self, request: Request, req: oai.ChatRequest, model: str):
+        """A chat request's GenerateRequest, and what makes a reader of its choices' text
+        (None: the text is the content, as it is)."""
         with _bad_request():
             tools = tool_mode(req.tools, req.tool_choice, req.parallel_tool_calls,
                               self.tool_parser)
@@ -145,11 +164,7 @@ class Routes:
                                   sampling=params, stream=req.stream,
                                   options=self.options(request, req, model))
         reads = tools.choice != "none" or self.reasoning is not None
-        shape = ChatShape(f"chatcmpl-{uuid.uuid4().hex}", model, req.n,
-                              req.top_logprobs or 0, req.prompt_logprobs,
-                              (lambda: ChatReader(self.reasoning, tools)) if reads else None)
-        shape.token_ids = req.return_token_ids
-        return await self._respond(request, [gen], shape, req)
+        return gen, (lambda: ChatReader(self.reasoning, tools)) if reads else None
 
     async def _respond(self, request: Request, gens: list[GenerateRequest], shape, req):
         usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -254,6 +269,7 @@ def build_app(core: FrontendCore, model_names: tuple[str, ...], max_n: int,
     for method, path, handler in (
             ("POST", "/v1/completions", routes.completions),
             ("POST", "/v1/chat/completions", routes.chat_completions),
+            ("POST", "/v1/responses", routes.responses),
             ("GET", "/v1/models", routes.models), ("GET", "/health", routes.health),
             ("GET", "/ping", routes.health), ("POST", "/ping", routes.health),
             ("GET", "/tokenizer_info", routes.tokenizer_info),

@@ -235,3 +235,112 @@ def test_a_constraint_holds_the_answer_after_a_free_thought(oai):
     message = oai.chat.completions.create(**kw).choices[0].message
     assert message.model_extra["reasoning_content"] is None
     assert re.fullmatch("[0-9]{1,4}", message.content), message.content
+
+
+# --- the Responses API (POST /v1/responses): the same requests as Responses items -------------
+
+def _as_items(messages: list[dict]) -> list[dict]:
+    """Chat messages as Responses input items: an assistant's calls become function_call
+    items, tool messages function_call_output items."""
+    items = []
+    for m in messages:
+        if m.get("tool_calls"):
+            items += [{"type": "function_call", "call_id": c["id"], "name": c["function"]["name"],
+                       "arguments": c["function"]["arguments"] if isinstance(
+                           c["function"]["arguments"], str) else json.dumps(
+                           c["function"]["arguments"])} for c in m["tool_calls"]]
+        elif m["role"] == "tool":
+            items.append({"type": "function_call_output", "call_id": m["tool_call_id"],
+                          "output": m["content"]})
+        else:
+            items.append({"role": m["role"], "content": m["content"]})
+    return items
+
+
+RESPONSES_TOOLS = [{"type": "function", **WEATHER["function"]}]
+
+
+def _stream_events(oai, **kw) -> list:
+    events = list(oai.responses.create(stream=True, **kw))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].type == "response.created" and events[-1].type == "response.completed"
+    return events
+
+
+def test_responses_give_chats_answer_streamed_or_not(oai):
+    chat = oai.chat.completions.create(model="x", messages=THINKING, max_tokens=30,
+                                       temperature=0)
+    r = oai.responses.create(model="x", input=_as_items(THINKING), max_output_tokens=30,
+                             temperature=0)
+    assert r.status == "completed" and r.object == "response"
+    assert [item.type for item in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == chat.choices[0].message.model_extra[
+        "reasoning_content"]
+    assert r.output_text == chat.choices[0].message.content == "Hello!"
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (chat.usage.prompt_tokens,
+                                                             chat.usage.completion_tokens)
+    events = _stream_events(oai, model="x", input=_as_items(THINKING), max_output_tokens=30,
+                            temperature=0)
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert (thought, text) == (r.output[0].content[0].text, r.output_text)
+    done = events[-1].response
+    assert [item.type for item in done.output] == ["reasoning", "message"]
+    assert done.output_text == r.output_text and done.usage.output_tokens == r.usage.output_tokens
+    # instructions go first, as a system message; a short budget leaves the response incomplete
+    short = oai.responses.create(model="x", input=_as_items(THINKING), max_output_tokens=3,
+                                 instructions="Answer briefly.", temperature=0)
+    assert short.status == "incomplete"
+    assert short.incomplete_details.reason == "max_output_tokens"
+    assert short.usage.input_tokens > r.usage.input_tokens
+
+
+@pytest.mark.parametrize("choice", ["auto", "required",
+                                    {"type": "function", "name": "get_weather"}])
+def test_responses_call_functions_streamed_or_not(oai, choice):
+    """The model's call as a function_call item (read by the hermes parser, or held to the
+    grammar of a required or named choice, with the thought closed in the prompt as in
+    test_required_and_named_calls_always_parse); its arguments grow by deltas in the stream."""
+    kw = dict(model="x", input=_as_items(_history()), tools=RESPONSES_TOOLS, tool_choice=choice,
+              temperature=0, max_output_tokens=60)
+    if choice != "auto":               # a city of at most 40 characters ends inside the budget
+        bounded = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40}},
+                   "required": ["city"], "additionalProperties": False}
+        kw.update(tools=[{**RESPONSES_TOOLS[0], "parameters": bounded}], max_output_tokens=200,
+                  extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    r = oai.responses.create(**kw)
+    calls = [item for item in r.output if item.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "get_weather"
+    assert "city" in json.loads(calls[0].arguments) and calls[0].call_id.startswith("call_")
+    assert choice != "auto" or json.loads(calls[0].arguments) == WANT_ARGS
+    events = _stream_events(oai, **kw)
+    pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert len(done) == 1 and "".join(pieces) == done[0].arguments == calls[0].arguments
+    streamed = [i for i in events[-1].response.output if i.type == "function_call"]
+    assert [(c.name, c.arguments) for c in streamed] == [(c.name, c.arguments) for c in calls]
+
+
+@pytest.mark.parametrize("body,needle", [
+    ({"store": True}, "store is not supported"),
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type 'web_search'"),
+    ({"reasoning": {"effort": "high"}}, "reasoning is not supported"),
+    ({"input": [{"type": "image", "image_url": "x"}]}, "input[0].type 'image'"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "only text parts"),
+    ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
+    ({"modalities": ["text"]}, "unknown field `modalities`"),
+])
+def test_bad_responses_requests_are_400(server, body, needle):
+    r = httpx.post(server.http + "/v1/responses", json={"input": "Hi", **body}, timeout=60)
+    assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+
+
+def test_responses_text_format_holds_the_answer_to_a_schema(oai):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+              "required": ["city"], "additionalProperties": False}
+    r = oai.responses.create(model="x", input="Name a city.", max_output_tokens=40,
+                             text={"format": {"type": "json_schema", "name": "city",
+                                              "schema": schema, "strict": True}},
+                             extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    jsonschema.validate(json.loads(r.output_text), schema)
