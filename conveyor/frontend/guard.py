@@ -28,8 +28,9 @@ from conveyor.frontend.rate_limit import SharedBuckets
 # answered without an API key (/metrics unless guarded) and never rate limited
 OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})
 MAX_HEAD_BYTES = 16 << 10                    # a request's header block, as h11's and Node's
-ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/ping",
-                    "/metrics", "/version", "/tokenize", "/detokenize", "/tokenizer_info"})
+ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models",
+                    "/health", "/ping", "/metrics", "/version", "/tokenize", "/detokenize",
+                    "/tokenizer_info"})
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                 404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
                 413: "invalid_request_error", 422: "invalid_request_error",
