@@ -209,7 +209,8 @@ class ResponsesShape:
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete"
             else None,
             "instructions": r.instructions, "metadata": r.metadata or {},
-            "max_output_tokens": r.max_output_tokens, "output": self.items,
+            # NOTE: a copy: an event's snapshot is encoded after later pieces grow the items
+            "max_output_tokens": r.max_output_tokens, "output": [_copy(i) for i in self.items],
             "parallel_tool_calls": r.parallel_tool_calls, "temperature": r.temperature,
             "top_p": r.top_p, "tool_choice": r.tool_choice or "auto", "tools": r.tools or [],
             "text": msgspec.to_builtins(r.text) if r.text else {"format": {"type": "text"}},

@@ -264,6 +264,10 @@ def _stream_events(oai, **kw) -> list:
     events = list(oai.responses.create(stream=True, **kw))
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert events[0].type == "response.created" and events[-1].type == "response.completed"
+    assert events[0].response.output == [] and events[0].response.status == "in_progress"
+    added = [e.item for e in events if e.type == "response.output_item.added"]
+    assert all(getattr(i, "arguments", "") == "" for i in added)
+    assert all(p.text == "" for i in added for p in getattr(i, "content", None) or [])
     return events
 
 
@@ -339,8 +343,13 @@ def test_bad_responses_requests_are_400(server, body, needle):
 def test_responses_text_format_holds_the_answer_to_a_schema(oai):
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
               "required": ["city"], "additionalProperties": False}
-    r = oai.responses.create(model="x", input="Name a city.", max_output_tokens=40,
-                             text={"format": {"type": "json_schema", "name": "city",
-                                              "schema": schema, "strict": True}},
-                             extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    kw = dict(model="x", input="Name a city.", max_output_tokens=40, temperature=0,
+              text={"format": {"type": "json_schema", "name": "city", "schema": schema,
+                               "strict": True}},
+              extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    r = oai.responses.create(**kw)
     jsonschema.validate(json.loads(r.output_text), schema)
+    # the thought closed in the prompt, text comes from the first piece: the stream's first
+    # events (sent with it) still show the response and the message as they opened
+    events = _stream_events(oai, **kw)
+    assert events[-1].response.output_text == r.output_text
