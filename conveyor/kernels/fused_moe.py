@@ -284,9 +284,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
                                     and zero.is_contiguous())),
               "scales (and 4-bit zero points) must be float32 [E, rows, G], G dividing the "
               "inputs")
-        check(_step_k(16, k, scale, int4)[0] == 16,
-              f"groups of inputs must be whole steps of 16 inputs: {k} inputs, "
-              f"{scale.shape[2]} groups")
+        group_k = _step_k(16, k, scale, int4)[1]
+        check(group_k % 16 == 0, f"groups of inputs must be whole steps of 16 inputs: {k} "
+                                 f"inputs, {scale.shape[2]} groups")
     check(x.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1
           and w13.stride(1) == h // per and w2.stride(1) == inter // per,
           "x rows and the experts' weights must be contiguous")

@@ -246,7 +246,7 @@ def _keep_q8_0(model: nn.Module, reader, keep: tuple[re.Pattern, ...]) -> set[st
     for module_name, (module, parts) in _by_module(model, is_q8_0).items():
         if (isinstance(module, FusedMoE) and all(parts.values())
                 and not keep_matches(module_name, keep)
-                and module.w13.shape[2] % Q8_0_GROUP == 0 and module.inter % Q8_0_GROUP == 0):
+                and module.whole_groups(Q8_0_GROUP)):
             module.make_quantized(torch.int8, Q8_0_GROUP)     # scales a row and 32 inputs
             names.update(parts)
         elif (isinstance(module, LinearBase) and all(parts.values())

@@ -67,9 +67,15 @@ class FusedMoE(nn.Module):
                              "inputs' order differs from expert to expert")
         self._make(torch.int32, group, 8, "groups")
 
+    def whole_groups(self, group: int, per_word: int = 1) -> bool:
+        """Whether this rank's experts' inputs split into whole groups of `group` (0: one a
+        row) and words of `per_word` values."""
+        h = self.w13.shape[2]
+        return not ((group and (h % group or self.inter % group)) or self.inter % per_word)
+
     def _make(self, dtype: torch.dtype, group: int, per_word: int, what: str) -> None:
         e, two_i, h = self.w13.shape
-        if (group and (h % group or self.inter % group)) or self.inter % per_word:
+        if not self.whole_groups(group, per_word):
             raise ValueError(f"experts of {h} inputs and {self.inter} intermediate rows on "
                              f"this rank are not whole {what} of {group or per_word}")
         device = self.w13.device

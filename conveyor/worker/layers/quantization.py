@@ -68,6 +68,14 @@ class QuantReport:
     bytes_after: int = 0                        # the same layers: 1-byte weights + scales
     from_checkpoint: bool = False               # the checkpoint came quantized (not GGUF)
 
+    def loaded(self, name: str, weights: tuple, extras: tuple) -> None:
+        """Count a layer loaded quantized: its weights (a 4-bit word holds 8 values) against
+        their bytes in the model dtype, and what they take with their scales and zeros."""
+        self.prequantized.append(name)
+        values = sum(w.numel() * (8 if w.dtype == torch.int32 else 1) for w in weights)
+        self.bytes_before += values * getattr(torch, self.dtype).itemsize
+        self.bytes_after += sum(_nbytes(t) for t in (*weights, *extras) if t is not None)
+
     def summary(self) -> str:
         parts = [f"{self.mode}: quantized {len(self.quantized)} layers"]
         if self.prequantized and self.from_checkpoint:
@@ -116,13 +124,8 @@ def quantize_model(model: nn.Module, mode: str | None, keep: tuple[re.Pattern, .
     for name, module in model.named_modules():
         if hasattr(module, "quantize") and hasattr(module, "w13"):   # experts (layers/moe.py)
             if module.w13_scale is not None:                     # loaded quantized
-                report.prequantized.append(name)
-                values = (module.w13.numel() + module.w2.numel()) * (
-                    8 if module.w13.dtype == torch.int32 else 1)          # 4-bit words
-                report.bytes_before += values * getattr(torch, report.dtype).itemsize
-                report.bytes_after += sum(_nbytes(t) for t in (
-                    module.w13, module.w2, module.w13_scale, module.w2_scale, module.w13_zero,
-                    module.w2_zero) if t is not None)
+                report.loaded(name, (module.w13, module.w2), (
+                    module.w13_scale, module.w2_scale, module.w13_zero, module.w2_zero))
                 continue
             if from_checkpoint or keep_matches(name, keep):
                 report.kept.append(name)
@@ -136,11 +139,7 @@ def quantize_model(model: nn.Module, mode: str | None, keep: tuple[re.Pattern, .
             continue
         weight = module.weight
         if module.weight_scale is not None:                      # loaded quantized (Q8_0)
-            report.prequantized.append(name)
-            values = weight.numel() * (8 if weight.dtype == torch.int32 else 1)   # 4-bit words
-            report.bytes_before += values * getattr(torch, report.dtype).itemsize
-            report.bytes_after += sum(_nbytes(t) for t in (weight, module.weight_scale,
-                                                           module.weight_zero) if t is not None)
+            report.loaded(name, (weight,), (module.weight_scale, module.weight_zero))
             module.to(device)
             continue
         if from_checkpoint or keep_matches(name, keep) or getattr(module, "keep_precision",

@@ -51,7 +51,7 @@ class DraftModelProposer:
                                                           config.revision)
         # every call that builds or runs the draft goes through _ranks()
         self._ranks = single_rank if replicated else nullcontext
-        with self._ranks():
+        if not replicated:
             _check_shards(self.model_config, tp_size())
         self.config = config
         self.dtype, self.device = dtype, device
