@@ -56,15 +56,18 @@ def counters(base_url: str) -> dict[str, float]:
             "missed": metrics["conveyor:slo_missed_total{objective=ttft}"]}
 
 
-def workload_args(args, base_url: str, rate: float, seed: int, warmup: int) -> list[str]:
-    return ["--base-url", base_url, "--num-prompts", str(args.num_prompts),
+def workload_args(args, base_url: str, rate: float, seed: int, warmup: int,
+                  policy: str) -> list[str]:
+    # NOTE: a priority is sent only to the policy that reads it; the others refuse it (400)
+    priority = (["--interactive-priority", str(args.interactive_priority)]
+                if policy == "priority" else [])
+    return [*priority, "--base-url", base_url, "--num-prompts", str(args.num_prompts),
             "--request-rate", str(rate), "--seed", str(seed), "--warmup", str(warmup),
             "--random-input-len", str(args.random_input_len),
             "--random-output-len", str(args.random_output_len),
             "--random-range-ratio", str(args.random_range_ratio),
             "--interactive-share", str(args.interactive_share),
             "--interactive-ttft-slo", str(args.interactive_ttft_slo),
-            "--interactive-priority", str(args.interactive_priority),
             "--interactive-input-len", str(args.interactive_input_len),
             "--interactive-output-len", str(args.interactive_output_len),
             "--batch-stream" if args.batch_stream else "--no-batch-stream"]
@@ -136,9 +139,9 @@ def main(argv: list[str] | None = None) -> dict:
         model = str(build_random_model(args.shape))
     policies, loads = args.policies.split(","), [float(x) for x in args.loads.split(",")]
 
-    def run(url: str, rate: float, seed: int, warmup: int) -> dict:
+    def run(url: str, policy: str, rate: float, seed: int, warmup: int) -> dict:
         before = counters(url)
-        [report] = bench_serving.main(workload_args(args, url, rate, seed, warmup))
+        [report] = bench_serving.main(workload_args(args, url, rate, seed, warmup, policy))
         after = counters(url)                                  # warm-up requests included
         report["preemptions"] = after["preemptions"] - before["preemptions"]
         judged = after["judged"] - before["judged"]
@@ -149,20 +152,20 @@ def main(argv: list[str] | None = None) -> dict:
     # NOTE: every server first serves the whole workload once at full speed, untimed, so that
     # kernel compilation and first-use costs fall outside every measurement; the seeds differ,
     # so no measured run finds its prompts in the prefix cache.
-    def warm(url: str) -> None:
-        run(url, math.inf, args.seed + 2000, warmup=1)
+    def warm(url: str, policy: str) -> None:
+        run(url, policy, math.inf, args.seed + 2000, warmup=1)
 
     with served("fcfs", model, server_args) as url:
-        warm(url)
-        saturated = run(url, math.inf, args.seed + 1000, warmup=0)
+        warm(url, "fcfs")
+        saturated = run(url, "fcfs", math.inf, args.seed + 1000, warmup=0)
     capacity = saturated["request_throughput"]
     print(f"capacity: {capacity:.3f} requests/s", flush=True)
     runs = []
     for policy in policies:
         with served(policy, model, server_args) as url:
-            warm(url)
+            warm(url, policy)
             for k, load in enumerate(loads):
-                report = run(url, load * capacity, args.seed + k, warmup=0)
+                report = run(url, policy, load * capacity, args.seed + k, warmup=0)
                 runs.append({"policy": policy, "load": load, "report": report})
     result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "git_revision": bench_serving.git_revision(), "command": sys.argv,

@@ -252,8 +252,14 @@ class FrontendCore:
             if s.last_token_time and self.metrics is not None:
                 self.metrics.inter_token(now - s.last_token_time)
             s.last_token_time = now
-            taken = s.detok.push(o.new_token_ids)       # those after a stop string are dropped
-            c.token_ids += o.new_token_ids[:taken]
+            ids = o.new_token_ids
+            # NOTE: the EOS or stop token that ended the sample is in token_ids but not in the
+            # text (as in vLLM), unless include_stop_str_in_output
+            text_ids = ids[:-1] if o.finish_reason == "stop" and not s.detok.include_stop else ids
+            taken = s.detok.push(text_ids)              # those after a stop string are dropped
+            if taken == len(text_ids):
+                taken = len(ids)
+            c.token_ids += ids[:taken]
         if o.logprobs and c.logprobs is not None:
             for lp in o.logprobs[:taken]:
                 c.logprobs.append(self._logprobs(lp))

@@ -137,7 +137,8 @@ def sampling_params(req: CompletionRequest | ChatRequest,
         raise ValueError("prompt_logprobs is not available with stream: true")
     prompt_logprobs = req.prompt_logprobs
     if isinstance(req, ChatRequest):
-        max_tokens = req.max_completion_tokens or req.max_tokens
+        max_tokens = (req.max_completion_tokens if req.max_completion_tokens is not None
+                      else req.max_tokens)
         if req.top_logprobs is not None and not req.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None

@@ -26,6 +26,9 @@ class SchedulingContext:
 
 class Policy:
     """Override `order_waiting` and `pick_victim`; the other two have a neutral default."""
+    # NOTE: a request's `priority` is refused (unless 0) where the policy would ignore it; a
+    # policy of one's own may read it, so only the built-ins that do not say so.
+    reads_priority = True
 
     def order_waiting(self, waiting: list[Request], ctx: SchedulingContext) -> list[Request]:
         """The waiting requests in the order they should be admitted (a new list).
@@ -54,6 +57,7 @@ class Policy:
 
 class FCFSPolicy(Policy):
     """First come, first served: by arrival; the latest arrival is preempted first."""
+    reads_priority = False
 
     def order_waiting(self, waiting, ctx):
         return sorted(waiting, key=_arrival_key)
@@ -88,6 +92,7 @@ class DeadlinePolicy(Policy):
     requests late) follow by arrival. A request whose deadline is still ahead may preempt a
     running one that has no objective at stake.
     """
+    reads_priority = False
 
     def order_waiting(self, waiting, ctx):
         urgent = sorted((r for r in waiting if _due_ahead(r, ctx.now)), key=_due_key)
@@ -117,6 +122,7 @@ class LengthAwarePolicy(Policy):
     share a class, so a step's prefill is made of similar lengths. A long prompt waits at most
     `max_wait_s` (the scheduler's fairness guard). The latest arrival is preempted first.
     """
+    reads_priority = False
 
     def order_waiting(self, waiting, ctx):
         return sorted(waiting, key=lambda r: (_length_class(r), *_arrival_key(r)))

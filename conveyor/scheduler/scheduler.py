@@ -5,11 +5,9 @@ then waiting ones in policy order, preempting by recompute when blocks run out);
 the worker's result and says what the frontends should see. A worker applies a `StepPlan` in this
 order: release the `freed` slots, install the `new` sequences, run `seqs`.
 
-Admission (docs/SCHEDULING.md): waiting requests are admitted in the policy's order, behind the
-fairness guard: a request older than `max_wait_s` goes first, skips the policy's `admit`, and is
-neither preempted for a waiting request nor, while a younger one can give way, for blocks. One
-that does not fit may take the place of running requests the policy lets it preempt, if enough of
-them give way. `admission.py` sizes what fits from the pool and the lengths seen.
+Admission of waiting requests (docs/SCHEDULING.md): in the policy's order, behind the fairness
+guard, preempting running requests the policy lets a request take the place of; admit.py's.
+What a request may not ask, and the bookkeeping's integrity check, are checks.py's.
 
 Overlap scheduling (`async_scheduling`): up to two plans are in flight, and step N+1 is planned
 while step N runs, as if N were done. Planning a step advances its requests' progress at once; a
@@ -38,16 +36,18 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from conveyor.scheduler import prompt_logprobs
 from conveyor.scheduler.admission import Admission
-from conveyor.scheduler.block_manager import BlockManager, IntegrityError
+from conveyor.scheduler.admit import AdmitWaiting
+from conveyor.scheduler.block_manager import BlockManager
+from conveyor.scheduler.checks import Checks
 from conveyor.scheduler.mask_counts import MaskCounts
 from conveyor.scheduler.objectives import ObjectiveCounts
-from conveyor.scheduler.policy import Policy, SchedulingContext, make_policy
+from conveyor.scheduler.policy import Policy, make_policy
 from conveyor.scheduler.request import Request, RequestStatus
 from conveyor.scheduler.slots import SlotPool
 from conveyor.scheduler.spec_counts import SpecCounts
@@ -62,7 +62,6 @@ from conveyor.shared.messages.worker import NewSeq, SeqStep, StepPlan, StepResul
 # admitting it does not at once preempt the running decodes.
 WATERMARK = 0.01
 STEP_TIME_EMA = 0.2                          # weight of the latest step in the step time estimate
-AUDIT_INTERVAL_S = 60.0                      # a busy engine's bookkeeping check, at most this often
 
 WAITING, RUNNING, FINISHED = RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.FINISHED
 
@@ -76,7 +75,7 @@ class _Planned:
     incarnation: int                         # req.stats.num_preemptions when it was planned
 
 
-class Scheduler:
+class Scheduler(AdmitWaiting, Checks):
     """derive_queue_cap: cap the waiting queue from the pool (`conveyor serve`; admission.py).
     clock: time.time, or a fake one in tests."""
 
@@ -314,30 +313,6 @@ class Scheduler:
             **self.mask_counts.stats(),
         )
 
-    def check_integrity(self) -> None:
-        """Raise IntegrityError if any block or request bookkeeping is inconsistent."""
-        try:
-            self.blocks.check_integrity(r.block_table for r in self.running)
-            self._check_requests()
-        except IntegrityError:
-            self._integrity_ok = False
-            raise
-        self._integrity_ok = True
-
-    def audit(self) -> None:
-        """check_integrity() where it stalls no step: whenever the engine is idle, else at most
-        every AUDIT_INTERVAL_S. It walks every block (18 ms at 72,686 blocks on a 2-core Xeon),
-        and no step is planned meanwhile, so a check on every stats request (each /metrics
-        scrape) would hold up every running stream. The outcome is stats().integrity_ok."""
-        now = self.clock()
-        if self.has_work() and now - self._last_audit < AUDIT_INTERVAL_S:
-            return
-        self._last_audit = now
-        try:
-            self.check_integrity()
-        except IntegrityError:
-            pass                              # reported as integrity_ok=False
-
     # --- planning ---------------------------------------------------------------------------
 
     def _micro_batch_cap(self) -> int:
@@ -384,122 +359,6 @@ class Scheduler:
                 scheduled.add(req.id)
                 budget -= num
         return budget, preempted
-
-    def _admit_waiting(self, batch: list, new: list[NewSeq], budget: int, now: float,
-                       cap: int | None) -> None:
-        if not self.waiting:
-            return
-        ctx = SchedulingContext(now, self.step_time_s, self.config.max_num_batched_tokens,
-                                len(self.running))
-        cutoff = now - self.config.max_wait_s
-        overdue = [r for r in self.waiting if r.arrival < cutoff]
-        order = sorted(overdue, key=lambda r: (r.arrival, r.arrival_index)) + \
-            self.policy.order_waiting([r for r in self.waiting if r.arrival >= cutoff], ctx)
-        growth: int | None = None            # see _victims
-        admitted: list[Request] = []
-        for req in order:
-            # NOTE: a request preempted with a sampled token in flight waits for that token: a
-            # NewSeq carries every token.
-            if budget == 0 or req.num_pending_tokens or (cap is not None and len(batch) >= cap):
-                break
-            if req.arrival >= cutoff and not self.policy.admit(req, admitted, ctx):
-                continue
-            if not self._lora_fits(req):
-                continue
-            use_cache = req.sampling.prompt_logprobs is None   # every position must be computed
-            prefix = self.blocks.lookup(req) if use_cache else []
-            start = len(prefix) * self.blocks.block_size
-            num = min(req.num_tokens - start, budget)
-            victims, growth = self._victims(req, num, prefix, growth, admitted, ctx)
-            if victims is None:
-                break
-            for victim in victims:
-                budget += self._unplan(victim, batch)
-                self._preempt(victim)
-            num_cached = self.blocks.allocate_prefix(req, prefix)
-            self.blocks.allocate(req, num)
-            req.status, req.slot = RUNNING, self.slots.allocate()
-            if not req.stats.first_scheduled:
-                req.stats.first_scheduled = now
-                req.stats.num_cached_tokens = num_cached
-            self.running.append(req)
-            new.append(NewSeq(req.slot, list(req.token_ids), req.prompt_len, req.sampling,
-                              list(req.block_table), num_cached, req.lora))
-            req.num_sent_tokens = req.num_tokens
-            batch.append(self._plan(req, num, []))
-            budget -= num
-            if growth is not None:
-                growth += self.admission.expected_growth(req)
-            admitted.append(req)
-            # NOTE: only the last running request may be part-way through its prefill (see
-            # _schedule_running), even when preempting gave budget back
-            if num < req.num_tokens - start:
-                break
-        if admitted:
-            self.waiting = [r for r in self.waiting if r.status is WAITING]
-
-    def _lora_fits(self, req: Request) -> bool:
-        """Whether req's adapter can run beside the running requests: a step uses at most
-        max_loras adapters (the workers' device slots), so a request whose adapter would be one
-        too many waits (others behind it may go first) until one of them finishes."""
-        if req.lora is None:
-            return True
-        active = {r.lora.lora_int_id for r in self.running if r.lora is not None}
-        return req.lora.lora_int_id in active or len(active) < self.config.max_loras
-
-    def _victims(self, req: Request, num: int, prefix: list[int], growth: int | None,
-                 admitted: list[Request], ctx: SchedulingContext
-                 ) -> tuple[list[Request] | None, int | None]:
-        """The running requests to preempt so that `req` fits with num tokens after `prefix`
-        ([] if it fits as it is; None if it cannot be made to fit), and `growth`.
-
-        It fits with a free slot and, while anything runs, blocks for its expected length beyond
-        the expected growth of the running requests (at least the watermark): admission.py.
-        `growth` is that growth in blocks, or None until needed: it takes a pass over the running
-        requests, which a step with no free slot (the common case under load) skips.
-        """
-        expected = max(num, self.admission.expected_len(req) - len(prefix) * self.blocks.block_size)
-        victims: list[Request] = []
-        candidates = None
-        free_slots, free_blocks = self.slots.num_free, self.blocks.num_free_blocks
-        while True:
-            if free_slots:
-                if len(self.running) == len(victims):
-                    needed, reserve = self.blocks.num_needed(req, num, prefix), 0
-                else:
-                    if growth is None:
-                        growth = sum(self.admission.expected_growth(r) for r in self.running
-                                     if r not in victims)
-                    needed = self.blocks.num_needed(req, expected, prefix)
-                    reserve = max(self._watermark, growth)
-                if needed + reserve <= free_blocks:
-                    return victims, growth
-            if candidates is None:
-                taken = set(admitted)
-                candidates = [r for r in self.running
-                              if self.policy.may_preempt(req, r, ctx) and r not in taken
-                              and not self._overdue(r, ctx.now) and not self._ends_in_flight(r)]
-            if not candidates:
-                return None, growth
-            victim = self.policy.pick_victim(candidates)
-            candidates.remove(victim)
-            victims.append(victim)
-            free_slots += 1
-            free_blocks += self.blocks.num_exclusive(victim)
-            if growth is not None:
-                growth -= self.admission.expected_growth(victim)
-
-    def _unplan(self, req: Request, batch: list[_Planned]) -> int:
-        """Take the part of `req` out of the step being planned (its blocks go when it is
-        preempted); returns the tokens it had."""
-        for i, p in enumerate(batch):
-            if p.req is req:
-                del batch[i]
-                req.num_pending_tokens -= p.step.sample
-                start = p.end - p.step.num_tokens
-                self.num_prompt_tokens -= max(0, min(p.end, req.prompt_len) - start)
-                return p.step.num_tokens
-        return 0
 
     def _overdue(self, req: Request, now: float) -> bool:
         """Whether the fairness guard holds for `req`: it arrived more than max_wait_s ago."""
@@ -604,42 +463,3 @@ class Scheduler:
         if req.slot is not None:
             self.slots.release(req.slot)
             req.slot = None
-
-    # --- checks -----------------------------------------------------------------------------
-
-    def _reject_reason(self, msg: AddRequest) -> str | None:
-        n = len(msg.token_ids)
-        if msg.id in self.requests:
-            return f"request id {msg.id!r} is already in use"
-        if n == 0:
-            return "the prompt is empty"
-        if any(t < 0 for t in msg.token_ids):
-            return "the prompt has negative token ids"
-        if n >= self.max_model_len:
-            return (f"the prompt has {n} tokens, but the model's context length is "
-                    f"{self.max_model_len} (prompt plus at least one generated token)")
-        if n >= self.max_len:
-            return (f"the prompt has {n} tokens, but the KV cache holds only {self.max_len} "
-                    f"tokens ({self.blocks.num_blocks} blocks of {self.blocks.block_size})")
-        return None
-
-    def _check_requests(self) -> None:
-        running, waiting = {r.id for r in self.running}, {r.id for r in self.waiting}
-        if (len(running) != len(self.running) or len(waiting) != len(self.waiting)
-                or running & waiting or running | waiting != self.requests.keys()):
-            raise IntegrityError("waiting and running queues do not partition the request table")
-        self.slots.check_integrity([r.slot for r in self.running])
-        for r in self.running:
-            if (r.status is not RUNNING or r.num_computed_tokens >= r.num_planned_tokens
-                    or len(r.block_table) * self.blocks.block_size < r.num_computed_tokens):
-                raise IntegrityError(f"running request {r.id} is in a bad state")
-        for r in self.waiting:
-            if (r.status is not WAITING or r.slot is not None or r.block_table
-                    or r.num_computed_tokens):
-                raise IntegrityError(f"waiting request {r.id} holds a slot, blocks or progress")
-        pending = Counter(p.req for _, planned, _ in self._in_flight for p in planned
-                          if p.step.sample and p.req.status is not FINISHED)
-        for r in self.requests.values():
-            if r.num_pending_tokens != pending[r]:
-                raise IntegrityError(f"request {r.id} counts {r.num_pending_tokens} pending "
-                                     f"tokens, but {pending[r]} sampling steps are in flight")

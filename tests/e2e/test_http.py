@@ -174,6 +174,7 @@ def test_api_keys(server, oai):
     ({"prompt": ["x", "y", "z"], "n": 2}, "must be at most 4 (--max-n), got 2 x 3"),
     ({"prompt": "x", "seed": 2 ** 64}, "seed must fit in 64 bits"),
     ({"prompt": "x", "priority": -2 ** 63 - 1}, "priority must fit in 64 bits"),
+    ({"prompt": "x", "priority": 1}, "--scheduling-policy priority"),    # fcfs ignores it
     ({"prompt": "x", "stop_token_ids": [2 ** 64]}, "stop_token_ids must fit in 64 bits"),
     (b'{"prompt": "x", "guided_json": {"a": ' + b"[" * 1000 + b"]" * 1000 + b"}}",
      "nested too deeply"),
@@ -190,6 +191,8 @@ def test_invalid_requests_are_400(server, body, needle):
 
 def test_chat_errors_and_other_statuses(server):
     assert "messages" in _error(_post(server, "/v1/chat/completions", {"messages": []}), 400)
+    zero = {"messages": CHAT, "max_completion_tokens": 0}     # not "unset": the whole context
+    assert "max_tokens" in _error(_post(server, "/v1/chat/completions", zero), 400)
     legacy = {"messages": CHAT, "functions": [{"name": "f", "parameters": {}}]}
     assert "unknown field `functions`" in _error(_post(server, "/v1/chat/completions",
                                                         legacy), 400)

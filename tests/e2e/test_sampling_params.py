@@ -86,6 +86,20 @@ def test_stop_strings_and_stop_token_ids(llm, PROMPT):
     assert kept.text.endswith(word)
     assert comp.finish_reason == "stop" and comp.stop_reason == tok
     assert comp.token_ids == base.token_ids[:base.token_ids.index(tok) + 1]
+    # the stop token is not in the text (as in vLLM); include_stop_str_in_output keeps it, and
+    # the EOS token's text (kept special tokens) goes the same way
+    assert comp.text == llm.tokenizer.decode(comp.token_ids[:-1])
+    chat = [[{"role": "user", "content": "Say hi"}]] * 2
+    eos, eos_kept = (o.outputs[0] for o in llm.chat(chat, [
+        SamplingParams(temperature=0, max_tokens=100, skip_special_tokens=False),
+        SamplingParams(temperature=0, max_tokens=100, skip_special_tokens=False,
+                       include_stop_str_in_output=True)], use_tqdm=False))
+    assert eos.finish_reason == "stop" and eos.token_ids[-1] == llm.tokenizer.eos_token_id
+    assert eos.text == eos_kept.text.removesuffix(llm.tokenizer.eos_token) != eos_kept.text
+    tok_kept = llm.generate([PROMPT], SamplingParams(
+        temperature=0, max_tokens=40, stop_token_ids=[tok], include_stop_str_in_output=True),
+        use_tqdm=False)[0].outputs[0]
+    assert tok_kept.text == llm.tokenizer.decode(comp.token_ids)
     stats = llm.engine.scheduler.stats()
     assert stats.num_free_blocks == stats.num_total_blocks
 

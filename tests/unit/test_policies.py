@@ -286,6 +286,21 @@ def test_admission_reserves_blocks_for_the_expected_output(depth):
     assert blind.sched.num_preemptions > 0             # nothing seen yet: it admits all
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "deadline", "length-aware"])
+def test_a_priority_the_policy_ignores_is_refused(policy):
+    """Only the priority policy (or one of one's own) reads `priority`: elsewhere a non-zero one
+    ends its request at once with a 400 naming the option, and 0 runs."""
+    h = Harness(scheduling_policy=policy)
+    h.add("urgent", [1, 2, 3], priority=-1)
+    h.add("plain", [1, 2, 3], priority=0, max_tokens=2)
+    h.run()
+    assert h.out["urgent"].finish_reason == "error" and h.out["urgent"].tokens == []
+    assert "--scheduling-policy priority" in h.out["urgent"].error
+    assert h.out["plain"].finish_reason == "length"
+    assert not h.sched.requests
+    assert make_policy("priority").reads_priority
+
+
 # --- loading policies and objectives on the wire ----------------------------------------------
 
 def test_make_policy_by_name_and_module_path():
@@ -342,8 +357,11 @@ def test_random_workloads_keep_integrity_and_outputs(policy, seed, depth):
     aborts = {rng.randrange(40): f"r{rng.randrange(14)}" for _ in range(2)}
     for t in range(10_000):
         for rid in arrivals.get(t, []):
-            h.add(rid, prompts_by_id[rid], max_tokens=rng.choice([1, 4, 12]),
-                  priority=rng.randrange(3), ttft_slo=rng.choice([None, 0.3, 2.0]),
+            max_tokens, priority = rng.choice([1, 4, 12]), rng.randrange(3)
+            # the other policies refuse a priority they ignore
+            h.add(rid, prompts_by_id[rid], max_tokens=max_tokens,
+                  priority=priority if policy == "priority" else 0,
+                  ttft_slo=rng.choice([None, 0.3, 2.0]),
                   tpot_slo=rng.choice([None, 0.2]))
         if t in aborts:
             h.collect(h.sched.abort([aborts[t]]))

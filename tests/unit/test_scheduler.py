@@ -20,7 +20,7 @@ from scheduler_util import (
 )
 
 from conveyor.scheduler import FCFSPolicy, IntegrityError, Policy, Request, SchedulingContext
-from conveyor.scheduler.scheduler import AUDIT_INTERVAL_S
+from conveyor.scheduler.checks import AUDIT_INTERVAL_S
 from conveyor.shared.messages.worker import StepResult
 from conveyor.shared.sampling_params import SamplingParams
 
