@@ -218,10 +218,11 @@ def build_parser() -> argparse.ArgumentParser:
                         '--tool-call-parser')
     g.add_argument("--tool-call-parser", default=None, metavar="NAME",
                    help="how the model writes tool calls: hermes (Qwen2.5/Qwen3), "
-                        "llama3_json (Llama 3.1/3.2), mistral")
+                        "llama3_json (Llama 3.1/3.2), mistral, pythonic (Llama 3.2/4), "
+                        "qwen3_coder, openai (gpt-oss)")
     g.add_argument("--reasoning-parser", default=None, metavar="NAME",
-                   help="split the model's <think>...</think> into reasoning_content: qwen3, "
-                        "deepseek_r1")
+                   help="split the model's thought into reasoning_content: qwen3, "
+                        "deepseek_r1 (<think>...</think>), openai_gptoss (gpt-oss's channels)")
     g.add_argument("--zmq-port", type=int, default=5555,
                    help="frontend i listens on ZMQ_PORT + i (0: any free port)")
     g.add_argument("--frontends", type=int, default=None,

@@ -255,5 +255,7 @@ def chat_messages(req: ChatRequest) -> list[dict]:
         for key in ("name", "tool_call_id", "reasoning_content"):
             if getattr(m, key) is not None:
                 message[key] = getattr(m, key)
+        if m.reasoning_content is not None:
+            message["thinking"] = m.reasoning_content    # gpt-oss's template's name for it
         out.append(message)
     return out

@@ -1,4 +1,5 @@
-"""Reasoning parsers (`--reasoning-parser`): a model's `<think>…</think>` is `reasoning_content`.
+"""Reasoning parsers (`--reasoning-parser`): a model's `<think>…</think>` is `reasoning_content`
+(gpt-oss's harmony channels: harmony.py).
 
 qwen3: the output opens its thought with `<think>`; an output without it has no thought (the
 template turned thinking off with `enable_thinking: false`, and wrote an empty thought into the
@@ -12,6 +13,7 @@ after which the grammar starts (None: from the first generated token).
 """
 from __future__ import annotations
 
+from conveyor.frontend.harmony import HarmonyReasoningParser
 from conveyor.frontend.tool_parsers.base import partial_tail
 
 START, END = "<think>", "</think>"
@@ -21,6 +23,7 @@ _WS = " \t\n\r"
 class ReasoningParser:
     """`feed` and `finish` return (reasoning, content) pieces."""
     opened_in_prompt = False
+    keeps_special_tokens = False              # the markers are special tokens (harmony.py)
 
     def __init__(self) -> None:
         self.buf = ""
@@ -82,7 +85,8 @@ class DeepSeekR1ReasoningParser(ReasoningParser):
     opened_in_prompt = True
 
 
-REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
+REASONING_PARSERS: dict[str, type] = {
     "qwen3": Qwen3ReasoningParser,
     "deepseek_r1": DeepSeekR1ReasoningParser,
+    "openai_gptoss": HarmonyReasoningParser,     # gpt-oss's harmony channels
 }

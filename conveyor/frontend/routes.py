@@ -159,6 +159,9 @@ class Routes:
                               self.tool_parser)
             # NOTE: "required" and named tool choices are held to this JSON schema
             params = constrain(oai.sampling_params(req, self.defaults), constraint_schema(tools))
+            if self.reasoning is not None and self.reasoning.keeps_special_tokens:
+                # the reader needs the format's markers; none of them reaches the client
+                params = msgspec.structs.replace(params, skip_special_tokens=False)
             gen = GenerateRequest(id="0", messages=oai.chat_messages(req), tools=req.tools,
                                   chat_template_kwargs=req.chat_template_kwargs,
                                   sampling=params, stream=req.stream,

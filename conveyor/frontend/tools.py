@@ -36,9 +36,10 @@ class ToolMode:
     parallel: bool = True                    # more than one call allowed
 
     def new_parser(self) -> ToolParser | None:
-        """A parser for one choice's output (None: the output is plain content)."""
+        """A parser for one choice's output (None: the output is plain content). The server's
+        parser gets the tools: a format may type its arguments by their schemas."""
         if self.choice == "auto":
-            return TOOL_PARSERS[self.parser]()
+            return TOOL_PARSERS[self.parser](self.tools)
         if self.choice == "required":
             return JsonArrayParser()
         if self.choice == "named":

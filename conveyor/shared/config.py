@@ -252,7 +252,7 @@ class HttpConfig:
     cache_salt_per_api_key: bool = False     # each API key (tenant) gets its own prefix cache
     enable_auto_tool_choice: bool = False    # tool_choice "auto" reads calls with tool_call_parser
     tool_call_parser: str | None = None      # a name in conveyor/frontend/tool_parsers
-    reasoning_parser: str | None = None      # qwen3 | deepseek_r1: <think> to reasoning_content
+    reasoning_parser: str | None = None      # qwen3 | deepseek_r1 | openai_gptoss: the thought
     metrics_need_api_key: bool = False       # /metrics asks for the API key too (else open)
     uvicorn_log_level: str = "warning"       # info and below also log each HTTP request
 
@@ -262,6 +262,9 @@ class HttpConfig:
 
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs a tool_call_parser")
+        if self.tool_call_parser == "openai" and self.reasoning_parser != "openai_gptoss":
+            raise ValueError("tool_call_parser openai reads gpt-oss's harmony channels: it needs "
+                             "reasoning_parser openai_gptoss")
         for name, value, known in (("tool_call_parser", self.tool_call_parser, TOOL_PARSERS),
                                    ("reasoning_parser", self.reasoning_parser,
                                     REASONING_PARSERS)):

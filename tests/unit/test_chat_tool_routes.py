@@ -4,11 +4,13 @@ and tool results are rendered by the template."""
 import json
 from pathlib import Path
 
+import msgspec
 import pytest
 from fastapi.testclient import TestClient
 
+from conveyor.frontend import openai_protocol as oai
 from conveyor.frontend.core import READY, FrontendCore
-from conveyor.frontend.routes import build_app
+from conveyor.frontend.routes import Routes, build_app
 from conveyor.frontend.tokenizer import load_tokenizer
 from conveyor.shared.messages import through_wire
 from conveyor.shared.messages.client import GenerateRequest
@@ -59,3 +61,26 @@ def test_tools_and_tool_messages_are_rendered_on_the_request_path(tok):
     assert '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}' in text
     assert "<|im_start|>tool\n12:00<|im_end|>" in text
     assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+
+def test_harmony_chats_keep_their_special_tokens_and_thinking_reaches_the_template(tok):
+    """gpt-oss's parsers read the format's markers (special tokens): its chats are decoded with
+    them kept (other servers keep the request's setting). A history's reasoning_content reaches
+    the template as `thinking` too, the name gpt-oss's template reads."""
+    history = [{"role": "user", "content": "Hi"},
+               {"role": "assistant", "content": "Hello", "reasoning_content": "Greet back."},
+               {"role": "user", "content": "Time?"}]
+    req = msgspec.convert({"messages": history, "tools": TOOLS}, oai.ChatRequest)
+    core = FrontendCore(tok, len(tok), 2048, "f-", lambda m: None, state=READY)
+    harmony = Routes(core, ("m",), 4, tool_parser="openai", reasoning_parser="openai_gptoss")
+    plain = Routes(core, ("m",), 4, tool_parser="hermes", reasoning_parser="qwen3")
+    assert harmony._chat(None, req, "m")[0].sampling.skip_special_tokens is False
+    assert plain._chat(None, req, "m")[0].sampling.skip_special_tokens is True
+    tok2 = load_tokenizer(resolve_model(None))
+    tok2.chat_template = ("{% for m in messages %}{{ m.role }}:{{ m.get('thinking', '') }}|"
+                          "{{ m.content }};{% endfor %}")
+    core2 = FrontendCore(tok2, len(tok2), 2048, "f-", lambda m: None, state=READY)
+    _, ids, _ = core2.preparer.prepare(GenerateRequest(id="a", messages=oai.chat_messages(req)),
+                                       fit_context=False)
+    assert "assistant:Greet back.|Hello;" in tok2.decode(ids)

@@ -11,7 +11,10 @@ from conveyor.frontend.tool_parsers import (
     Llama3JsonParser,
     MistralParser,
     NamedCallParser,
+    PythonicParser,
+    Qwen3CoderParser,
 )
+from conveyor.frontend.tools import tool_mode
 
 WEATHER = {"location": "San Francisco, CA, USA", "unit": "celsius"}
 NESTED = {"query": "a \"quoted\" } ] brace", "filters": [{"k": "year", "v": [2023, 2024]}],
@@ -56,6 +59,42 @@ VALID = [
     (MistralParser, '[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}} {"name": "g"}]',
      '{"name": "g"}]', [("f", {"a": 1})]),
     (MistralParser, "[1, 2, 3] are numbers.", "[1, 2, 3] are numbers.", []),
+    # pythonic (Llama 3.2, Llama 4): a list of calls with literal keyword arguments
+    (PythonicParser, '[get_weather(location="San Francisco, CA, USA", unit=\'celsius\')]',
+     "", [("get_weather", WEATHER)]),
+    (PythonicParser, """[search(query='a "quoted" } ] brace', filters=[{"k": "year", "v": """
+                     """(2023, 2024)}], deep={'x': {'y': None, 'z': True, 'w': -1.5e3}}, """
+                     """emoji="héllo ✓"), get_time()]""",
+     "", [("search", NESTED), ("get_time", {})]),
+    (PythonicParser, "Let me look.\n<|python_start|>[write(path='a, (b).txt', text=\"\"\"one\n"
+                     "two, \"2\" ]\"\"\", note='it\\'s\\n', n=-0.5,)]<|python_end|>",
+     "Let me look.", [("write", {"path": "a, (b).txt", "text": 'one\ntwo, "2" ]',
+                                 "note": "it's\n", "n": -0.5})]),
+    (PythonicParser, "[\n  get_time( tz = 'CET' ),\n  get_time(tz='UTC')\n] and then words",
+     "and then words", [("get_time", {"tz": "CET"}), ("get_time", {"tz": "UTC"})]),
+    (PythonicParser, "Paris is the capital of France.", "Paris is the capital of France.", []),
+    (PythonicParser, "[1, 2, 3] are numbers.", "[1, 2, 3] are numbers.", []),
+    (PythonicParser, "[Paris](https://paris.fr) is a link.", "[Paris](https://paris.fr) is a link.",
+     []),
+    (PythonicParser, '<|python_start|>print("hi")<|python_end|>',
+     '<|python_start|>print("hi")<|python_end|>', []),
+    # qwen3_coder: <tool_call> tags around XML; without tools a value is JSON, else a string
+    (Qwen3CoderParser, "<tool_call>\n<function=get_current_temperature>\n<parameter=location>\n"
+                       "San Francisco, CA, USA\n</parameter>\n<parameter=unit>\ncelsius\n"
+                       "</parameter>\n</function>\n</tool_call>",
+     "", [("get_current_temperature", WEATHER)]),
+    (Qwen3CoderParser, "Let me check both.\n\n<tool_call>\n<function=search>\n<parameter=query>\n"
+                       'a "quoted" } ] brace\n</parameter>\n<parameter=filters>\n'
+                       '[{"k": "year", "v": [2023, 2024]}]\n</parameter>\n<parameter=deep>\n'
+                       '{"x": {"y": null, "z": true, "w": -1.5e3}}\n</parameter>\n'
+                       "<parameter=emoji>\nhéllo ✓\n</parameter>\n</function>\n</tool_call>\n"
+                       "<tool_call>\n<function=get_time>\n</function>\n</tool_call>",
+     "Let me check both.", [("search", NESTED), ("get_time", {})]),
+    (Qwen3CoderParser, "<tool_call>\n<function=write>\n<parameter=code>\ndef f(a, b):\n"
+                       '    return "[" + a + "</x>"\n\n</parameter>\n</function>\n</tool_call>',
+     "", [("write", {"code": 'def f(a, b):\n    return "[" + a + "</x>"\n'})]),
+    (Qwen3CoderParser, "The answer is 4. <tool_ is not a tag.\n",
+     "The answer is 4. <tool_ is not a tag.\n", []),
 ]
 
 MALFORMED = [
@@ -74,6 +113,29 @@ MALFORMED = [
     (MistralParser, '[TOOL_CALLS][{"name": {"f": 1}, "arguments": {"a": 1}}]'),
     (MistralParser, '[TOOL_CALLS][{"name": "f", "arguments": 7}]'),
     (JsonArrayParser, '[{"name": "f", "parameters": {"a": }}]'),
+    (PythonicParser, '[get_weather(city="Paris"'),
+    (PythonicParser, '[get_weather(city="Paris")'),                # the list never closes
+    (PythonicParser, "[get_weather(city=paris)]"),
+    (PythonicParser, '[get_weather(city="Paris", days=1 + x)]'),
+    (PythonicParser, '[get_weather(city=open("x"))]'),
+    (PythonicParser, '[get_weather("Paris")]'),
+    (PythonicParser, "[f(a=1, a=2)]"),
+    (PythonicParser, "[f(a={1, 2})]"),
+    (PythonicParser, "[f(a=)]"),
+    (PythonicParser, "[f(a=1]"),
+    (PythonicParser, "[f(a='unclosed)]"),
+    (PythonicParser, "[os.system(cmd='ls')]"),
+    (Qwen3CoderParser, "<tool_call>\n<function=get_weather\n<parameter=city>\nParis\n</parameter>"
+                       "\n</function>\n</tool_call>"),
+    (Qwen3CoderParser, "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"),
+    (Qwen3CoderParser, "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
+                       "</parameter>\n"),
+    (Qwen3CoderParser, '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'),
+    (Qwen3CoderParser, "<tool_call>\n<function=>\n</function>\n</tool_call>"),
+    (Qwen3CoderParser, "<tool_call>\n<function=f>\nstray text\n</function>\n</tool_call>"),
+    (Qwen3CoderParser, "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n"
+                       "<parameter=a>\n2\n</parameter>\n</function>\n</tool_call>"),
+    (Qwen3CoderParser, "<tool_call>"),
 ]
 
 
@@ -164,4 +226,58 @@ def test_required_output_is_an_array_of_calls():
 
 
 def test_every_server_parser_name_is_registered():
-    assert set(TOOL_PARSERS) >= {"hermes", "llama3_json", "mistral"}
+    assert set(TOOL_PARSERS) >= {"hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder"}
+
+
+def test_pythonic_arguments_go_out_one_by_one():
+    text = '[get_weather(city="Paris", days=3)]'
+    parser, sent = PythonicParser(), {}
+    for i, ch in enumerate(text):
+        for c in parser.feed(ch).tool_calls:
+            sent[i] = sent.get(i, "") + c["function"].get("name", "") + c["function"]["arguments"]
+    # the name goes out with the first argument, each argument once its value is complete
+    assert sent == {text.index(","): 'get_weather{"city": "Paris"',
+                    text.index(")"): ', "days": 3}'}
+
+
+QWEN_TOOLS = ({"name": "plan", "parameters": {"type": "object", "properties": {
+    "title": {"type": "string"}, "count": {"type": "integer"}, "ratio": {"type": "number"},
+    "flag": {"type": "boolean"}, "opts": {"type": "object"}, "tags": {"type": "array"},
+    "note": {"type": ["string", "null"]}}}},)
+TYPED = ("<tool_call>\n<function=plan>\n" + "".join(
+    f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in [
+        ("title", "3"), ("count", "3"), ("ratio", "0.5"), ("flag", "True"),
+        ("opts", '{"a": [1, {"b": null}]}'), ("tags", "['x', \"y, z\"]"), ("note", "null"),
+        ("extra", "[1, 2]"), ("other", "not json"), ("count2", "many")])
+    + "</function>\n</tool_call>")
+
+
+def test_qwen3_coder_types_values_by_the_tools_schema():
+    (call,) = Qwen3CoderParser.parse(TYPED, QWEN_TOOLS).tool_calls
+    assert json.loads(call.arguments) == {
+        "title": "3", "count": 3, "ratio": 0.5, "flag": True, "opts": {"a": [1, {"b": None}]},
+        "tags": ["x", "y, z"], "note": "null", "extra": [1, 2], "other": "not json",
+        "count2": "many"}
+    # without its schema, "3" is a number and True is not JSON
+    untyped = json.loads(Qwen3CoderParser.parse(TYPED).tool_calls[0].arguments)
+    assert (untyped["title"], untyped["flag"]) == (3, "True")
+    for pieces in _splits(TYPED):
+        assert _stream(Qwen3CoderParser(QWEN_TOOLS), pieces) == ("", [("plan", call.arguments)])
+
+
+def test_qwen3_coder_sends_the_name_then_each_parameter_as_it_closes():
+    text = TYPED[:TYPED.index("<parameter=ratio>")]
+    parser, sent = Qwen3CoderParser(QWEN_TOOLS), []
+    for i, ch in enumerate(text):
+        sent += [(i, c) for c in parser.feed(ch).tool_calls]
+    ends = [i for i in range(len(text)) if text.startswith("</parameter>", i - 11)]
+    assert [i for i, _ in sent] == [text.index("<function=plan>") + 14] + ends
+    assert [c["function"].get("name") for _, c in sent] == ["plan", None, None]
+
+
+def test_the_auto_tool_mode_gives_its_parser_the_tools():
+    tools = [{"type": "function", "function": f} for f in QWEN_TOOLS]
+    parser = tool_mode(tools, "auto", True, "qwen3_coder").new_parser()
+    assert isinstance(parser, Qwen3CoderParser) and parser.tools == QWEN_TOOLS
+    assert json.loads(parser.parse_all(TYPED).tool_calls[0].arguments)["title"] == "3"
+    assert isinstance(tool_mode(tools, "auto", True, "pythonic").new_parser(), PythonicParser)

@@ -7,13 +7,19 @@ from conveyor.frontend.tool_parsers.json_array import JsonArrayParser
 from conveyor.frontend.tool_parsers.llama3_json import Llama3JsonParser
 from conveyor.frontend.tool_parsers.mistral import MistralParser
 from conveyor.frontend.tool_parsers.named import NamedCallParser
+from conveyor.frontend.tool_parsers.openai import OpenAIParser
+from conveyor.frontend.tool_parsers.pythonic import PythonicParser
+from conveyor.frontend.tool_parsers.qwen3_coder import Qwen3CoderParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesParser,
     "llama3_json": Llama3JsonParser,
     "mistral": MistralParser,
+    "openai": OpenAIParser,                  # gpt-oss (with --reasoning-parser openai_gptoss)
+    "pythonic": PythonicParser,
+    "qwen3_coder": Qwen3CoderParser,
 }
 
 __all__ = ["TOOL_PARSERS", "Delta", "HermesParser", "JsonArrayParser", "Llama3JsonParser",
-           "MistralParser", "NamedCallParser", "Parsed", "ToolCall",
-           "ToolParser"]
+           "MistralParser", "NamedCallParser", "OpenAIParser", "Parsed", "PythonicParser",
+           "Qwen3CoderParser", "ToolCall", "ToolParser"]

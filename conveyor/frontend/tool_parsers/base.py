@@ -58,7 +58,8 @@ class ToolParser:
     """Subclasses implement `_step`: consume what they can of `self.buf`, False to wait."""
     arg_keys: tuple[str, ...] = ("arguments", "parameters")
 
-    def __init__(self) -> None:
+    def __init__(self, tools: tuple[dict, ...] = ()) -> None:
+        self.tools = tools                 # the request's functions; most families ignore them
         self.buf = ""
         self.mode = "start"
         self.broken = False                # a call broke after its name went out
@@ -145,9 +146,14 @@ class ToolParser:
         self.buf = self.buf[len(self.buf) - keep:]
         return False
 
+    def _new_call(self) -> CallObject:
+        """The reader of one call; a family whose calls are not JSON objects gives its own, with
+        CallObject's interface (`feed`, `state`, `name`, `name_checked`, the arguments)."""
+        return CallObject(self.arg_keys)
+
     def _begin_call(self, marker: str = "") -> None:
         self._held_ws, self._ws = self._ws, ""
-        self._obj = CallObject(self.arg_keys)
+        self._obj = self._new_call()
         self._raw, self._sent = marker, -1
 
     def _call_step(self, then: str) -> bool:

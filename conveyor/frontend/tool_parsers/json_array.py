@@ -17,12 +17,12 @@ class JsonArrayParser(ToolParser):
         return self._array_step(final)
 
     def _open_array(self, final: bool, marker: str) -> bool:
-        """At `[` followed by `{`: read calls; anything else there is content."""
+        """At `[` followed by a call: read calls; anything else there is content."""
         body = self.buf.lstrip()
         inner = body[1:].lstrip() if body.startswith("[") else body
         if not final and (not body or (body.startswith("[") and not inner)):
             return False
-        if not (body.startswith("[") and inner.startswith("{")):
+        if not (body.startswith("[") and self._opens_call(inner)):
             if marker:
                 self._content(marker)
             self.mode = "plain"
@@ -30,6 +30,10 @@ class JsonArrayParser(ToolParser):
         self._begin_call(marker + self.buf[:len(self.buf) - len(inner)])
         self.buf, self.mode = inner, "call"
         return True
+
+    def _opens_call(self, inner: str) -> bool:
+        """Whether the text after `[` starts a call (a family with other calls says its own)."""
+        return inner.startswith("{")
 
     def _array_step(self, final: bool) -> bool:
         if self.mode == "call":

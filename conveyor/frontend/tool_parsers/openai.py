@@ -1,0 +1,85 @@
+"""gpt-oss's calls (`--tool-call-parser openai`), as the harmony reasoning parser hands them on in
+the content (conveyor/frontend/harmony.py), so it needs `--reasoning-parser openai_gptoss`:
+
+    Let me look.<|start|>assistant to=functions.get_weather<|message|>{"city": "Paris"}<|call|>
+
+The recipient `functions.NAME` names the call and the message is its arguments, a JSON object,
+streamed as the model writes it. A recipient that is not a function (a built-in tool) is content.
+"""
+from __future__ import annotations
+
+import json
+
+from conveyor.frontend.tool_parsers.base import ToolParser, partial_tail
+
+# harmony's markers (special tokens), and a call as harmony.py hands it on
+START, MESSAGE, CALL = "<|start|>", "<|message|>", "<|call|>"
+CALL_OPEN = START + "assistant to="
+FUNCTIONS = "functions."
+
+
+class OpenAIParser(ToolParser):
+    def _new_call(self) -> HarmonyCall:
+        return HarmonyCall()
+
+    def _step(self, final: bool) -> bool:
+        if self.mode in ("start", "text"):
+            if not self._text_until(CALL_OPEN, final):
+                return False
+            self._begin_call(CALL_OPEN)
+            self.mode = "call"
+            return True
+        return self._call_step(then="text")
+
+
+class HarmonyCall:
+    """`functions.NAME<|message|>ARGUMENTS<|call|>`, with CallObject's interface: name at
+    `<|message|>`, the arguments' text as it comes (less a tail that could start `<|call|>`)."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.state = "start"                  # start (the recipient) | body | done | error
+        self.name: str | None = None
+        self.valid = False
+        self._body = 0                        # where the arguments begin in text
+
+    @property
+    def done(self) -> bool:
+        return self.state == "done"
+
+    @property
+    def error(self) -> bool:
+        return self.state == "error"
+
+    def name_checked(self) -> bool:
+        return self.name is not None
+
+    def feed(self, s: str) -> int:
+        at = len(self.text)
+        self.text += s
+        if self.state == "start":
+            i = self.text.find(MESSAGE)
+            if i < 0:
+                return len(s)
+            recipient = self.text[:i].strip()
+            if not recipient.startswith(FUNCTIONS) or len(recipient) == len(FUNCTIONS):
+                self.state = "error"
+                return len(s)
+            self.name, self.state, self._body = recipient[len(FUNCTIONS):], "body", i + len(MESSAGE)
+        end = self.text.find(CALL, self._body)
+        if end < 0:
+            return len(s)
+        self.state, self.text = "done", self.text[:end + len(CALL)]
+        try:
+            self.valid = isinstance(json.loads(self.arguments()), dict)
+        except ValueError:
+            self.valid = False
+        return len(self.text) - at
+
+    def arguments_so_far(self) -> str:
+        body = self.text[self._body:] if self.state == "body" else ""
+        return body[:len(body) - partial_tail(body, CALL)].strip()
+
+    def arguments(self) -> str:
+        body = self.text[self._body:]
+        return body.removesuffix(CALL).strip()

@@ -1,0 +1,132 @@
+"""gpt-oss's harmony output (`--reasoning-parser openai_gptoss`, `--tool-call-parser openai`) on
+recorded outputs in the format OpenAI documents: channels split into thought, content and calls,
+whole and streamed split at every position, malformed output as content, and the server's
+refusal of the tool parser without the reasoning parser."""
+import json
+
+import pytest
+
+from conveyor.frontend.chat_output import ChatReader
+from conveyor.frontend.harmony import HarmonyReasoningParser
+from conveyor.frontend.tools import tool_mode
+from conveyor.shared.config import HttpConfig
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"location": {"type": "string"}}}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+
+# output as the model writes it (after the prompt's <|start|>assistant), with the stop token
+# where the engine keeps it -> (reasoning_content, content, [(name, arguments)])
+CASES = [
+    ("<|channel|>analysis<|message|>User asks for the weather in Tokyo. Use the tool.<|end|>"
+     "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
+     '<|message|>{"location":"Tokyo"}<|call|>',
+     "User asks for the weather in Tokyo. Use the tool.", None,
+     [("get_weather", {"location": "Tokyo"})]),
+    ("<|channel|>analysis<|message|>Simple greeting.<|end|><|start|>assistant<|channel|>final"
+     "<|message|>Hello! How can I help you today?<|return|>",
+     "Simple greeting.", "Hello! How can I help you today?", []),
+    # the stop token's text left out (the engine's default); no thought at all
+    ("<|channel|>final<|message|>2 + 2 = 4.", None, "2 + 2 = 4.", []),
+    # a preamble on the commentary channel, then two calls; the recipient before the channel
+    ("<|channel|>analysis<|message|>Need both.<|end|><|start|>assistant<|channel|>commentary"
+     "<|message|>Checking the weather and the time.<|end|><|start|>assistant to=functions."
+     'get_weather<|channel|>commentary json<|message|>{"location": "Paris, \\"FR\\""}<|call|>'
+     '<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{}<|call|>',
+     "Need both.", "Checking the weather and the time.",
+     [("get_weather", {"location": 'Paris, "FR"'}), ("get_time", {})]),
+    # markers in the thought's text are the format's; braces and <| in a final answer are text
+    ("<|channel|>analysis<|message|>x < y and {a}<|end|><|start|>assistant<|channel|>final"
+     "<|message|>Use `<|` carefully: {\"k\": [1, 2]}<|return|>",
+     "x < y and {a}", 'Use `<|` carefully: {"k": [1, 2]}', []),
+    # not harmony at all (another model, or no markers): content as it is
+    ("Plain text, no channels.", None, "Plain text, no channels.", []),
+]
+MALFORMED = [
+    "<|channel|>analysis<|message|>cut off in the thought",
+    "<|channel|>analysis",                                   # a header the output never ends
+    "<|channel|>commentary to=functions.get_weather<|message|>{\"location\": \"Tok",
+    "<|channel|>commentary to=functions.get_weather<|message|>not json<|call|>",
+    "<|channel|>commentary to=browser.search<|message|>{\"q\": 1}<|call|>",
+    "<|start|><|start|><|message|><|end|><|return|><|call|>",
+    "<|message|>x<|end|>",
+]
+
+
+def reader() -> ChatReader:
+    return ChatReader(HarmonyReasoningParser, tool_mode([WEATHER, TIME], "auto", True, "openai"))
+
+
+def whole(text: str) -> dict:
+    return reader().message(text)
+
+
+def streamed(pieces: list[str]) -> dict:
+    r, out = reader(), {"reasoning_content": "", "content": "", "calls": {}}
+    for i, piece in enumerate(pieces):
+        d = r.delta(piece, final=i == len(pieces) - 1)
+        out["reasoning_content"] += d.get("reasoning_content", "")
+        out["content"] += d.get("content", "")
+        for c in d.get("tool_calls", []):
+            call = out["calls"].setdefault(c["index"], {"name": None, "arguments": ""})
+            if "id" in c:
+                call["name"] = c["function"]["name"]
+            call["arguments"] += c["function"]["arguments"]
+    return out
+
+
+def calls_of(message: dict) -> list[tuple[str, dict]]:
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in message.get("tool_calls", [])]
+
+
+@pytest.mark.parametrize("text,thought,content,calls", CASES)
+def test_channels_split_into_thought_content_and_calls(text, thought, content, calls):
+    message = whole(text)
+    assert message["reasoning_content"] == thought
+    assert message["content"] == content
+    assert calls_of(message) == calls
+    assert "<|" not in (message["content"] or "").replace("`<|`", "")
+
+
+@pytest.mark.parametrize("text,thought,content,calls", CASES)
+def test_a_stream_split_anywhere_agrees_with_the_whole(text, thought, content, calls):
+    message = whole(text)
+    splits = [[text[:i], text[i:]] for i in range(len(text) + 1)] + [list(text) + [""]]
+    for pieces in splits:
+        got = streamed(pieces)
+        assert got["reasoning_content"] == (message["reasoning_content"] or "")
+        assert got["content"] == (message["content"] or "")
+        assert [(c["name"], json.loads(c["arguments"])) for c in got["calls"].values()] == calls
+
+
+@pytest.mark.parametrize("text", MALFORMED)
+def test_malformed_output_is_content_or_thought_and_never_crashes(text):
+    message = whole(text)
+    for i in range(len(text) + 1):
+        streamed([text[:i], text[i:]])
+    for c in message.get("tool_calls", []):
+        json.loads(c["function"]["arguments"])               # a call that went out parses
+
+
+def test_a_cut_call_is_no_call_and_a_non_function_recipient_is_content():
+    cut = whole(MALFORMED[2])
+    assert "tool_calls" not in cut
+    builtin = whole(MALFORMED[4])
+    assert "tool_calls" not in builtin and builtin["content"] == '{"q": 1}'
+
+
+def test_a_constraint_starts_at_the_final_channel():
+    class Tok:
+        def encode(self, text, add_special_tokens):
+            assert not add_special_tokens
+            return [ord(ch) for ch in text]
+    start = HarmonyReasoningParser.constraint_start(Tok(), [1, 2, 3])
+    assert "".join(map(chr, start)) == "<|channel|>final<|message|>"
+
+
+def test_the_openai_tool_parser_needs_the_harmony_reasoning_parser():
+    with pytest.raises(ValueError, match="reasoning_parser openai_gptoss"):
+        HttpConfig(enable_auto_tool_choice=True, tool_call_parser="openai")
+    HttpConfig(enable_auto_tool_choice=True, tool_call_parser="openai",
+               reasoning_parser="openai_gptoss")
