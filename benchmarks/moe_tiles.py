@@ -70,11 +70,12 @@ def parts_us(x, w13, w2, weights, ids) -> dict[str, float]:
     down = torch.empty((pairs, h), dtype=x.dtype, device=x.device)
     return {
         "align": call_us(lambda: moe.align(ids, e, tiles[0])),
-        "gate-up": call_us(lambda: moe._gemm(x, w13, None, gate_up, flat, sorted_ids, expert_ids,
-                                             total, pairs, top_k, False, tiles)),
+        # (no scales, zero points or biases: bf16 experts)
+        "gate-up": call_us(lambda: moe._gemm(x, w13, None, None, None, gate_up, flat, sorted_ids,
+                                             expert_ids, total, pairs, top_k, False, tiles)),
         "silu": call_us(lambda: silu_and_mul(gate_up)),
-        "down": call_us(lambda: moe._gemm(act, w2, None, down, flat, sorted_ids, expert_ids,
-                                          total, pairs, 1, True, tiles)),
+        "down": call_us(lambda: moe._gemm(act, w2, None, None, None, down, flat, sorted_ids,
+                                          expert_ids, total, pairs, 1, True, tiles)),
         "sum": call_us(lambda: down.view(t, top_k, h).sum(dim=1, dtype=torch.float32)
                        .to(x.dtype)),
         "whole": moe_us(x, w13, w2, weights, ids, tiles),

@@ -49,6 +49,27 @@ PRESETS = {
                                               "norm_topk_prob": False}),
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2,
                                   "sliding_window": 8, "intermediate_size": 40}),
+    # 6 experts of width 24, 2 a token, not renormalised, and a gated shared expert of width 40;
+    # layer 1 of 3 dense (mlp_only_layers)
+    "qwen2-moe": ("Qwen2MoeConfig", {"num_experts": 6, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 24,
+                                     "shared_expert_intermediate_size": 40,
+                                     "norm_topk_prob": False, "num_hidden_layers": 3,
+                                     "mlp_only_layers": [1], "tie_word_embeddings": False}),
+    # Granite's four multipliers, each far from 1 (and the embedding tied to the head)
+    "granite": ("GraniteConfig", {"embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+                                  "attention_multiplier": 0.0156, "logits_scaling": 8.0,
+                                  "tie_word_embeddings": True}),
+    # layers 0 and 2 slide (window 8), 1 and 3 see everything; attention sinks; YaRN (32
+    # positions stretched 4 times); 4 experts of width 32 with biases, 2 a token, the clamped
+    # SwiGLU (a limit of 1.5, so that it clamps often)
+    "gpt-oss": ("GptOssConfig", {"num_hidden_layers": 4, "sliding_window": 8,
+                                 "num_local_experts": 4, "num_experts_per_tok": 2,
+                                 "intermediate_size": 32, "swiglu_limit": 1.5,
+                                 "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0,
+                                                     "factor": 4.0, "beta_fast": 32.0,
+                                                     "beta_slow": 1.0, "truncate": False,
+                                                     "original_max_position_embeddings": 32}}),
 }
 
 
@@ -75,6 +96,8 @@ def make_tiny_model(arch: str, path, seed: int = 0, weights: bool = True, **over
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.1)
+            if name.endswith("sinks"):       # gpt-oss's: large enough to take a share
+                p.copy_(torch.randn_like(p) + 1.5)
     path = Path(path)
     model.save_pretrained(path)
     return path

@@ -11,6 +11,10 @@ launch the down projection, which multiplies each row by its router weight. The 
 token are summed last. `fused_moe_ref` is the torch reference (and the CPU path): one expert
 at a time.
 
+gpt-oss's experts have biases, [E, 2I] and [E, H], which the GEMM tiles add to their
+expert's rows (before the router weight), and its own activation in place of SiLU-and-mul:
+`swiglu` = (alpha, limit), kernels/clamped_swiglu.py.
+
 Quantized experts (--quantization fp8 or int8, or an fp8 checkpoint): w13 and w2 in float8
 e4m3 or int8 with float32 scales [E, 2I, G] and [E, H, G]: G = 1, one scale a row, or an fp8
 checkpoint's square blocks, one scale a row and group of K / G inputs. The tiles convert the
@@ -33,11 +37,16 @@ from conveyor.kernels._triton import jit, require_triton, tl
 from conveyor.kernels._util import check
 
 
-def route(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype
-          ) -> tuple[torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype,
+          softmax_after_topk: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] -> (weights [T, K] in dtype, expert ids [T, K] int32): softmax in
     float32, the top K, renormalised to sum to 1 where the model does (Mixtral; Qwen3-MoE's
-    norm_topk_prob)."""
+    norm_topk_prob); or with softmax_after_topk (gpt-oss) the top K logits, then a softmax
+    over those alone (the renormalised weights in exact arithmetic, computed as the model
+    does)."""
+    if softmax_after_topk:
+        values, ids = torch.topk(logits, top_k, dim=-1)
+        return torch.softmax(values.float(), dim=-1).to(dtype), ids.to(torch.int32)
     probs = torch.softmax(logits.float(), dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
@@ -48,11 +57,15 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtyp
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                   w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
-                  w13_zero: torch.Tensor | None = None, w2_zero: torch.Tensor | None = None
-                  ) -> torch.Tensor:
-    """The reference: for each expert with tokens, its MLP over them, times their weights,
+                  w13_zero: torch.Tensor | None = None, w2_zero: torch.Tensor | None = None,
+                  w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+                  swiglu: tuple[float, float] | None = None) -> torch.Tensor:
+    """The reference: for each expert with tokens, its MLP over them (plus its biases, with
+    gpt-oss's clamped SwiGLU where `swiglu` gives its alpha and limit), times their weights,
     added into out [T, H] (in x's dtype, as transformers does). Quantized experts are
     dequantized (times their scales) to x's dtype first."""
+    from conveyor.kernels.clamped_swiglu import clamped_swiglu_ref
+
     if w13_scale is not None:
         w13 = dequantize_experts(w13, w13_scale, w13_zero, x.dtype)
         w2 = dequantize_experts(w2, w2_scale, w2_zero, x.dtype)
@@ -61,8 +74,14 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     for e in flat.unique().tolist():
         pairs = (flat == e).nonzero()[:, 0]                  # [n] (token, k) pair indices
         tokens = pairs // topk_ids.shape[1]
-        gate, up = F.linear(x[tokens], w13[e]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[e]) * topk_weights.reshape(-1)[pairs, None]
+        gate_up = F.linear(x[tokens], w13[e], None if w13_bias is None else w13_bias[e])
+        if swiglu is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        else:
+            act = clamped_swiglu_ref(gate_up, *swiglu)
+        y = F.linear(act, w2[e], None if w2_bias is None else w2_bias[e])
+        y = y * topk_weights.reshape(-1)[pairs, None]
         out.index_add_(0, tokens, y.to(out.dtype))
     return out
 
@@ -154,16 +173,16 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int
 
 @jit(do_not_specialize=["num_pairs"])
 def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr,
-                     total_ptr, scale_ptr, zero_ptr, num_pairs, N, K, stride_am, stride_we,
-                     stride_wn, stride_cm, stride_se, stride_sn, TOP_K: tl.constexpr,
-                     MUL_WEIGHT: tl.constexpr, HAS_SCALE: tl.constexpr, INT4: tl.constexpr,
-                     GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
-    """c[pair] = a[pair // TOP_K] @ w[expert]^T (times the pair's router weight), for the
-    pairs of one tile of sorted_ids; a [rows, K], w [E, N, K] (1-byte with HAS_SCALE, times
-    scale [E, N, G]: GROUP_K = K / G inputs a scale, 0 for one a row; with INT4, [E, N, K / 8]
-    words of 4-bit values and zero points like the scales), c [pairs, N]. A K step lies
-    within one group (BLOCK_K divides GROUP_K)."""
+                     total_ptr, scale_ptr, zero_ptr, bias_ptr, num_pairs, N, K, stride_am,
+                     stride_we, stride_wn, stride_cm, stride_se, stride_sn, stride_be,
+                     TOP_K: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_SCALE: tl.constexpr,
+                     INT4: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_K: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """c[pair] = a[pair // TOP_K] @ w[expert]^T (+ bias[expert] with HAS_BIAS; times the
+    pair's router weight), for the pairs of one tile of sorted_ids; a [rows, K], w [E, N, K]
+    (1-byte with HAS_SCALE, times scale [E, N, G]: GROUP_K = K / G inputs a scale, 0 for one a
+    row; with INT4, [E, N, K / 8] words of 4-bit values and zero points like the scales),
+    bias [E, N], c [pairs, N]. A K step lies within one group (BLOCK_K divides GROUP_K)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(total_ptr):
@@ -204,6 +223,9 @@ def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_id
     if HAS_SCALE and not GROUP_K:
         acc = acc * tl.load(scale_ptr + expert * stride_se + offs_n * stride_sn, mask=n_ok,
                             other=0.0)[None, :]
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + expert * stride_be + offs_n, mask=n_ok,
+                            other=0.0).to(tl.float32)[None, :]
     if MUL_WEIGHT:
         acc = acc * tl.load(weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     c_ptrs = c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
@@ -235,8 +257,8 @@ def _step_k(block_k: int, k: int, scale: torch.Tensor | None, int4: bool) -> tup
     return (math.gcd(block_k, group_k) if group_k else block_k), group_k
 
 
-def _gemm(a, w, scale, zero, c, weights, sorted_ids, expert_ids, total, num_pairs, top_k,
-          mul_weight, tiles):
+def _gemm(a, w, scale, zero, bias, c, weights, sorted_ids, expert_ids, total, num_pairs,
+          top_k, mul_weight, tiles):
     block_m, block_n, block_k, warps, stages = tiles
     int4 = w.dtype == torch.int32
     n, k = w.shape[1], a.shape[1]
@@ -244,20 +266,25 @@ def _gemm(a, w, scale, zero, c, weights, sorted_ids, expert_ids, total, num_pair
     grid = (sorted_ids.shape[0] // block_m, -(-n // block_n))
     _moe_gemm_kernel[grid](a, w, c, weights, sorted_ids, expert_ids, total,
                            w if scale is None else scale, w if zero is None else zero,
+                           w if bias is None else bias,
                            num_pairs, n, k, a.stride(0), w.stride(0), w.stride(1), c.stride(0),
                            0 if scale is None else scale.stride(0),
                            0 if scale is None else scale.stride(1),
+                           0 if bias is None else bias.stride(0),
                            TOP_K=top_k, MUL_WEIGHT=mul_weight, HAS_SCALE=scale is not None,
-                           INT4=int4, GROUP_K=group_k, BLOCK_M=block_m,
-                           BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+                           INT4=int4, HAS_BIAS=bias is not None, GROUP_K=group_k,
+                           BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+                           num_stages=stages)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, tiles: tuple[int, int, int, int, int] | None = None,
               w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
-              w13_zero: torch.Tensor | None = None, w2_zero: torch.Tensor | None = None
-              ) -> torch.Tensor:
+              w13_zero: torch.Tensor | None = None, w2_zero: torch.Tensor | None = None,
+              w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+              swiglu: tuple[float, float] | None = None) -> torch.Tensor:
     """The MoE MLP of x [T, H] (see the module docstring) -> [T, H] in x's dtype."""
+    from conveyor.kernels.clamped_swiglu import clamped_swiglu
     from conveyor.kernels.silu_and_mul import silu_and_mul
 
     require_triton()
@@ -290,6 +317,11 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     check(x.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1
           and w13.stride(1) == h // per and w2.stride(1) == inter // per,
           "x rows and the experts' weights must be contiguous")
+    for bias, rows in ((w13_bias, two_i), (w2_bias, h)):
+        check(bias is None or (bias.shape == (e, rows) and bias.stride(1) == 1
+                               and bias.dtype in (torch.float16, torch.bfloat16, torch.float32)),
+              f"expert biases must be float [E, rows] with contiguous rows: w13 {tuple(w13.shape)}"
+              f", biases {None if bias is None else tuple(bias.shape)}")
     top_k = topk_ids.shape[1]
     check(topk_ids.shape == topk_weights.shape == (t, top_k),
           f"topk_ids {tuple(topk_ids.shape)}, topk_weights {tuple(topk_weights.shape)}")
@@ -301,10 +333,13 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     sorted_ids, expert_ids, total = align(topk_ids, e, tiles[0])
     weights = topk_weights.reshape(-1).contiguous()
     gate_up = torch.empty((pairs, two_i), dtype=x.dtype, device=x.device)
-    _gemm(x, w13, w13_scale, w13_zero, gate_up, weights, sorted_ids, expert_ids, total, pairs,
-          top_k, False, tiles)
-    act = silu_and_mul(gate_up)                                      # [pairs, I]
+    _gemm(x, w13, w13_scale, w13_zero, w13_bias, gate_up, weights, sorted_ids, expert_ids,
+          total, pairs, top_k, False, tiles)
+    if swiglu is None:
+        act = silu_and_mul(gate_up)                                  # [pairs, I]
+    else:
+        act = clamped_swiglu(gate_up, *swiglu)
     down = torch.empty((pairs, h), dtype=x.dtype, device=x.device)
-    _gemm(act, w2, w2_scale, w2_zero, down, weights, sorted_ids, expert_ids, total, pairs, 1,
-          True, tiles)
+    _gemm(act, w2, w2_scale, w2_zero, w2_bias, down, weights, sorted_ids, expert_ids, total,
+          pairs, 1, True, tiles)
     return down.view(t, top_k, h).sum(dim=1, dtype=torch.float32).to(x.dtype)

@@ -8,7 +8,9 @@ takes one KV head over a tile of one sequence's query tokens, a row per (token, 
 the group); sequence i owns tiles query_start_loc[i] // TQ + i onwards (no host-side tile map).
 Split-KV programs write partial outputs and base-2 log-sum-exps, which a second kernel merges.
 Per layer, a sliding window (a query sees its last `window` positions; the KV blocks before the
-tile's first query's window are not read at all) and logit soft-capping (Gemma 2).
+tile's first query's window are not read at all), logit soft-capping (Gemma 2), and attention
+sinks (gpt-oss: a logit per head in each softmax's denominator, which the online softmax starts
+from as a key of value 0; in split-KV, in split 0's partial only).
 Design and figures: docs/ARCHITECTURE.md, "Paged attention" and "fp8 KV cache".
 """
 import functools
@@ -50,7 +52,7 @@ def _find_seq(query_start_loc_ptr, num_seqs, tile, TQ: tl.constexpr):
 @jit(do_not_specialize=["num_seqs", "num_splits", "window"])
 def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-        block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, seq_order_ptr,
+        block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, seq_order_ptr, sinks_ptr,
         num_seqs, num_splits, scale_log2, v_scale, window, softcap_log2,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_cb, stride_cs, stride_ch, stride_bt,
@@ -59,7 +61,7 @@ def _paged_attention_kernel(
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TQ: tl.constexpr,
         PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr, ORDERED: tl.constexpr,
         V_ASM: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
-        USE_PDL: tl.constexpr):
+        HAS_SINKS: tl.constexpr, USE_PDL: tl.constexpr):
     grid_sync(USE_PDL)
     split = tl.program_id(2)
     if ORDERED:                                        # decodes: one tile a sequence
@@ -110,6 +112,10 @@ def _paged_attention_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS:     # the sink as a key of logit sinks[head] and value 0, counted once
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
+        m_i = tl.where(split == 0, sink * 1.4426950408889634, m_i)          # log2 domain
+        l_i = tl.where(split == 0, 1.0, l_i)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     for kb in range(kb_lo, kb_hi):
@@ -214,7 +220,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
                     num_splits: int = 1, tile: tuple[int, int, int, int] | None = None,
                     k_scale: float = 1.0, v_scale: float = 1.0,
                     seq_order: torch.Tensor | None = None, window: int = 0,
-                    softcap: float = 0.0) -> torch.Tensor:
+                    softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attend q [T, heads, head_dim] over the pool; returns out [T, heads, head_dim].
 
     kv_cache is q's dtype or float8_e4m3fn; K and V are read times k_scale and v_scale.
@@ -226,6 +232,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     1): the order the grid takes them in.
     window: each query sees only its last `window` positions (itself included); 0: all.
     softcap: scores (after the scale) become softcap * tanh(score / softcap); 0: off.
+    sinks: [heads] float logits, one a query head, that join each softmax's denominator (the
+    softmax over [scores, sink], the sink's column dropped); None: none.
     """
     require_triton()
     t, heads, d = q.shape
@@ -248,6 +256,10 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     check(block_tables.stride(1) == 1, "block_tables rows must be contiguous")
     check(num_splits >= 1, f"num_splits must be at least 1, got {num_splits}")
     check(window >= 0 and softcap >= 0, f"window {window} and softcap {softcap} must be >= 0")
+    check(sinks is None or (sinks.shape == (heads,) and sinks.stride(0) == 1
+                            and sinks.dtype in (torch.float16, torch.bfloat16, torch.float32)),
+          f"sinks must be a float [{heads}] vector, got "
+          f"{None if sinks is None else (tuple(sinks.shape), sinks.dtype)}")
     check(seq_order is None or (max_query_len == 1 and seq_order.shape == (b,)
                                 and seq_order.dtype == torch.int32),
           "seq_order is an int32 [B] permutation, for decode-only batches (max_query_len 1)")
@@ -277,6 +289,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         q, k_cache, v_cache, out, part_out, part_lse,
         block_tables, seq_lens, query_start_loc,
         seq_lens if seq_order is None else seq_order,     # unused without an order
+        q if sinks is None else sinks,                     # unused without sinks
         b, num_splits, scale * k_scale * _LOG2E, v_scale, window, softcap * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
@@ -285,7 +298,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         GROUP=group, HEAD_DIM=d, HEAD_DIM_PAD=next_pow2(d), BLOCK_M=block_m,
         BLOCK_N=block_n, TQ=tq, PAGE_SIZE=kv_cache.shape[2], SPLIT=split,
         ORDERED=seq_order is not None, V_ASM=fp8 and _has_cvt_e4m3x2(q.device),
-        SLIDING=window > 0, SOFTCAP=softcap > 0,
+        SLIDING=window > 0, SOFTCAP=softcap > 0, HAS_SINKS=sinks is not None,
         num_warps=warps, num_stages=stages, **pdl_args())
     if split:
         _merge_splits_kernel[(t, heads)](

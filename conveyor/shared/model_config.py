@@ -84,7 +84,7 @@ class ModelConfig:
 
 # Sliding and full attention layers of the families that interleave them, for config.json files
 # without `layer_types`: every layer whose (index + 1) is not a multiple of the period slides.
-_WINDOW_PERIODS = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6}
+_WINDOW_PERIODS = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6, "GptOssForCausalLM": 2}
 
 
 def layer_windows(cfg: dict[str, Any], arch: str) -> tuple[int, ...]:
@@ -112,8 +112,10 @@ def checkpoint_quantization(qc: dict[str, Any] | None) -> str | None:
     GPTQ weights (int4_format), in the formats vLLM calls "fp8"
     (AutoFP8, `quant_method: fp8`) and "compressed-tensors" (llm-compressor's float 8-bit
     weights, or symmetric int 8-bit ones stored as int8: its "int-quantized" W8A8 models, run
-    here as W8A16). Other formats raise ValueError."""
-    if not qc:
+    here as W8A16). gpt-oss's "mxfp4" experts are dequantized to the model dtype as they load
+    (models/gpt_oss.py), so the model runs in full precision: None. Other formats raise
+    ValueError."""
+    if not qc or qc.get("quant_method") == "mxfp4":
         return None
     method = qc.get("quant_method")
     if method == "fp8":
@@ -141,8 +143,8 @@ def checkpoint_quantization(qc: dict[str, Any] | None) -> str | None:
         int4_format(qc)
         return method
     raise ValueError(f"checkpoint quantization {method!r} is not supported (conveyor loads fp8, "
-                     f"int8, AWQ and GPTQ checkpoints, and quantizes full-precision ones with "
-                     f"--quantization)")
+                     f"int8, AWQ, GPTQ and gpt-oss's mxfp4 checkpoints, and quantizes "
+                     f"full-precision ones with --quantization)")
 
 
 def int4_format(qc: dict[str, Any]) -> tuple[int, int, bool]:

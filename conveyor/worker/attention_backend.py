@@ -9,9 +9,11 @@ An fp8 pool (float8 e4m3) holds K / k_scale and V / v_scale, clamped to +-448 (a
 cast); reads multiply by the scales: k_scale folds into the softmax scale, v_scale into the
 output. A model-dtype pool has scales 1.0 (worker/kv_scales.py).
 
-Two per-layer options: a sliding window (a query sees its last `window` positions, itself
+Three per-layer options: a sliding window (a query sees its last `window` positions, itself
 included; 0 = all) and logit soft-capping (scores become softcap * tanh(scores / softcap) before
-the softmax; 0 = off), as Mistral's and Gemma's layers ask.
+the softmax; 0 = off), as Mistral's and Gemma's layers ask, and attention sinks (gpt-oss's: a
+logit per head that joins each query's softmax denominator with no value, so
+out = sum_j exp(s_j) v_j / (sum_j exp(s_j) + exp(sink))).
 """
 from __future__ import annotations
 
@@ -62,16 +64,18 @@ class TorchAttentionBackend:
 
     def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, ctx: StepContext,
                 scale: float, k_scale: float = 1.0, v_scale: float = 1.0, window: int = 0,
-                softcap: float = 0.0) -> torch.Tensor:
+                softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Attend q [T, heads, head_dim] to the pool (K and V times their scales); returns
         [T, heads, head_dim]. Rows past the last sequence (padding) come back as zeros.
+        sinks: [heads] logits, or None.
         """
         scale = scale * k_scale            # q . (k_scale * k) = (scale * k_scale) q . k
         out = torch.zeros_like(q)
         nd = ctx.num_decodes if ctx.num_decodes > 1 else 0   # a lone decode: the plain path
         if nd:
             out[:nd] = self._decode(q[:nd], kv_cache, ctx.block_tables[:nd], ctx.seq_lens[:nd],
-                                    max(ctx.seq_lens_cpu[:nd]), scale, window, softcap)
+                                    max(ctx.seq_lens_cpu[:nd]), scale, window, softcap,
+                                    sinks)
         start = nd
         for i in range(nd, len(ctx.query_lens_cpu)):
             q_len, seq_len = ctx.query_lens_cpu[i], ctx.seq_lens_cpu[i]
@@ -79,7 +83,8 @@ class TorchAttentionBackend:
             first = max(0, seq_len - q_len - window + 1) if window else 0
             k, v = self._gather(kv_cache, ctx.block_tables[i:i + 1], seq_len)
             out[start:start + q_len] = self._prefill(q[start:start + q_len], k[0, first:seq_len],
-                                                     v[0, first:seq_len], scale, window, softcap)
+                                                     v[0, first:seq_len], scale, window, softcap,
+                                                     sinks)
             start += q_len
         return out if v_scale == 1.0 else out.mul_(v_scale)
 
@@ -102,14 +107,15 @@ class TorchAttentionBackend:
             k, v = k.view(FP8_DTYPE), v.view(FP8_DTYPE)
         return k.view(b, -1, kvh, d), v.view(b, -1, kvh, d)
 
-    def _decode(self, q, kv_cache, block_tables, seq_lens, max_len, scale, window=0, softcap=0.0):
+    def _decode(self, q, kv_cache, block_tables, seq_lens, max_len, scale, window=0, softcap=0.0,
+                sinks=None):
         k, v = self._gather(kv_cache, block_tables, max_len)  # [B, S, kvh, d]
         b, s, kvh, d = k.shape
         pos = torch.arange(s, device=q.device)
         pad = pos >= seq_lens.unsqueeze(1)                     # [B, S]
         if window:
             pad |= pos <= (seq_lens - 1 - window).unsqueeze(1)
-        if b <= _SDPA_MAX_DECODES and not softcap:   # few sequences: one fused call is cheapest
+        if b <= _SDPA_MAX_DECODES and not softcap and sinks is None:   # one fused call
             # one query per sequence: the heads sharing a KV head are the rows of one query
             out = F.scaled_dot_product_attention(
                 q.reshape(b, kvh, -1, d), k.transpose(1, 2).to(q.dtype),
@@ -117,24 +123,26 @@ class TorchAttentionBackend:
             return out.reshape(b, -1, d)                       # [B, heads, d]
         qg = q.float().reshape(b, kvh, -1, d)                  # [B, kvh, group, d]
         out = torch.empty_like(qg)                             # [B, kvh, group, d]
+        group = qg.shape[2]
         # One kv head at a time: k[:, :, h] is a strided view that bmm reads without a copy.
         for h in range(kvh):
             scores = _capped(torch.bmm(qg[:, h], k[:, :, h].float().transpose(1, 2)) * scale,
                              softcap)
             scores.masked_fill_(pad.unsqueeze(1), float("-inf"))   # [B, group, S]
-            out[:, h] = torch.bmm(scores.softmax(dim=-1), v[:, :, h].float())
+            sink = None if sinks is None else sinks[h * group:(h + 1) * group, None]
+            out[:, h] = torch.bmm(_softmax(scores, sink), v[:, :, h].float())
         return out.view(b, -1, d).to(q.dtype)                  # [B, heads, d]
 
     @staticmethod
-    def _prefill(q, k, v, scale, window=0, softcap=0.0):
+    def _prefill(q, k, v, scale, window=0, softcap=0.0, sinks=None):
         """q [L, heads, d] are the last L positions of a context k, v [S, kv_heads, d] (with a
         window, S may start later than the sequence: no query sees the keys cut off)."""
         q_len, seq_len = q.shape[0], k.shape[0]
         kvh, d = k.shape[1], k.shape[2]
         k = k.transpose(0, 1).unsqueeze(0).to(q.dtype)        # [1, kv_heads, S, d]
         v = v.transpose(0, 1).unsqueeze(0).to(q.dtype)
-        if softcap:
-            return _capped_attention(q, k[0], v[0], scale, softcap, window)
+        if softcap or sinks is not None:
+            return _explicit_attention(q, k[0], v[0], scale, softcap, window, sinks)
         if q_len == 1:   # the last position sees everything; group rows share their KV head
             out = F.scaled_dot_product_attention(q.reshape(1, kvh, -1, d), k, v, scale=scale)
             return out.reshape(1, -1, d)                       # [1, heads, d]
@@ -161,9 +169,18 @@ def _capped(scores: torch.Tensor, softcap: float) -> torch.Tensor:
     return torch.tanh(scores / softcap) * softcap if softcap else scores
 
 
-def _capped_attention(q, k, v, scale, softcap, window):
-    """Soft-capped attention in float32 (SDPA has no cap): q [L, heads, d], k, v
-    [kv_heads, S, d] -> [L, heads, d]."""
+def _softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dim, each row's sink logit (sinks broadcast to [..., 1]) in the
+    denominator: the softmax over [scores, sink] with the sink's column dropped."""
+    if sinks is None:
+        return scores.softmax(-1)
+    sinks = sinks.float().expand(*scores.shape[:-1], 1)
+    return torch.cat([scores, sinks], dim=-1).softmax(-1)[..., :-1]
+
+
+def _explicit_attention(q, k, v, scale, softcap, window, sinks):
+    """Attention in float32 with the scores in hand, for what SDPA cannot do (a soft cap,
+    sinks [heads]): q [L, heads, d], k, v [kv_heads, S, d] -> [L, heads, d]."""
     q_len, heads, d = q.shape
     kvh, seq_len = k.shape[0], k.shape[1]
     qg = q.float().reshape(q_len, kvh, heads // kvh, d).permute(1, 0, 2, 3)   # [kvh, L, g, d]
@@ -171,5 +188,6 @@ def _capped_attention(q, k, v, scale, softcap, window):
     scores = _capped(scores, softcap)
     mask = _causal_mask(q_len, seq_len, window, q.device)                      # [L, S]
     scores.masked_fill_(~mask[None, :, None, :], float("-inf"))
-    out = torch.einsum("hlgs,hsd->hlgd", scores.softmax(-1), v.float())
+    sink = None if sinks is None else sinks.reshape(kvh, 1, heads // kvh, 1)
+    out = torch.einsum("hlgs,hsd->hlgd", _softmax(scores, sink), v.float())
     return out.permute(1, 0, 2, 3).reshape(q_len, heads, d).to(q.dtype)

@@ -17,9 +17,12 @@ from conveyor.worker.models import get_model_class
 
 def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """name -> shape of each tensor in a Hugging Face checkpoint of this (Llama-family) model:
-    a mixture-of-experts layer has a router and each expert's projections in place of the MLP
-    (the model class's make_mlp, built on the meta device, says which layers), and a family's
-    extra tensors come from its `extra_layer_shapes` (Gemma's feed-forward norms)."""
+    a mixture-of-experts layer has a router and each expert's projections (and a shared
+    expert's, with its gate, where it has one) in place of the MLP (the model class's make_mlp,
+    built on the meta device, says which layers; with the biases of the router and experts
+    where it has them, gpt-oss's), and a family's extra tensors come from its
+    `extra_layer_shapes` (Gemma's feed-forward norms) or its attention options (gpt-oss's
+    sinks). Stacked experts appear as the model's convert_weights gives them, one a name."""
     from conveyor.worker.layers.moe import SparseMoeBlock
 
     model_class = get_model_class(config.architecture)
@@ -43,6 +46,8 @@ def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             layer["self_attn.o_proj.bias"] = (h,)
         if opts.get("qk_norm"):
             layer.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
+        if opts.get("sinks"):
+            layer["self_attn.sinks"] = (config.num_attention_heads,)
         with torch.device("meta"):
             mlp = model_class.make_mlp(config, i, torch.float32)
         if isinstance(mlp, SparseMoeBlock):
@@ -50,11 +55,23 @@ def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
                 del layer[f"mlp.{name}.weight"]
             moe = mlp.experts
             layer["mlp.gate.weight"] = (moe.num_experts, h)
+            if mlp.gate.bias is not None:
+                layer["mlp.gate.bias"] = (moe.num_experts,)
             for e in range(moe.num_experts):
                 inter_e = moe.intermediate_size
                 layer.update({f"mlp.experts.{e}.gate_proj.weight": (inter_e, h),
                               f"mlp.experts.{e}.up_proj.weight": (inter_e, h),
                               f"mlp.experts.{e}.down_proj.weight": (h, inter_e)})
+                if moe.w13_bias is not None:
+                    layer.update({f"mlp.experts.{e}.gate_proj.bias": (inter_e,),
+                                  f"mlp.experts.{e}.up_proj.bias": (inter_e,),
+                                  f"mlp.experts.{e}.down_proj.bias": (h,)})
+            if mlp.shared_expert is not None:          # Qwen2-MoE's
+                s = mlp.shared_expert.intermediate_size
+                layer.update({"mlp.shared_expert.gate_proj.weight": (s, h),
+                              "mlp.shared_expert.up_proj.weight": (s, h),
+                              "mlp.shared_expert.down_proj.weight": (h, s),
+                              "mlp.shared_expert_gate.weight": (1, h)})
         layer.update(extra)
         shapes.update({f"model.layers.{i}.{name}": shape for name, shape in layer.items()})
     return shapes

@@ -258,16 +258,18 @@ def _keep_q8_0(model: nn.Module, reader, keep: tuple[re.Pattern, ...]) -> set[st
     return names
 
 
-_EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight(_scale|_zero)?$")
+_EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\."
+                     r"(?:weight(_scale|_zero)?|(bias))$")
 
 
 def _packed_name(name: str, packed: dict) -> tuple[str, object]:
     """A checkpoint name in our fused modules, and its shard id (None if not fused): an MoE
-    expert's projection (and its scales and zero points) goes into its layer's stacked w13
-    (gate, up) or w2 (down) with shard id (expert, part) (layers/moe.py)."""
+    expert's projection (and its scales and zero points, or its bias) goes into its layer's
+    stacked w13 (gate, up) or w2 (down) with shard id (expert, part) (layers/moe.py)."""
     if m := _EXPERT.match(name):
         part = EXPERT_PARTS[m.group(3)]
-        return (f"{m.group(1)}.{'w2' if part == 2 else 'w13'}{m.group(4) or ''}",
+        suffix = m.group(4) or ("_bias" if m.group(5) else "")
+        return (f"{m.group(1)}.{'w2' if part == 2 else 'w13'}{suffix}",
                 (int(m.group(2)), part))
     for part, (fused, shard) in packed.items():
         if f".{part}." in name:

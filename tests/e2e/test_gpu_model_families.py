@@ -1,5 +1,6 @@
-"""The model families of tests/models_util.py on the GPU (Triton attention with sliding windows
-and soft-capping, the fused-MoE kernels, partial rotary): conveyor's greedy tokens against
+"""The model families of tests/models_util.py on the GPU (Triton attention with sliding windows,
+soft-capping and sinks, the fused-MoE kernels with gpt-oss's biases and activation, partial
+rotary): conveyor's greedy tokens against
 transformers' on the same GPU in bf16, with prefix caching and chunked prefill on (a 16-token
 step budget; the prompts share a 32-token prefix). Equal, or at the first divergence each
 side's token is in the other's top-5. Phi-3's sequences stay below its LongRoPE switch, past
@@ -16,7 +17,7 @@ NEW_TOKENS, TOP = 16, 5
 
 
 @pytest.mark.parametrize("arch", ["mistral", "gemma2", "gemma3", "phi3", "qwen3-moe",
-                                  "mixtral"])
+                                  "mixtral", "qwen2-moe", "granite", "gpt-oss"])
 def test_family_on_the_gpu_matches_transformers(arch, tmp_path):
     from conveyor import LLM, SamplingParams
 

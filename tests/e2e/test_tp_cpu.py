@@ -82,11 +82,13 @@ def test_each_worker_writes_its_profile_window(tmp_path, monkeypatch):
             assert f'"name": "{phase}"' in trace, (rank, phase)
 
 
-@pytest.mark.parametrize("arch", ["qwen3-moe", "gemma2", "phi3"])
+@pytest.mark.parametrize("arch", ["qwen3-moe", "qwen2-moe", "gemma2", "phi3", "gpt-oss"])
 def test_new_families_at_tp2_match_tp1(tmp_path, arch):
     """Experts split along their intermediate dimension (Qwen3-MoE: 6 experts of width 24, 12
-    a rank), Gemma's extra norms over reduced partial sums, Phi-3's fused checkpoint tensors
-    split then sharded: TP=2 gives TP=1's tokens."""
+    a rank; Qwen2-MoE's shared expert too, as a dense MLP, its gate whole on each rank),
+    Gemma's extra norms over reduced partial sums, Phi-3's fused checkpoint tensors split then
+    sharded, gpt-oss's sinks split with the heads and its experts' down bias added on one rank:
+    TP=2 gives TP=1's tokens."""
     path = str(make_tiny_model(arch, tmp_path / arch, max_position_embeddings=512))
     reference = tp1_tokens(path)
     assert served_tokens(path, 2) == reference

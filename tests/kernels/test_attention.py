@@ -1,8 +1,9 @@
 """store_kv and paged_attention against the torch backend (the reference), on mixed batches of
 decodes and prefill chunks with cached prefixes not aligned to blocks, GQA groups 1/4/8, block
-sizes 16/32, head_dim 64/128, the split-KV path, and padded slots; and the same over an fp8
-(e4m3) pool with per-layer scales. The `interpreter` tests also run on CPU under
-TRITON_INTERPRET=1 (small shapes: the interpreter is slow)."""
+sizes 16/32, head_dim 64/128, the split-KV path, and padded slots; sliding windows,
+soft-capping and attention sinks; and the same over an fp8 (e4m3) pool with per-layer scales.
+The `interpreter` tests also run on CPU under TRITON_INTERPRET=1 (small shapes: the interpreter
+is slow)."""
 import math
 import random
 
@@ -195,6 +196,54 @@ def test_paged_attention_window_softcap_small(window, softcap, prefills, device)
         torch.testing.assert_close(got.float(), want, atol=1.5e-2, rtol=1.5e-2)
 
 
+@pytest.mark.parametrize("window", [0, 7, 40])
+@pytest.mark.parametrize("case", [0, 2, 4])
+def test_paged_attention_sinks(window, case):
+    """gpt-oss's attention sinks (a logit per query head in each softmax's denominator, counted
+    once over the splits), with a sliding window or without, on odd shapes: GQA group 3,
+    head_dim 80, blocks of 16, split or not; sinks in float32 and bf16."""
+    from conveyor.kernels.paged_attention import paged_attention
+
+    rng = random.Random(window * 7 + case)
+    decodes, prefills = CASES[case]
+    ctx = make_batch(rng, decodes, prefills, 16, 2, 80, torch.bfloat16)
+    q = torch.randn(sum(ctx.query_lens_cpu), 6, 80, device="cuda").to(torch.bfloat16) * 3
+    sinks = torch.randn(6, device="cuda") * 2 + 1
+    cache = ctx.kv_caches[0]
+    want = TorchAttentionBackend().forward(q.float(), cache.float(), ctx, 0.11, window=window,
+                                           sinks=sinks)
+    for splits, order in _variants(ctx, prefills, (1, 4)):
+        for s in (sinks, sinks.bfloat16()):
+            got = paged_attention(q, cache, ctx.block_tables, ctx.seq_lens,
+                                  ctx.query_start_loc, 0.11, max(ctx.query_lens_cpu),
+                                  num_splits=splits, seq_order=order, window=window, sinks=s)
+            torch.testing.assert_close(got.float(), want, **TOL[torch.bfloat16])
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("window,prefills", [(0, []), (20, []), (37, [(20, 150)]),
+                                             (0, [(9, 0)])])
+def test_paged_attention_sinks_small(window, prefills, device):
+    """Attention sinks under Triton's interpreter too: decodes split or not, a prefill chunk
+    over a cached prefix, a window or none; GQA group 3, head_dim 24 (padded)."""
+    from conveyor.kernels.paged_attention import paged_attention
+
+    ctx = make_batch(random.Random(window + len(prefills)), [200, 5, 129], prefills, 16, 1, 24,
+                     torch.bfloat16, device)
+    q = torch.randn(sum(ctx.query_lens_cpu), 3, 24, device=device).to(torch.bfloat16) * 3
+    sinks = torch.tensor([2.5, -1.0, 0.3], device=device)
+    want = TorchAttentionBackend().forward(q.float(), ctx.kv_caches[0].float(), ctx, 0.2,
+                                           window=window, sinks=sinks)
+    without = TorchAttentionBackend().forward(q.float(), ctx.kv_caches[0].float(), ctx, 0.2,
+                                              window=window)
+    assert (want - without).abs().max() > 0.05                  # the sinks matter here
+    for n, order in _variants(ctx, prefills, (1, 2)):
+        got = paged_attention(q, ctx.kv_caches[0], ctx.block_tables, ctx.seq_lens,
+                              ctx.query_start_loc, 0.2, max(ctx.query_lens_cpu), num_splits=n,
+                              seq_order=order, window=window, sinks=sinks)
+        torch.testing.assert_close(got.float(), want, atol=1.5e-2, rtol=1.5e-2)
+
+
 @pytest.mark.parametrize("splits", [1, 2, 16])
 def test_paged_attention_split_kv_long_context(splits):
     from conveyor.kernels.paged_attention import paged_attention
@@ -209,8 +258,10 @@ def test_paged_attention_split_kv_long_context(splits):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_triton_backend_matches_torch(dtype):
-    """The backend: write_kv then forward, with padded rows (slot -1) past the batch."""
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_triton_backend_matches_torch(dtype, with_sinks):
+    """The backend: write_kv then forward, with padded rows (slot -1) past the batch (and
+    attention sinks passed through)."""
     from conveyor.worker.triton_backend import TritonAttentionBackend
 
     rng = random.Random(5)
@@ -227,8 +278,9 @@ def test_triton_backend_matches_torch(dtype):
     torch_backend.write_kv(ref_cache, k, v, ctx.slot_mapping)
     triton_backend.write_kv(cache, k, v, ctx.slot_mapping)
     assert torch.equal(cache, ref_cache)
-    want = torch_backend.forward(q.float(), ref_cache.float(), ctx, 0.08)
-    got = triton_backend.forward(q, cache, ctx, 0.08)
+    sinks = torch.randn(8, device="cuda") if with_sinks else None
+    want = torch_backend.forward(q.float(), ref_cache.float(), ctx, 0.08, sinks=sinks)
+    got = triton_backend.forward(q, cache, ctx, 0.08, sinks=sinks)
     torch.testing.assert_close(got.float(), want, **TOL[dtype])
     assert not got[t:].any()
 

@@ -96,6 +96,7 @@ BF = torch.bfloat16
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_norm_activation_and_quantization_kernels(compiled, dtype):
+    from conveyor.kernels.clamped_swiglu import clamped_swiglu
     from conveyor.kernels.quant_fp8 import quant_fp8
     from conveyor.kernels.rms_norm import rms_norm
     from conveyor.kernels.silu_and_mul import silu_and_mul
@@ -104,9 +105,11 @@ def test_norm_activation_and_quantization_kernels(compiled, dtype):
     rms_norm(x, w, 1e-6)
     rms_norm(x, w, 1e-6, x, fp8=True)
     silu_and_mul(torch.zeros(4, 2 * 1000, dtype=dtype))
+    clamped_swiglu(torch.zeros(4, 2 * 1000, dtype=dtype), 1.702, 7.0)
     quant_fp8(torch.zeros(4, 2 * 14336, dtype=dtype), silu_mul=True)
     quant_fp8(torch.zeros(4, 4096, dtype=dtype))
-    check(compiled, "_rms_norm_kernel", "_silu_and_mul_kernel", "_quant_fp8_kernel")
+    check(compiled, "_rms_norm_kernel", "_silu_and_mul_kernel", "_clamped_swiglu_kernel",
+          "_quant_fp8_kernel")
 
 
 @pytest.mark.parametrize("mode", [None, "int8", "fp8", "q8_0"])
@@ -185,6 +188,44 @@ def test_window_softcap_attention(compiled):
     paged_attention(q[:2], cache, tables, seq_lens, torch.arange(3, dtype=torch.int32), 0.0625,
                     1, num_splits=3, window=33)
     check(compiled, "_paged_attention_kernel", "_merge_splits_kernel")
+
+
+def test_sinks_attention(compiled):
+    """gpt-oss's attention sinks (float32 or bf16), with its window or none: mixed, split and
+    decode-only launches."""
+    from conveyor.kernels.paged_attention import paged_attention
+
+    cache = torch.zeros(64, 2, 16, 8, 64, dtype=BF)
+    tables = torch.zeros(2, 8, dtype=torch.int32)
+    seq_lens = torch.tensor([100, 40], dtype=torch.int32)
+    q = torch.zeros(31, 64, 64, dtype=BF)
+    starts = torch.tensor([0, 1, 31], dtype=torch.int32)
+    for sinks in (torch.zeros(64), torch.zeros(64, dtype=BF)):
+        paged_attention(q, cache, tables, seq_lens, starts, 0.125, 30, window=128, sinks=sinks)
+        paged_attention(q[:2], cache, tables, seq_lens, torch.arange(3, dtype=torch.int32),
+                        0.125, 1, num_splits=3, sinks=sinks)
+        paged_attention(q[:2], cache, tables, seq_lens, torch.arange(3, dtype=torch.int32),
+                        0.125, 1, seq_order=torch.arange(2, dtype=torch.int32), sinks=sinks)
+    check(compiled, "_paged_attention_kernel", "_merge_splits_kernel")
+
+
+@pytest.mark.parametrize("m", [1, 40, 2000])
+def test_gpt_oss_moe_kernels(compiled, m):
+    """gpt-oss-20b's experts (H = I = 2880, 32 of them, 4 a token): biases in the grouped
+    GEMMs and the clamped SwiGLU, at each tile class; with int8 experts too."""
+    from conveyor.kernels.fused_moe import fused_moe, route
+
+    h, inter, experts = 2880, 2880, 32
+    weights, ids = route(torch.randn(m, experts), 4, True, BF, softmax_after_topk=True)
+    bias = dict(w13_bias=torch.zeros(experts, 2 * inter, dtype=BF),
+                w2_bias=torch.zeros(experts, h, dtype=BF), swiglu=(1.702, 7.0))
+    fused_moe(torch.zeros(m, h, dtype=BF), torch.zeros(experts, 2 * inter, h, dtype=BF),
+              torch.zeros(experts, h, inter, dtype=BF), weights, ids, **bias)
+    fused_moe(torch.zeros(m, h, dtype=BF), torch.zeros(experts, 2 * inter, h, dtype=torch.int8),
+              torch.zeros(experts, h, inter, dtype=torch.int8), weights, ids, None,
+              torch.ones(experts, 2 * inter, 1), torch.ones(experts, h, 1), **bias)
+    check(compiled, "_moe_gemm_kernel", "_clamped_swiglu_kernel", "_count_kernel",
+          "_offsets_kernel", "_scatter_kernel")
 
 
 @pytest.mark.parametrize("m", [1, 5, 40, 300, 2000])     # MoE: 16-, 32- and 128-row tiles

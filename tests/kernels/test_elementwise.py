@@ -1,5 +1,5 @@
-"""Fused RMSNorm (+ residual), rotary (+ Qwen3 q/k norm), SiLU-and-mul against their torch
-references, on fresh random inputs of odd shapes."""
+"""Fused RMSNorm (+ residual), rotary (+ Qwen3 q/k norm), SiLU-and-mul, gpt-oss's clamped
+SwiGLU against their torch references, on fresh random inputs of odd shapes."""
 import pytest
 import torch
 
@@ -41,6 +41,18 @@ def test_silu_and_mul(dtype, tokens, inter):
 
     x = torch.randn(tokens, 2 * inter, dtype=dtype, device="cuda") * 2
     torch.testing.assert_close(silu_and_mul(x), silu_and_mul_ref(x), **TOL[dtype])
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,inter,limit", [(5, 123, 7.0), (1, 1440, 1.0), (33, 2880, 0.5)])
+def test_clamped_swiglu(dtype, tokens, inter, limit, device):
+    """gpt-oss's activation: gate clamped above, up on both sides (limits that bite)."""
+    from conveyor.kernels.clamped_swiglu import clamped_swiglu, clamped_swiglu_ref
+
+    x = (torch.randn(tokens, 2 * inter, device=device) * 3).to(dtype)
+    want = clamped_swiglu_ref(x.float(), 1.702, limit).to(dtype)   # float32, rounded once
+    torch.testing.assert_close(clamped_swiglu(x, 1.702, limit), want, **TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

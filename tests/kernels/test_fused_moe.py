@@ -1,7 +1,7 @@
 """The fused-MoE Triton path (align, two grouped GEMMs) against the torch reference, on odd
 shapes: hidden and intermediate sizes off the tiles, experts with no tokens, decode-sized and
 prefill-sized batches (each tile class: 1-8, 9-32 and more rows an expert), top-k 1, 2 and 8,
-bf16 and fp16."""
+bf16 and fp16; and gpt-oss's experts (biases, the clamped SwiGLU)."""
 import pytest
 import torch
 
@@ -28,26 +28,75 @@ def test_fused_moe_matches_reference(dtype, t, h, inter, experts, top_k):
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
 
 
-def test_fused_moe_under_cuda_graph():
-    """align and the kernels run without host syncs: captured once, replayed on new routing."""
+@pytest.mark.parametrize("gpt_oss", [False, True])
+def test_fused_moe_under_cuda_graph(gpt_oss):
+    """align and the kernels run without host syncs: captured once, replayed on new routing
+    (gpt-oss's biases and activation too)."""
     gen = torch.Generator(device="cuda").manual_seed(3)
     t, h, inter, experts, top_k = 24, 128, 64, 8, 2
     x = torch.randn(t, h, device="cuda", generator=gen).to(torch.bfloat16)
     w13 = (torch.randn(experts, 2 * inter, h, device="cuda", generator=gen) / 11).bfloat16()
     w2 = (torch.randn(experts, h, inter, device="cuda", generator=gen) / 8).bfloat16()
+    extra = {}
+    if gpt_oss:
+        extra = dict(w13_bias=torch.randn(experts, 2 * inter, device="cuda",
+                                          generator=gen).bfloat16(),
+                     w2_bias=torch.randn(experts, h, device="cuda", generator=gen).bfloat16(),
+                     swiglu=(1.702, 1.0))
     logits = torch.randn(t, experts, device="cuda", generator=gen)
-    weights, ids = route(logits, top_k, True, torch.bfloat16)
-    fused_moe(x, w13, w2, weights, ids)                      # compile outside the capture
+    weights, ids = route(logits, top_k, True, torch.bfloat16, gpt_oss)
+    fused_moe(x, w13, w2, weights, ids, **extra)             # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = fused_moe(x, w13, w2, weights, ids)
+        out = fused_moe(x, w13, w2, weights, ids, **extra)
     new_w, new_ids = route(torch.randn(t, experts, device="cuda", generator=gen), top_k, True,
-                           torch.bfloat16)
+                           torch.bfloat16, gpt_oss)
     weights.copy_(new_w)
     ids.copy_(new_ids)
     graph.replay()
-    want = fused_moe_ref(x.float(), w13.float(), w2.float(), weights.float(), ids)
+    want = fused_moe_ref(x.float(), w13.float(), w2.float(), weights.float(), ids,
+                         **_floats(extra))
     torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
+
+
+def _floats(extra: dict) -> dict:
+    return {k: v.float() if isinstance(v, torch.Tensor) else v for k, v in extra.items()}
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("t,h,inter,experts,top_k", [(1, 96, 40, 4, 2), (21, 200, 72, 6, 3),
+                                                     (300, 136, 48, 5, 2)])
+@pytest.mark.parametrize("quantized", [False, True])
+def test_fused_moe_gpt_oss_experts(t, h, inter, experts, top_k, quantized, device):
+    """gpt-oss's experts: a bias on each expert's gate/up rows and on its down rows (the
+    latter before the router weight), the clamped SwiGLU with a limit that bites, routing by a
+    softmax over the top K; at each tile class, and with int8 experts (--quantization) as
+    well; odd sizes."""
+    from conveyor.worker.layers.quantization import quantize_weight
+
+    gen = torch.Generator(device=device).manual_seed(t + h)
+    x = torch.randn(t, h, device=device, generator=gen).to(torch.bfloat16)
+    w13 = torch.randn(experts, 2 * inter, h, device=device, generator=gen) / h ** 0.5 * 2
+    w2 = torch.randn(experts, h, inter, device=device, generator=gen) / inter ** 0.5
+    b13 = torch.randn(experts, 2 * inter, device=device, generator=gen).bfloat16()
+    b2 = torch.randn(experts, h, device=device, generator=gen).bfloat16()
+    weights, ids = route(torch.randn(t, experts, device=device, generator=gen), top_k, True,
+                         torch.bfloat16, softmax_after_topk=True)
+    extra = dict(w13_bias=b13, w2_bias=b2, swiglu=(1.702, 0.7))
+    scales = ()
+    if quantized:
+        (w13, s13), (w2, s2) = (quantize_weight(w.reshape(-1, w.shape[2]), "int8")
+                                for w in (w13, w2))
+        w13, w2 = w13.view(experts, 2 * inter, h), w2.view(experts, h, inter)
+        scales = (s13.view(experts, 2 * inter, 1), s2.view(experts, h, 1))
+        want = fused_moe_ref(x.float(), w13, w2, weights.float(), ids, *scales,
+                             **_floats(extra))
+    else:
+        w13, w2 = w13.bfloat16(), w2.bfloat16()
+        want = fused_moe_ref(x.float(), w13.float(), w2.float(), weights.float(), ids,
+                             **_floats(extra))
+    got = fused_moe(x, w13, w2, weights, ids, None, *scales, **extra)
+    torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
 
 
 @pytest.mark.interpreter

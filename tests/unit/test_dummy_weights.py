@@ -51,6 +51,23 @@ def test_dummy_model_holds_the_drawn_tensors(tmp_path):
     assert abs(norm.mean().item() - 1) < 0.03 and 0 < norm.std().item() < 0.1
 
 
+def test_dummy_gpt_oss_holds_its_sinks_and_expert_biases(tmp_path):
+    """gpt-oss's tensors beyond Llama's: attention sinks, the router's bias, each expert's
+    biases (gate and up into w13_bias, down into w2_bias)."""
+    path = make_tiny_model("gpt-oss", tmp_path, weights=False)
+    files = resolve_model(str(path))
+    config = read_model_config(files)
+    model = load_model(config, files, torch.float32, "cpu", load_format="dummy", seed=2)
+    drawn = dict(dummy_weights(config, torch.float32, "cpu", seed=2))
+    layer, p = model.model.layers[3], "model.layers.3."
+    assert torch.equal(layer.self_attn.sinks, drawn[p + "self_attn.sinks"])
+    assert torch.equal(layer.mlp.gate.bias, drawn[p + "mlp.gate.bias"])
+    e = p + "mlp.experts.1."
+    assert torch.equal(layer.mlp.experts.w13_bias[1], torch.cat(
+        [drawn[e + "gate_proj.bias"], drawn[e + "up_proj.bias"]]))
+    assert torch.equal(layer.mlp.experts.w2_bias[1], drawn[e + "down_proj.bias"])
+
+
 def test_dummy_weights_depend_on_the_seed_only(tmp_path):
     config = read_model_config(resolve_model(str(make_tiny_model("llama", tmp_path,
                                                                   weights=False))))

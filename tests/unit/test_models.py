@@ -79,7 +79,7 @@ def run_step(model, pool, tokens, work, num_decodes):
 
 
 ARCHS = ["llama", "llama-tied", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3",
-         "qwen3-moe", "qwen3-moe-unnormed", "mixtral"]
+         "qwen3-moe", "qwen3-moe-unnormed", "mixtral", "qwen2-moe", "granite", "gpt-oss"]
 
 
 @pytest.fixture(scope="module")
@@ -186,8 +186,10 @@ def hf_greedy(ref, prompts, new_tokens):
     return out
 
 
-def naive_attention(q, kv_cache, tables, q_lens, seq_lens, scale, window=0, softcap=0.0):
-    """Per sequence, per query: gather its keys position by position; float64 softmax."""
+def naive_attention(q, kv_cache, tables, q_lens, seq_lens, scale, window=0, softcap=0.0,
+                    sinks=None):
+    """Per sequence, per query: gather its keys position by position; float64 softmax (with
+    sinks [heads], over the scores and the head's sink, the sink's column dropped)."""
     bs = kv_cache.shape[2]
     heads, kv_heads = q.shape[1], kv_cache.shape[3]
     out, start = torch.zeros_like(q), 0
@@ -201,8 +203,11 @@ def naive_attention(q, kv_cache, tables, q_lens, seq_lens, scale, window=0, soft
             scores = torch.einsum("hd,shd->hs", q[start + j].double(), k[first:pos + 1]) * scale
             if softcap:
                 scores = torch.tanh(scores / softcap) * softcap
-            out[start + j] = torch.einsum("hs,shd->hd", scores.softmax(-1),
-                                          v[first:pos + 1]).float()
+            if sinks is None:
+                probs = scores.softmax(-1)
+            else:
+                probs = torch.cat([scores, sinks.double()[:, None]], -1).softmax(-1)[:, :-1]
+            out[start + j] = torch.einsum("hs,shd->hd", probs, v[first:pos + 1]).float()
         start += q_len
     return out
 
@@ -210,9 +215,12 @@ def naive_attention(q, kv_cache, tables, q_lens, seq_lens, scale, window=0, soft
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 8), (3, 1, 12), (5, 5, 16)])
 @pytest.mark.parametrize("num_decodes,num_prefills", [(3, 2), (0, 3), (5, 0), (1, 1), (11, 1)])
-@pytest.mark.parametrize("window,softcap", [(0, 0.0), (5, 0.0), (1, 0.0), (6, 1.5), (0, 0.7)])
+@pytest.mark.parametrize("window,softcap,sinks", [(0, 0.0, False), (5, 0.0, False),
+                                                  (1, 0.0, False), (6, 1.5, False),
+                                                  (0, 0.7, False), (0, 0.0, True),
+                                                  (5, 0.0, True)])
 def test_attention_backend_matches_naive(block_size, heads, kv_heads, head_dim, num_decodes,
-                                         num_prefills, window, softcap):
+                                         num_prefills, window, softcap, sinks):
     rng = random.Random(block_size * 1000 + heads * 10 + num_decodes * 3 + num_prefills)
     decodes = [(1, rng.randint(1, 37)) for _ in range(num_decodes)]
     # prefill chunks: (query length, cached prefix), prefix not necessarily block-aligned
@@ -241,9 +249,11 @@ def test_attention_backend_matches_naive(block_size, heads, kv_heads, head_dim, 
     untouched = (~touched).view(num_blocks, block_size)
     assert torch.equal(cache.transpose(1, 2)[untouched], before.transpose(1, 2)[untouched])
 
-    out = backend.forward(q, cache, ctx, scale, window=window, softcap=softcap)
+    sink = torch.randn(heads) * 2 if sinks else None       # gpt-oss's attention sinks
+    out = backend.forward(q, cache, ctx, scale, window=window, softcap=softcap, sinks=sink)
     tables = [pool.tables[sid] for sid in range(len(q_lens))]
-    expected = naive_attention(q[:t], cache, tables, q_lens, seq_lens, scale, window, softcap)
+    expected = naive_attention(q[:t], cache, tables, q_lens, seq_lens, scale, window, softcap,
+                               sink)
     torch.testing.assert_close(out[:t], expected, atol=1e-5, rtol=1e-5)
     assert not out[t:].any()
 

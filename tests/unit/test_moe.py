@@ -1,6 +1,7 @@
 """The MoE pieces that run on the CPU: routing and tensor-parallel sharding of the experts'
-intermediate dimension. (The fused kernels' per-expert sort, `align`, is tested with them in
-tests/kernels/test_fused_moe.py.)"""
+intermediate dimension, and gpt-oss's options (router and expert biases, a softmax over the top
+K, the clamped SwiGLU) against transformers' GptOssMLP. (The fused kernels' per-expert sort,
+`align`, is tested with them in tests/kernels/test_fused_moe.py.)"""
 import pytest
 import torch
 
@@ -17,30 +18,94 @@ def test_route_renormalises_where_asked():
     assert torch.equal(ids.long(), logits.topk(3).indices)
 
 
-def test_tensor_parallel_shards_sum_to_the_whole(monkeypatch):
-    """Two ranks' experts, each with half of every expert's intermediate dimension, give
-    partial sums that add up to the unsharded layer's output."""
+def test_route_softmax_after_topk_is_transformers_router():
+    """gpt-oss's router: the top K logits, then a softmax over them."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssTopKRouter
+
+    config = GptOssConfig(hidden_size=16, num_local_experts=7, num_experts_per_tok=3)
+    router = GptOssTopKRouter(config)
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(7, 16, generator=gen))
+        router.bias.copy_(torch.randn(7, generator=gen))
+        logits, want_w, want_ids = router(torch.randn(9, 16, generator=gen))
+    w, ids = route(logits, 3, True, torch.float32, softmax_after_topk=True)
+    assert torch.equal(ids.long(), want_ids)
+    torch.testing.assert_close(w, want_w)
+
+
+GPT_OSS = dict(bias=True, swiglu=(1.702, 0.9), softmax_after_topk=True)
+
+
+@pytest.mark.parametrize("options", [{}, GPT_OSS], ids=["plain", "gpt-oss"])
+def test_tensor_parallel_shards_sum_to_the_whole(monkeypatch, options):
+    """Two ranks' experts, each with half of every expert's intermediate dimension (and of the
+    gate/up biases; the down bias added on rank 0 only), give partial sums that add up to the
+    unsharded layer's output."""
     gen = torch.Generator().manual_seed(0)
     experts, h, inter, top_k = 4, 16, 12, 2
     full = {(e, p): torch.randn(h if p == 2 else inter, inter if p == 2 else h, generator=gen)
+            for e in range(experts) for p in range(3)}
+    bias = {(e, p): torch.randn(h if p == 2 else inter, generator=gen)
             for e in range(experts) for p in range(3)}
 
     def build(rank, size):
         monkeypatch.setattr(moe, "tp_rank", lambda: rank)
         monkeypatch.setattr(moe, "tp_size", lambda: size)
-        layer = moe.FusedMoE(experts, top_k, h, inter, True, torch.float32)
+        layer = moe.FusedMoE(experts, top_k, h, inter, True, torch.float32, **options)
         for (e, p), w in full.items():
             layer.weight_loader(layer.w2 if p == 2 else layer.w13, w, (e, p))
+            if options:
+                layer.weight_loader(layer.w2_bias if p == 2 else layer.w13_bias, bias[e, p],
+                                    (e, p))
         return layer
 
     x, logits = torch.randn(5, h, generator=gen), torch.randn(5, experts, generator=gen)
     whole = build(0, 1)(x, logits)
     parts = build(0, 2)(x, logits) + build(1, 2)(x, logits)
     torch.testing.assert_close(parts, whole, atol=1e-5, rtol=1e-5)
-    w, ids = route(logits, top_k, True, torch.float32)
+    w, ids = route(logits, top_k, True, torch.float32, bool(options))
     w13 = torch.stack([torch.cat([full[e, 0], full[e, 1]]) for e in range(experts)])
     w2 = torch.stack([full[e, 2] for e in range(experts)])
-    torch.testing.assert_close(whole, fused_moe_ref(x, w13, w2, w, ids))
+    extra = {}
+    if options:
+        extra = dict(w13_bias=torch.stack([torch.cat([bias[e, 0], bias[e, 1]])
+                                           for e in range(experts)]),
+                     w2_bias=torch.stack([bias[e, 2] for e in range(experts)]),
+                     swiglu=options["swiglu"])
+    torch.testing.assert_close(whole, fused_moe_ref(x, w13, w2, w, ids, **extra))
+
+
+def test_gpt_oss_block_matches_transformers():
+    """SparseMoeBlock with gpt-oss's options against transformers' GptOssMLP (router and
+    experts with random biases, interleaved gate/up de-interleaved into w13), with a limit
+    low enough that the clamps act."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    h, inter, experts = 32, 24, 5
+    config = GptOssConfig(hidden_size=h, intermediate_size=inter, num_local_experts=experts,
+                          num_experts_per_tok=2, swiglu_limit=0.8)
+    ref = GptOssMLP(config).eval()
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    ours = moe.SparseMoeBlock(experts, 2, h, inter, True, torch.float32, bias=True,
+                              swiglu=(1.702, 0.8), softmax_after_topk=True)
+    gate_up = ref.experts.gate_up_proj.detach().transpose(1, 2)           # [E, 2I, H]
+    with torch.no_grad():
+        ours.gate.weight.copy_(ref.router.weight)
+        ours.gate.bias.copy_(ref.router.bias)
+        ours.experts.w13.copy_(torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], 1))
+        ours.experts.w2.copy_(ref.experts.down_proj.transpose(1, 2))
+        b = ref.experts.gate_up_proj_bias
+        ours.experts.w13_bias.copy_(torch.cat([b[:, 0::2], b[:, 1::2]], 1))
+        ours.experts.w2_bias.copy_(ref.experts.down_proj_bias)
+        x = torch.randn(11, h, generator=gen) * 2
+        want = ref(x[None])[0][0]
+        torch.testing.assert_close(ours(x), want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("mode", ["int8", "fp8"])

@@ -9,7 +9,8 @@ k_scale and v_scale (Python floats, so CUDA graphs capture them) are the fp8 poo
 scales: K/V are stored divided by them and read back multiplied; 1.0 for a model-dtype pool.
 `window` (a sliding window: each query sees its last `window` positions; 0 = all) and
 `softcap` (scores -> softcap * tanh(scores / softcap); 0 = off) are fixed per layer, so a CUDA
-graph captures them too.
+graph captures them too. A model with attention sinks (gpt-oss) passes its per-head sink logits
+to forward: the same tensor every step, so a graph captures its address.
 """
 from __future__ import annotations
 
@@ -41,10 +42,10 @@ class Attention(nn.Module):
         self.v_scale = 1.0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
-                ctx: StepContext) -> torch.Tensor:
+                ctx: StepContext, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Store this step's k and v ([T, kv_heads, head_dim], or flat) in the pool (None: the
         caller already has, fused into its rotary kernel), then attend q [T, heads * head_dim]
-        to the pool."""
+        to the pool; sinks [heads]: a logit per head that joins each softmax's denominator."""
         t = q.shape[0]
         kv_cache = ctx.kv_caches[self.cache_index]
         backend = self.backend or default_backend(q.is_cuda)
@@ -54,7 +55,7 @@ class Attention(nn.Module):
                              self.k_scale, self.v_scale)
         out = backend.forward(q.view(t, self.num_heads, self.head_dim), kv_cache, ctx,
                               self.scale, self.k_scale, self.v_scale, self.window,
-                              self.softcap)                        # [T, heads, head_dim]
+                              self.softcap, sinks)                 # [T, heads, head_dim]
         return out.reshape(t, self.num_heads * self.head_dim)
 
     def fused_store(self, v: torch.Tensor, ctx: StepContext) -> dict:

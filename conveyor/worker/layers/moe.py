@@ -6,9 +6,19 @@ Tensor parallelism shards each expert's intermediate dimension, as a column- the
 MLP: each rank holds rows I/tp of every expert's gate and up, and those columns of its down, so
 its output is a partial sum that the next norm all-reduces (like LlamaMLP's).
 
-Checkpoint tensors `experts.{e}.gate_proj|up_proj|down_proj.weight` load through the shard ids
-(e, 0), (e, 1) and (e, 2) (loader.py maps the names; `expected_shards` lists them all), and a
-quantized checkpoint's scales (and 4-bit zero points) beside them the same way
+A shared expert (Qwen2-MoE's), where the model gives one, is a dense MLP every token runs, its
+output scaled by sigmoid(shared_expert_gate(x)) (a replicated linear layer, one logit a token)
+and added to the experts'; under tensor parallelism it shards as a dense MLP, its partial sums
+scaled by the same whole gate on every rank.
+
+gpt-oss's experts add options: biases on the router and on every expert's gate/up and down
+(w13_bias sharded like w13's rows; w2_bias whole on every rank but added on rank 0 only, as a
+row-parallel layer's bias), its clamped SwiGLU (`swiglu` = (alpha, limit)) in place of
+SiLU-and-mul, and a softmax over the top K logits (`softmax_after_topk`).
+
+Checkpoint tensors `experts.{e}.gate_proj|up_proj|down_proj.weight` (and `.bias`) load through
+the shard ids (e, 0), (e, 1) and (e, 2) (loader.py maps the names; `expected_shards` lists them
+all), and a quantized checkpoint's scales (and 4-bit zero points) beside them the same way
 (`make_quantized`, `make_int4`).
 """
 from __future__ import annotations
@@ -26,9 +36,12 @@ EXPERT_PARTS = {"gate_proj": 0, "up_proj": 1, "down_proj": 2}
 
 class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
-                 renormalize: bool, dtype: torch.dtype):
+                 renormalize: bool, dtype: torch.dtype, bias: bool = False,
+                 swiglu: tuple[float, float] | None = None, softmax_after_topk: bool = False):
+        """bias, swiglu, softmax_after_topk: gpt-oss's options (the module docstring)."""
         super().__init__()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.swiglu, self.softmax_after_topk = swiglu, softmax_after_topk
         self.intermediate_size = intermediate_size               # each expert's, unsharded
         inter = divide(intermediate_size, tp_size())
         self.inter = inter
@@ -37,6 +50,14 @@ class FusedMoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, inter, dtype=dtype),
                                requires_grad=False)
         self._expect(self.w13, self.w2)
+        self.register_parameter("w13_bias", None)
+        self.register_parameter("w2_bias", None)
+        if bias:                                   # [E, 2I] (gate, then up) and [E, H]
+            self.w13_bias = nn.Parameter(torch.empty(num_experts, 2 * inter, dtype=dtype),
+                                         requires_grad=False)
+            self.w2_bias = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype),
+                                        requires_grad=False)
+            self._expect(self.w13_bias, self.w2_bias)
         # float32 once quantized: [E, 2I, G] and [E, H, G], one scale a row and group of K / G
         # inputs (G = 1: a scale a row)
         self.register_parameter("w13_scale", None)
@@ -114,9 +135,11 @@ class FusedMoE(nn.Module):
 
     def weight_loader(self, param, loaded_weight, shard_id) -> None:
         """An expert's projection, or its scales or zero points [rows, G] (a row's G groups of
-        inputs)."""
+        inputs), or its bias [rows]."""
         expert, part = shard_id
-        if part == 2:                      # down_proj [H, I]: this rank's columns
+        if part == 2 and loaded_weight.dim() == 1:      # down_proj's bias [H]: whole
+            default_weight_loader(param[expert], loaded_weight)
+        elif part == 2:                    # down_proj [H, I]: this rank's columns
             cols = param.shape[2]          # I / tp, its words or groups (one a row: whole)
             start = tp_rank() * cols if loaded_weight.shape[1] > cols else 0
             default_weight_loader(param[expert], loaded_weight.narrow(1, start, cols))
@@ -129,25 +152,42 @@ class FusedMoE(nn.Module):
         """x [T, H], router logits [T, E] -> this rank's partial sums [T, H]."""
         from conveyor.kernels.fused_moe import fused_moe, fused_moe_ref, route
 
-        weights, ids = route(router_logits, self.top_k, self.renormalize, x.dtype)
+        weights, ids = route(router_logits, self.top_k, self.renormalize, x.dtype,
+                             self.softmax_after_topk)
         scales = (self.w13_scale, self.w2_scale, self.w13_zero, self.w2_zero)
+        # the down bias joins one rank's partial sums only: the reduction adds it once
+        extra = dict(w13_bias=self.w13_bias, w2_bias=self.w2_bias if tp_rank() == 0 else None,
+                     swiglu=self.swiglu)
         if x.is_cuda and triton_available() and x.dtype != torch.float32:
-            return fused_moe(x, self.w13, self.w2, weights, ids, None, *scales)
-        return fused_moe_ref(x, self.w13, self.w2, weights, ids, *scales)
+            return fused_moe(x, self.w13, self.w2, weights, ids, None, *scales, **extra)
+        return fused_moe_ref(x, self.w13, self.w2, weights, ids, *scales, **extra)
 
 
 class SparseMoeBlock(nn.Module):
-    """The router (`gate`) and the experts, under Hugging Face's names (Qwen3-MoE's `mlp`)."""
+    """The router (`gate`) and the experts, under Hugging Face's names (Qwen3-MoE's `mlp`), and
+    the `shared_expert` with its `shared_expert_gate` where one is given (Qwen2-MoE's).
+    `moe_options` go to FusedMoE; with its `bias` the router has one too (gpt-oss)."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
-                 renormalize: bool, dtype: torch.dtype):
+                 renormalize: bool, dtype: torch.dtype, shared_expert: nn.Module | None = None,
+                 **moe_options):
         super().__init__()
-        self.gate = ReplicatedLinear(hidden_size, num_experts, dtype=dtype)
+        self.gate = ReplicatedLinear(hidden_size, num_experts,
+                                     bias=moe_options.get("bias", False), dtype=dtype)
         # NOTE: the router stays in the model dtype under --quantization: its weights are a
         # sliver of the layer's, and a rounded logit flips an expert choice (a different MLP)
         self.gate.keep_precision = True
         self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size, renormalize,
-                                dtype)
+                                dtype, **moe_options)
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = None
+        if shared_expert is not None:
+            self.shared_expert_gate = ReplicatedLinear(hidden_size, 1, dtype=dtype)
+            self.shared_expert_gate.keep_precision = True        # one row: nothing to save
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.experts(x, self.gate(x))
+        """x [T, H] -> this rank's partial sums [T, H]."""
+        out = self.experts(x, self.gate(x))
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out

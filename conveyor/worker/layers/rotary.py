@@ -6,8 +6,10 @@ per step; `apply_rotary` then rotates q or k of every layer. Supports the defaul
 short factors below original_max_position_embeddings and the long ones from there on, chosen
 per position, with cos/sin times the attention factor. (transformers re-encodes a whole
 sequence with the long factors once it passes that length; a paged cache keeps the keys it
-has, so positions before it keep the short factors here.) With a partial rotary embedding
-(Phi-4-mini), only the first `rotary_dim` features of each head turn.
+has, so positions before it keep the short factors here.) "yarn" (gpt-oss) blends interpolated
+and original frequencies along a ramp between two correction dimensions, and scales cos/sin by
+its attention factor. With a partial rotary embedding (Phi-4-mini), only the first
+`rotary_dim` features of each head turn.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ def _inv_freq(head_dim: int, base: float, scaling: dict[str, Any] | None) -> tor
     if kind == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
     raise ValueError(f"rope scaling {kind!r} is not supported "
-                     f"(supported: default, linear, llama3, longrope)")
+                     f"(supported: default, linear, llama3, longrope, yarn)")
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
@@ -46,6 +48,47 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
     blended = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
     return torch.where(medium, blended, scaled)
+
+
+def _yarn(head_dim: int, base: float, scaling: dict[str, Any], max_position: int
+          ) -> tuple[torch.Tensor, float]:
+    """YaRN's inverse frequencies and attention factor, as transformers computes them
+    (modeling_rope_utils._compute_yarn_parameters): the frequencies that turn fewer than
+    beta_slow times over the original context are divided by `factor`, those that turn more
+    than beta_fast times are kept, with a linear ramp between (its ends floored and ceiled
+    unless `truncate` is false); the attention factor is given, or 0.1 ln(factor) + 1 (with
+    mscale and mscale_all_dim, their ratio)."""
+    orig = scaling.get("original_max_position_embeddings") or max_position
+    factor = scaling.get("factor") or max_position / orig
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if mscale and mscale_all:
+            attention = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
+        else:
+            attention = _yarn_mscale(factor)
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        """The dimension whose frequency turns `rotations` times over the original context."""
+        return head_dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001                                    # as transformers: no division by 0
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    keep = 1 - ramp                                      # 1: the original frequency
+    inv_freq = 1.0 / (factor * pos_freqs) * (1 - keep) + 1.0 / pos_freqs * keep
+    return inv_freq, float(attention)
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def _longrope_freqs(positions: torch.Tensor, dim: int, base: float, scaling: dict[str, Any],
@@ -74,6 +117,9 @@ class RotaryEmbedding(nn.Module):
         attention = 1.0
         if _kind(scaling) in ("longrope", "su"):
             freqs, attention = _longrope_freqs(positions, head_dim, base, scaling, max_position)
+        elif _kind(scaling) == "yarn":
+            inv_freq, attention = _yarn(head_dim, base, scaling, max_position)
+            freqs = torch.outer(positions, inv_freq)
         else:
             freqs = torch.outer(positions, _inv_freq(head_dim, base, scaling))
         self.register_buffer("cos", freqs.cos() * attention, persistent=False)   # [P, dim / 2]

@@ -8,21 +8,27 @@ from torch import nn
 
 from conveyor.worker.models.gemma2 import Gemma2ForCausalLM
 from conveyor.worker.models.gemma3 import Gemma3ForCausalLM
+from conveyor.worker.models.gpt_oss import GptOssForCausalLM
+from conveyor.worker.models.granite import GraniteForCausalLM
 from conveyor.worker.models.llama import LlamaForCausalLM
 from conveyor.worker.models.mixtral import MixtralForCausalLM
 from conveyor.worker.models.phi3 import Phi3ForCausalLM
 from conveyor.worker.models.qwen2 import Qwen2ForCausalLM
+from conveyor.worker.models.qwen2_moe import Qwen2MoeForCausalLM
 from conveyor.worker.models.qwen3 import Qwen3ForCausalLM
 from conveyor.worker.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
+    "GraniteForCausalLM": GraniteForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,      # Llama with sliding_window (llama.py)
     "MixtralForCausalLM": MixtralForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }

@@ -1,6 +1,6 @@
 """Llama, and Mistral (the same decoder with a sliding window, config.json's `sliding_window`,
 on every layer): the decoder the other models reuse. Qwen2 and Qwen3 subclass LlamaForCausalLM
-and change only `attention_options`.
+and change only `attention_options`; the MoE families change `make_mlp`, Granite `multipliers`.
 
 Module names follow Hugging Face's, except the fused qkv_proj and gate_up_proj, which the
 loader fills through `packed_modules`.
@@ -20,19 +20,23 @@ from conveyor.worker.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
+    default_weight_loader,
 )
 from conveyor.worker.layers.norm import RMSNorm
+from conveyor.worker.layers.parallel import tp_rank
 from conveyor.worker.layers.pipeline import make_layers, stage
 from conveyor.worker.layers.rotary import RotaryEmbedding, apply_rotary
 
 
 class LlamaAttention(nn.Module):
     """Options beyond Llama's, for the families built on it: `scale` (default head_dim^-0.5),
-    `softcap` of the attention logits, `norm` (the class of q_norm / k_norm)."""
+    `softcap` of the attention logits, `norm` (the class of q_norm / k_norm), `sinks` (gpt-oss:
+    a learned logit per head, `self_attn.sinks`, in each softmax's denominator; sharded with
+    the heads)."""
 
     def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype,
                  qkv_bias: bool, o_bias: bool, qk_norm: bool = False, scale: float | None = None,
-                 softcap: float = 0.0, norm: type[RMSNorm] = RMSNorm):
+                 softcap: float = 0.0, norm: type[RMSNorm] = RMSNorm, sinks: bool = False):
         super().__init__()
         d = config.head_dim
         self.qkv_proj = QKVParallelLinear(config.hidden_size, d, config.num_attention_heads,
@@ -45,9 +49,19 @@ class LlamaAttention(nn.Module):
         # Qwen3: RMSNorm over each head of q and k, before the rotary embedding.
         self.q_norm = norm(d, config.rms_norm_eps, dtype) if qk_norm else None
         self.k_norm = norm(d, config.rms_norm_eps, dtype) if qk_norm else None
+        self.sinks = None
+        if sinks:                                                # [heads] of this rank
+            self.sinks = nn.Parameter(torch.empty(heads, dtype=dtype), requires_grad=False)
+            self.sinks.weight_loader = self._load_sinks
         self.attn = Attention(layer_idx, heads, kv_heads, d, scale=scale or d ** -0.5,
                               window=config.window(layer_idx), softcap=softcap,
                               cache_index=layer_idx - stage().layers(config.num_hidden_layers)[0])
+
+    @staticmethod
+    def _load_sinks(param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
+        """This rank's heads of the checkpoint's sinks [num_attention_heads]."""
+        n = param.shape[0]
+        default_weight_loader(param, loaded_weight.narrow(0, tp_rank() * n, n))
 
     def forward(self, x: torch.Tensor | Fp8Rows, cos: torch.Tensor, sin: torch.Tensor,
                 ctx: StepContext) -> torch.Tensor:
@@ -70,14 +84,17 @@ class LlamaAttention(nn.Module):
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = self.attn(q.view(t, -1), k, v, ctx)           # [T, heads * head_dim]
+        out = self.attn(q.view(t, -1), k, v, ctx, self.sinks)   # [T, heads * head_dim]
         return self.o_proj(out)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype,
+                 intermediate_size: int | None = None):
+        """intermediate_size: in place of the config's (Qwen2-MoE's shared expert)."""
         super().__init__()
-        inter = config.intermediate_size
+        inter = intermediate_size or config.intermediate_size
+        self.intermediate_size = inter                       # unsharded
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter],
                                                        dtype=dtype)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, dtype=dtype,
@@ -90,10 +107,11 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype,
-                 attention_options: dict, mlp: nn.Module):
+                 attention_options: dict, mlp: nn.Module, residual_multiplier: float = 1.0):
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_idx, dtype, **attention_options)
         self.mlp = mlp
+        self.residual_multiplier = residual_multiplier
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -111,22 +129,29 @@ class LlamaDecoderLayer(nn.Module):
             x, residual = self.input_layernorm(x, fp8=fp8), x
         else:
             x, residual = self.input_layernorm(x, residual, reduce=True, fp8=fp8)
-        x = self.self_attn(x, cos, sin, ctx)
+        x = self._scaled(self.self_attn(x, cos, sin, ctx))
         fp8 = isinstance(self.mlp, LlamaMLP) and self.mlp.gate_up_proj.takes_fp8_rows(x)
         x, residual = self.post_attention_layernorm(x, residual, reduce=True, fp8=fp8)
-        return self.mlp(x), residual
+        return self._scaled(self.mlp(x)), residual
+
+    def _scaled(self, x: torch.Tensor) -> torch.Tensor:
+        """An attention or MLP output (a partial sum: the scale commutes with the reduction)
+        times the residual multiplier, before it joins the residual stream."""
+        return x if self.residual_multiplier == 1.0 else x * self.residual_multiplier
 
 
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, attention_options: dict,
-                 rotary_emb: RotaryEmbedding, make_mlp):
+                 rotary_emb: RotaryEmbedding, make_mlp,
+                 multipliers: tuple[float, float] = (1.0, 1.0)):
         super().__init__()
         # pipeline parallel: the embedding on the first stage, the final norm on the last
         self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
                              if stage().first else None)
+        self.embedding_multiplier, residual_multiplier = multipliers
         self.rotary_emb = rotary_emb
         self.layers, held = make_layers(config.num_hidden_layers, lambda i: LlamaDecoderLayer(
-            config, i, dtype, attention_options, make_mlp(config, i, dtype)))
+            config, i, dtype, attention_options, make_mlp(config, i, dtype), residual_multiplier))
         self.held = slice(held.start, held.stop)
         self.norm = (RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if stage().last
                      else None)
@@ -136,6 +161,8 @@ class LlamaModel(nn.Module):
         embedding; a stage before the last returns its own (hidden, residual)."""
         if intermediate is None:
             x, residual = self.embed_tokens(input_ids), None     # [T, hidden]
+            if self.embedding_multiplier != 1.0:
+                x = x * self.embedding_multiplier
         else:
             x, residual = intermediate
         cos, sin = self.rotary_emb(positions)                # [T, head_dim / 2] each
@@ -171,11 +198,18 @@ class LlamaForCausalLM(nn.Module):
         return RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                config.rope_theta, config.rope_scaling)
 
+    @staticmethod
+    def multipliers(config: ModelConfig) -> tuple[float, float]:
+        """(embedding, residual): the embeddings' multiplier, and that of every attention and
+        MLP output before it joins the residual stream (Granite's; 1 elsewhere)."""
+        return 1.0, 1.0
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, dtype, self.attention_options(config),
-                                self.rotary_embedding(config), self.make_mlp)
+                                self.rotary_embedding(config), self.make_mlp,
+                                self.multipliers(config))
         self.lm_head = lm_head(config, dtype, self.model.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
