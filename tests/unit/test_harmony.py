@@ -7,7 +7,7 @@ import json
 import pytest
 
 from conveyor.frontend.chat_output import ChatReader
-from conveyor.frontend.harmony import HarmonyReasoningParser
+from conveyor.frontend.reasoning import HarmonyReasoningParser
 from conveyor.frontend.tools import tool_mode
 from conveyor.shared.config import HttpConfig
 

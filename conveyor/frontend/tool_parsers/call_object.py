@@ -14,7 +14,21 @@ import json
 _WS = " \t\n\r"
 
 
-class CallObject:
+class CallReader:
+    """What a reader of one call shares, whatever the call's syntax: `state` ends in "done" or
+    "error"; `feed`, `name` (and `name_checked`), `valid` and the arguments are each reader's."""
+    state = "start"
+
+    @property
+    def done(self) -> bool:
+        return self.state == "done"
+
+    @property
+    def error(self) -> bool:
+        return self.state == "error"
+
+
+class CallObject(CallReader):
     def __init__(self, arg_keys: tuple[str, ...] = ("arguments", "parameters")):
         self.arg_keys = arg_keys
         self.text = ""                      # the object's text so far, from its "{"
@@ -28,14 +42,6 @@ class CallObject:
         self._depth = 0                     # bracket depth inside an object or array value
         self._in_str = self._esc = False
         self._args: tuple[int, int | None] | None = None   # the arguments value's span
-
-    @property
-    def done(self) -> bool:
-        return self.state == "done"
-
-    @property
-    def error(self) -> bool:
-        return self.state == "error"
 
     def feed(self, s: str) -> int:
         """Read characters of `s` until the object ends or breaks; returns how many it took."""

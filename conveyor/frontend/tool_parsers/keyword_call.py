@@ -9,22 +9,16 @@ from __future__ import annotations
 
 import json
 
+from conveyor.frontend.tool_parsers.call_object import CallReader
 
-class KeywordCall:
+
+class KeywordCall(CallReader):
     def __init__(self) -> None:
         self.text = ""                      # the call's text so far
         self.state = "start"                # the subclass's states, then done | error
         self.name: str | None = None
         self._keys: set[str] = set()
         self._json = ""                     # the arguments so far, as JSON text without its "}"
-
-    @property
-    def done(self) -> bool:
-        return self.state == "done"
-
-    @property
-    def error(self) -> bool:
-        return self.state == "error"
 
     @property
     def valid(self) -> bool:

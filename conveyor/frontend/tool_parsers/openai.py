@@ -1,5 +1,5 @@
 """gpt-oss's calls (`--tool-call-parser openai`), as the harmony reasoning parser hands them on in
-the content (conveyor/frontend/harmony.py), so it needs `--reasoning-parser openai_gptoss`:
+the content (frontend/reasoning/harmony.py), so it needs `--reasoning-parser openai_gptoss`:
 
     Let me look.<|start|>assistant to=functions.get_weather<|message|>{"city": "Paris"}<|call|>
 
@@ -11,8 +11,9 @@ from __future__ import annotations
 import json
 
 from conveyor.frontend.tool_parsers.base import ToolParser, partial_tail
+from conveyor.frontend.tool_parsers.call_object import CallReader
 
-# harmony's markers (special tokens), and a call as harmony.py hands it on
+# harmony's markers (special tokens), and a call as reasoning/harmony.py hands it on
 START, MESSAGE, CALL = "<|start|>", "<|message|>", "<|call|>"
 CALL_OPEN = START + "assistant to="
 FUNCTIONS = "functions."
@@ -32,7 +33,7 @@ class OpenAIParser(ToolParser):
         return self._call_step(then="text")
 
 
-class HarmonyCall:
+class HarmonyCall(CallReader):
     """`functions.NAME<|message|>ARGUMENTS<|call|>`, with CallObject's interface: name at
     `<|message|>`, the arguments' text as it comes (less a tail that could start `<|call|>`)."""
 
@@ -42,14 +43,6 @@ class HarmonyCall:
         self.name: str | None = None
         self.valid = False
         self._body = 0                        # where the arguments begin in text
-
-    @property
-    def done(self) -> bool:
-        return self.state == "done"
-
-    @property
-    def error(self) -> bool:
-        return self.state == "error"
 
     def name_checked(self) -> bool:
         return self.name is not None

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import re
 
+from conveyor.frontend.reasoning.base import ReasoningParser
 from conveyor.frontend.tool_parsers.base import partial_tail
 from conveyor.frontend.tool_parsers.openai import CALL, CALL_OPEN, FUNCTIONS, MESSAGE, START
 
@@ -32,13 +33,11 @@ _RECIPIENT_RE = re.compile(r"(?:^|[\s>])to=([^\s<]+)")
 _WS = " \t\n\r"
 
 
-class HarmonyReasoningParser:
-    """ReasoningParser's interface (reasoning.py): `feed` and `finish` return (reasoning,
-    content) pieces."""
+class HarmonyReasoningParser(ReasoningParser):
     keeps_special_tokens = True
 
     def __init__(self) -> None:
-        self.buf = ""
+        super().__init__()
         self.state = "header"                # header | text | plain
         self.channel: str | None = None
         self.recipient: str | None = None
@@ -104,17 +103,6 @@ class HarmonyReasoningParser:
         cut = len(self.buf) - keep
         out, self.buf = self.buf[:cut], self.buf[cut:]
         return out, False
-
-    def finish(self) -> tuple[str, str]:
-        return self.feed("", final=True)
-
-    @classmethod
-    def parse(cls, text: str) -> tuple[str, str]:
-        """The whole output's (reasoning, content)."""
-        parser = cls()
-        r1, c1 = parser.feed(text)
-        r2, c2 = parser.finish()
-        return r1 + r2, c1 + c2
 
     @staticmethod
     def constraint_start(tokenizer, prompt_ids: list[int]) -> list[int] | None:

@@ -1,32 +1,26 @@
-"""Reasoning parsers (`--reasoning-parser`): a model's `<think>…</think>` is `reasoning_content`
-(gpt-oss's harmony channels: harmony.py).
+"""`<think>…</think>` reasoning (`--reasoning-parser qwen3|deepseek_r1`).
 
 qwen3: the output opens its thought with `<think>`; an output without it has no thought (the
 template turned thinking off with `enable_thinking: false`, and wrote an empty thought into the
 prompt). deepseek_r1: the template opens the thought in the prompt, so the output starts inside
 it, with or without its own `<think>`; an output that never closes it is all thought. The answer's
-leading whitespace after `</think>` is dropped. A stream and the whole-output parse run the same
-machine, so they agree.
-
-A structured-output constraint applies to the answer only: `constraint_start` gives the tokens
-after which the grammar starts (None: from the first generated token).
+leading whitespace after `</think>` is dropped. A structured-output constraint starts after
+`</think>`.
 """
 from __future__ import annotations
 
-from conveyor.frontend.harmony import HarmonyReasoningParser
+from conveyor.frontend.reasoning.base import ReasoningParser
 from conveyor.frontend.tool_parsers.base import partial_tail
 
 START, END = "<think>", "</think>"
 _WS = " \t\n\r"
 
 
-class ReasoningParser:
-    """`feed` and `finish` return (reasoning, content) pieces."""
+class ThinkParser(ReasoningParser):
     opened_in_prompt = False
-    keeps_special_tokens = False              # the markers are special tokens (harmony.py)
 
     def __init__(self) -> None:
-        self.buf = ""
+        super().__init__()
         self.state = "start"                  # start | reasoning | answer_start | answer
 
     def feed(self, text: str, final: bool = False) -> tuple[str, str]:
@@ -56,17 +50,6 @@ class ReasoningParser:
             content, self.buf = self.buf, ""
         return reasoning, content
 
-    def finish(self) -> tuple[str, str]:
-        return self.feed("", final=True)
-
-    @classmethod
-    def parse(cls, text: str) -> tuple[str, str]:
-        """The whole output's (reasoning, content)."""
-        parser = cls()
-        r1, c1 = parser.feed(text)
-        r2, c2 = parser.finish()
-        return r1 + r2, c1 + c2
-
     @staticmethod
     def constraint_start(tokenizer, prompt_ids: list[int]) -> list[int] | None:
         """The token ids after which a structured-output constraint starts: those of `</think>`,
@@ -77,16 +60,9 @@ class ReasoningParser:
         return tokenizer.encode(END, add_special_tokens=False)
 
 
-class Qwen3ReasoningParser(ReasoningParser):
+class Qwen3ReasoningParser(ThinkParser):
     opened_in_prompt = False
 
 
-class DeepSeekR1ReasoningParser(ReasoningParser):
+class DeepSeekR1ReasoningParser(ThinkParser):
     opened_in_prompt = True
-
-
-REASONING_PARSERS: dict[str, type] = {
-    "qwen3": Qwen3ReasoningParser,
-    "deepseek_r1": DeepSeekR1ReasoningParser,
-    "openai_gptoss": HarmonyReasoningParser,     # gpt-oss's harmony channels
-}

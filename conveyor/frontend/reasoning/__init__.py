@@ -1,0 +1,16 @@
+"""Reasoning parsers (`--reasoning-parser`), one format per file: they split a model's thought
+(`reasoning_content`) from its answer, as it streams (base.py)."""
+from __future__ import annotations
+
+from conveyor.frontend.reasoning.base import ReasoningParser
+from conveyor.frontend.reasoning.harmony import HarmonyReasoningParser
+from conveyor.frontend.reasoning.think import DeepSeekR1ReasoningParser, Qwen3ReasoningParser
+
+REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
+    "qwen3": Qwen3ReasoningParser,
+    "deepseek_r1": DeepSeekR1ReasoningParser,
+    "openai_gptoss": HarmonyReasoningParser,     # gpt-oss's harmony channels
+}
+
+__all__ = ["REASONING_PARSERS", "DeepSeekR1ReasoningParser", "HarmonyReasoningParser",
+           "Qwen3ReasoningParser", "ReasoningParser"]

@@ -1,0 +1,32 @@
+"""What every reasoning parser shares: `feed` and `finish` return (reasoning, content) pieces of
+the output as it streams; `parse` runs the same machine over a whole output, so a stream and a
+whole reply agree. `constraint_start` says where a structured-output constraint starts.
+"""
+from __future__ import annotations
+
+
+class ReasoningParser:
+    keeps_special_tokens = False              # the format's markers are special tokens
+
+    def __init__(self) -> None:
+        self.buf = ""
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, str]:
+        raise NotImplementedError
+
+    def finish(self) -> tuple[str, str]:
+        return self.feed("", final=True)
+
+    @classmethod
+    def parse(cls, text: str) -> tuple[str, str]:
+        """The whole output's (reasoning, content)."""
+        parser = cls()
+        r1, c1 = parser.feed(text)
+        r2, c2 = parser.finish()
+        return r1 + r2, c1 + c2
+
+    @staticmethod
+    def constraint_start(tokenizer, prompt_ids: list[int]) -> list[int] | None:
+        """The token ids after which a structured-output constraint starts (None: from the
+        first generated token)."""
+        raise NotImplementedError
