@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import math
 import os
 import re
 import shutil
@@ -46,6 +47,10 @@ SHAPES = {
         num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
         vocab_size=151936, tie_word_embeddings=False, rope_theta=1e6,
         max_position_embeddings=40960, rms_norm_eps=1e-6)),
+    # transformers' defaults are gpt-oss-120b's: 36 layers of 128 experts, 4 a token, H = I =
+    # 2880; --int4 mxfp4 writes its experts as published
+    "gpt-oss-20b": ("GptOssConfig", dict(num_hidden_layers=24, num_local_experts=32)),
+    "gpt-oss-120b": ("GptOssConfig", dict()),
 }
 
 
@@ -102,11 +107,12 @@ def build_random_quantized(shape: str, fmt: str, folder: str | Path | None = Non
                            group: int = 128, seed: int = 0, **overrides) -> Path:
     """Save a random quantized checkpoint of `shape` in the published layout of `fmt`, with a
     synthetic tokenizer: "awq" or "gptq" (4-bit, group size `group`; docs/QUANTIZATION.md:
-    random 4-bit values, zero points 8, scales about initializer_range / 4), or "fp8" (e4m3
+    random 4-bit values, zero points 8, scales about initializer_range / 4), "fp8" (e4m3
     weights with `group` x `group` block scales, DeepSeek's and Qwen's FP8 layout, MoE experts
-    included: random e4m3 values of about one, scales initializer_range). The router, embedding,
-    LM head and norms are drawn in bf16. Only the bytes and shapes matter (for timing): written
-    tensor by tensor, without building the model."""
+    included: random e4m3 values of about one, scales initializer_range), or "mxfp4" (gpt-oss
+    shapes: the experts as gpt-oss publishes them, `_mxfp4_experts`; the rest in bf16). The
+    router, embedding, LM head and norms are drawn in bf16. Only the bytes and shapes matter
+    (for timing): written tensor by tensor, without building the model."""
     import json
 
     from safetensors.torch import save_file
@@ -122,6 +128,8 @@ def build_random_quantized(shape: str, fmt: str, folder: str | Path | None = Non
     if fmt == "fp8":
         cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
                                       "weight_block_size": [group, group]}
+    elif fmt == "mxfp4":
+        cfg["quantization_config"] = {"quant_method": "mxfp4"}
     else:
         cfg["quantization_config"] = {"quant_method": fmt, "bits": 4, "group_size": group,
                                       **({"version": "gemm", "zero_point": True} if fmt == "awq"
@@ -139,7 +147,13 @@ def build_random_quantized(shape: str, fmt: str, folder: str | Path | None = Non
             tensors, part = {}, part + 1
 
     for name, shp in checkpoint_shapes(ModelConfig.from_hf(cfg)).items():
-        if len(shp) == 2 and name.startswith("model.layers.") and ".mlp.gate.weight" not in name:
+        if fmt == "mxfp4" and ".mlp.experts." in name:
+            continue                                # written stacked, with the layer's router
+        if fmt == "mxfp4" and name.endswith(".mlp.gate.weight"):
+            tensors.update(_mxfp4_experts(name.removesuffix("gate.weight") + "experts.", config,
+                                          gen, drawn))
+        if (len(shp) == 2 and name.startswith("model.layers.") and fmt != "mxfp4"
+                and ".mlp.gate.weight" not in name):
             n, k = shp
             stem = name.removesuffix(".weight")
             # one random tensor a shape, copied: drawing an MoE's 30B values one expert at a
@@ -168,9 +182,28 @@ def build_random_quantized(shape: str, fmt: str, folder: str | Path | None = Non
     return folder
 
 
+def _mxfp4_experts(prefix: str, config, gen: torch.Generator, drawn: dict) -> dict:
+    """One layer's experts as gpt-oss publishes them (worker/mxfp4_checkpoint.py): gate/up and
+    down stacked, in MXFP4 blocks of random bytes with scales 2^round(log2(initializer_range /
+    3)) (random e2m1 codes have an RMS of about 3), and bf16 biases; the bytes drawn once a
+    shape and copied."""
+    e, h, i = config.num_local_experts, config.hidden_size, config.intermediate_size
+    exponent = 127 + round(math.log2(config.initializer_range / 3))
+    out = {}
+    for proj, rows, k in (("gate_up_proj", 2 * i, h), ("down_proj", h, i)):
+        shape = (e, rows, k // 32, 16)
+        if shape not in drawn:
+            drawn[shape] = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
+        out[prefix + proj + "_blocks"] = drawn[shape].clone()
+        out[prefix + proj + "_scales"] = torch.full(shape[:3], exponent, dtype=torch.uint8)
+        out[prefix + proj + "_bias"] = (torch.randn(e, rows, generator=gen)
+                                        * config.initializer_range).bfloat16()
+    return out
+
+
 def add_model_args(ap) -> None:
-    """--model, or --shape with --random-weights (--int4 for a random AWQ/GPTQ checkpoint,
-    --fp8-blocks for a block-scaled fp8 one);
+    """--model, or --shape with --random-weights (--int4 for a random AWQ, GPTQ or MXFP4
+    checkpoint, --fp8-blocks for a block-scaled fp8 one);
     plus --num-layers to shorten a shape, and --load-format, and --quantization /
     --keep-precision / --kv-cache-dtype for the engine (see quant_args)."""
     ap.add_argument("--model", help="a Hugging Face folder")
@@ -184,9 +217,10 @@ def add_model_args(ap) -> None:
                          "fit the free disk, else a saved checkpoint)")
     ap.add_argument("--quantization", choices=["int8", "fp8"], default=None,
                     help="quantize the weights at load (docs/QUANTIZATION.md)")
-    ap.add_argument("--int4", choices=["awq", "gptq"], default=None,
+    ap.add_argument("--int4", choices=["awq", "gptq", "mxfp4"], default=None,
                     help="with --shape --random-weights: a random 4-bit checkpoint in this "
-                         "format (group 128), loaded as published")
+                         "format (group 128; mxfp4: a gpt-oss shape's experts), loaded as "
+                         "published")
     ap.add_argument("--fp8-blocks", action="store_true",
                     help="with --shape --random-weights: a random fp8 checkpoint with 128 x 128 "
                          "block scales (the layout of Qwen's and DeepSeek's FP8 releases), "

@@ -249,6 +249,131 @@ def make_tiny_moe_gguf(arch: str, path, ref, quant: str = "Q8_0", **overrides) -
     return Path(path)
 
 
+# Gemma's sliding-window period and the 27B sizes (by layers) that llama.cpp fixes per arch
+_GGUF_SWA_PERIOD = {"gemma2": 2, "gemma3": 6}
+_GGUF_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def _refuse_what_gguf_cannot_carry(arch: str, c: dict) -> None:
+    """ValueError for a config that llama.cpp's GGUF of `arch` cannot hold (llama.cpp would run
+    a different model): Gemma's query_pre_attn_scalar (derived from the size), its window period
+    and Gemma 2's rope base and Gemma 3's local one (fixed)."""
+    if arch == "phi3":
+        return
+    layers, rope = c["num_hidden_layers"], c.get("rope_parameters") or {}
+    big = layers == _GGUF_GEMMA_27B_LAYERS[arch]
+    scalar = c["hidden_size"] // c["num_attention_heads"] if big else c["head_dim"]
+    period = _GGUF_SWA_PERIOD[arch]
+    types = ["full_attention" if (i + 1) % period == 0 else "sliding_attention"
+             for i in range(layers)]
+    local = rope.get("sliding_attention", rope) if arch == "gemma3" else rope
+    wrong = {"query_pre_attn_scalar": (c["query_pre_attn_scalar"], scalar),
+             "layer_types": (c["layer_types"], types),
+             "sliding layers' rope": ((local.get("rope_theta"), local.get("rope_type", "default")),
+                            (10000.0, "default"))}
+    wrong = {k: v for k, v in wrong.items() if v[0] != v[1]}
+    if wrong:
+        raise ValueError(f"llama.cpp's {arch} GGUF cannot carry {wrong} (as (given, llama.cpp's))")
+
+
+def _write_family_keys(writer, arch: str, c: dict) -> None:
+    """The metadata keys convert_hf_to_gguf.py writes for `arch` (Gemma2Model.set_gguf_parameters;
+    Gemma3Model's over TextModel's; Phi3MiniModel's), and the tokenizer's token list and ids."""
+    import math
+
+    import gguf
+    import numpy as np
+
+    rope = c.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)
+    writer.add_block_count(c["num_hidden_layers"])
+    writer.add_context_length(c["max_position_embeddings"])
+    writer.add_embedding_length(c["hidden_size"])
+    writer.add_feed_forward_length(c["intermediate_size"])
+    writer.add_head_count(c["num_attention_heads"])
+    writer.add_head_count_kv(c["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    if arch == "gemma2":
+        writer.add_key_length(c["head_dim"])
+        writer.add_value_length(c["head_dim"])
+        writer.add_attn_logit_softcapping(c["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(c["final_logit_softcapping"])
+        writer.add_sliding_window(c["sliding_window"])
+    elif arch == "gemma3":
+        if rope.get("rope_type") == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_freq_base(rope["rope_theta"])
+        writer.add_key_length(c["head_dim"])
+        writer.add_value_length(c["head_dim"])
+        if c.get("final_logit_softcapping"):
+            writer.add_final_logit_softcapping(c["final_logit_softcapping"])
+        if c.get("sliding_window_pattern") != 1:
+            writer.add_sliding_window(c["sliding_window"])
+    else:
+        heads = c["num_attention_heads"]
+        rotary = int(rope.get("partial_rotary_factor", 1.0) * c["hidden_size"]) // heads
+        orig = rope["original_max_position_embeddings"]
+        writer.add_rope_scaling_orig_ctx_len(orig)
+        writer.add_rope_dimension_count(rotary)
+        writer.add_rope_freq_base(rope["rope_theta"])
+        writer.add_sliding_window(c.get("sliding_window") or 0)
+        if rope.get("long_factor"):
+            scale = c["max_position_embeddings"] / orig
+            writer.add_rope_scaling_attn_factors(
+                math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1 else 1.0)
+            for kind in ("long", "short"):
+                writer.add_tensor(f"rope_factors_{kind}.weight",
+                                  np.array(rope[f"{kind}_factor"], dtype=np.float32))
+    writer.add_token_list([f"<t{i}>" for i in range(c["vocab_size"])])
+    writer.add_bos_token_id(c["bos_token_id"])
+    writer.add_eos_token_id(c["eos_token_id"])
+
+
+def make_tiny_family_gguf(arch: str, path, ref, quant: str = "Q8_0", **overrides) -> Path:
+    """Save the tiny random "gemma2", "gemma3" or "phi3" preset as a GGUF file at `path` the
+    way llama.cpp's convert_hf_to_gguf.py writes it: gguf-py's tensor names (TensorNameMap),
+    Gemma's norms stored as 1 + w, Phi-3's qkv_proj and gate_up_proj kept fused (attn_qkv,
+    ffn_up) and its LongRoPE factors as tensors, no q/k permutation (these archs rotate halves),
+    the converter's metadata keys; 2-D weights in `quant` (F32, F16 or Q8_0), 1-D ones in F32.
+    Into the folder `ref` goes the same model with the weights the file holds (dequantized), for
+    transformers to run as the reference. A config llama.cpp's GGUF cannot carry raises
+    ValueError."""
+    import gguf
+    from safetensors.torch import load_file, save_file
+
+    src = make_tiny_model(arch, Path(ref).with_suffix(".src"), **overrides)
+    config = json.loads((src / "config.json").read_text())
+    _refuse_what_gguf_cannot_carry(arch, config)
+    tensors = load_file(src / "model.safetensors")
+    names = gguf.get_tensor_name_map({v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch],
+                                     config["num_hidden_layers"])
+    writer = gguf.GGUFWriter(str(path), arch)
+    _write_family_keys(writer, arch, config)
+    kind = gguf.GGMLQuantizationType[quant]
+    held = {}
+    for name, w in tensors.items():
+        gguf_name = names.get_name(name, try_suffixes=(".weight",))
+        array = w.float().numpy()
+        if array.ndim == 1:
+            plus_one = arch != "phi3" and name.endswith("norm.weight")
+            writer.add_tensor(gguf_name, array + 1 if plus_one else array)
+            held[name] = w
+        else:
+            packed = gguf.quants.quantize(array, kind)
+            writer.add_tensor(gguf_name, packed, raw_dtype=kind)
+            held[name] = torch.from_numpy(gguf.quants.dequantize(packed, kind).copy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    ref = Path(ref)
+    ref.mkdir(parents=True)
+    shutil.copy(src / "config.json", ref)
+    save_file({k: v.contiguous() for k, v in held.items()}, ref / "model.safetensors")
+    return Path(path)
+
+
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 

@@ -9,6 +9,8 @@ import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FP8_MAX = 448.0                # the largest finite float8 e4m3 value (torch.float8_e4m3fn)
+# the 16 float4 e2m1 codes (MXFP4's values): sign bit 8, then 2 exponent bits and 1 mantissa bit
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
 def check(ok: bool, msg: str) -> None:

@@ -24,7 +24,9 @@ and scale the product's columns, or with groups scale each K step's weight tile 
 activations stay in x's dtype (W8A16 math). 4-bit experts (an AWQ or GPTQ checkpoint): w13 and
 w2 int32 words of 8 values along K (kernels/w4a16_gemm.py's layout) with scales and zero points
 [E, rows, G]; each K step's words are unpacked into the tile and dequantized, (q - zero) *
-scale, before its dot (W4A16).
+scale, before its dot (W4A16). MXFP4 experts (gpt-oss's checkpoints, `fp4`): the same words
+holding float4 e2m1 codes, no zero points, one scale a row and block of 32 inputs; each nibble
+becomes its e2m1 value, times its block's scale.
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from conveyor.kernels._triton import jit, require_triton, tl
-from conveyor.kernels._util import check
+from conveyor.kernels._util import E2M1, check
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype,
@@ -59,7 +61,8 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
                   w13_zero: torch.Tensor | None = None, w2_zero: torch.Tensor | None = None,
                   w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
-                  swiglu: tuple[float, float] | None = None) -> torch.Tensor:
+                  swiglu: tuple[float, float] | None = None, fp4: bool = False
+                  ) -> torch.Tensor:
     """The reference: for each expert with tokens, its MLP over them (plus its biases, with
     gpt-oss's clamped SwiGLU where `swiglu` gives its alpha and limit), times their weights,
     added into out [T, H] (in x's dtype, as transformers does). Quantized experts are
@@ -67,8 +70,8 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     from conveyor.kernels.clamped_swiglu import clamped_swiglu_ref
 
     if w13_scale is not None:
-        w13 = dequantize_experts(w13, w13_scale, w13_zero, x.dtype)
-        w2 = dequantize_experts(w2, w2_scale, w2_zero, x.dtype)
+        w13 = dequantize_experts(w13, w13_scale, w13_zero, x.dtype, fp4)
+        w2 = dequantize_experts(w2, w2_scale, w2_zero, x.dtype, fp4)
     out = torch.zeros_like(x)
     flat = topk_ids.reshape(-1).long()
     for e in flat.unique().tolist():
@@ -87,15 +90,21 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 
 
 def dequantize_experts(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
-                       dtype: torch.dtype) -> torch.Tensor:
-    """w [E, N, K] 1-byte, or [E, N, K / 8] int32 words of 4-bit values with zero points;
-    scale (and zero) [E, N, G], a row's G groups of K / G inputs -> W [E, N, K] in dtype."""
+                       dtype: torch.dtype, fp4: bool = False) -> torch.Tensor:
+    """w [E, N, K] 1-byte, or [E, N, K / 8] int32 words of 4-bit values with zero points (with
+    fp4: of e2m1 codes, no zero points); scale (and zero) [E, N, G], a row's G groups of K / G
+    inputs -> W [E, N, K] in dtype. An fp4 value times its scale is rounded to dtype once, as
+    mxfp4_checkpoint.dequantize_mxfp4 (transformers) rounds it: the same bits."""
     from conveyor.kernels.w4a16_gemm import unpack_int4
 
     e, n = w.shape[:2]
     g = scale.shape[2]
     if w.dtype == torch.int32:
-        q = unpack_int4(w.reshape(e * n, -1)).float().view(e, n, g, -1) - zero[..., None]
+        q = unpack_int4(w.reshape(e * n, -1))
+        if fp4:
+            q = torch.tensor(E2M1, device=w.device)[q.long()].view(e, n, g, -1)
+        else:
+            q = q.float().view(e, n, g, -1) - zero[..., None]
     else:
         q = w.float().view(e, n, g, -1)
     return (q * scale[..., None]).view(e, n, -1).to(dtype)
@@ -171,18 +180,30 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int
     return sorted_ids, expert_ids, total
 
 
+@jit
+def _e2m1(q):
+    """float4 e2m1 codes (int32, 0..15) -> their float32 values, built as bits (no I2F): code
+    exponent e > 0 and mantissa m make the float 2^(e - 1) (1 + m / 2), exponent field e + 126
+    and m the top mantissa bit; e = 0 is 0 or 0.5 (m); bit 3 the sign."""
+    v = q & 7
+    bits = tl.where(v >= 2, (v << 22) + (126 << 23), tl.where(v == 1, 126 << 23, 0))
+    return (bits | ((q & 8) << 28)).to(tl.float32, bitcast=True)
+
+
 @jit(do_not_specialize=["num_pairs"])
 def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr,
                      total_ptr, scale_ptr, zero_ptr, bias_ptr, num_pairs, N, K, stride_am,
                      stride_we, stride_wn, stride_cm, stride_se, stride_sn, stride_be,
                      TOP_K: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_SCALE: tl.constexpr,
-                     INT4: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_K: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     INT4: tl.constexpr, FP4: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
     """c[pair] = a[pair // TOP_K] @ w[expert]^T (+ bias[expert] with HAS_BIAS; times the
     pair's router weight), for the pairs of one tile of sorted_ids; a [rows, K], w [E, N, K]
     (1-byte with HAS_SCALE, times scale [E, N, G]: GROUP_K = K / G inputs a scale, 0 for one a
-    row; with INT4, [E, N, K / 8] words of 4-bit values and zero points like the scales),
-    bias [E, N], c [pairs, N]. A K step lies within one group (BLOCK_K divides GROUP_K)."""
+    row; with INT4, [E, N, K / 8] words of 4-bit values and zero points like the scales; with
+    FP4 too, the values e2m1 codes and no zero points), bias [E, N], c [pairs, N]. A K step
+    lies within one group (BLOCK_K divides GROUP_K)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(total_ptr):
@@ -214,8 +235,12 @@ def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_id
             s = tl.load(scale_ptr + s_at, mask=n_ok, other=0.0)
             if INT4:     # nibble i of word j is input 8 j + i
                 q = (w[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 15
-                w = tl.reshape(q, (BLOCK_K, BLOCK_N)).to(tl.float32) \
-                    - tl.load(zero_ptr + s_at, mask=n_ok, other=0.0)[None, :]
+                q = tl.reshape(q, (BLOCK_K, BLOCK_N))
+                if FP4:
+                    w = _e2m1(q)
+                else:
+                    w = q.to(tl.float32) - tl.load(zero_ptr + s_at, mask=n_ok,
+                                                   other=0.0)[None, :]
             w = w.to(tl.float32) * s[None, :]
         acc = tl.dot(a, w.to(a.dtype), acc)
         a_ptrs += BLOCK_K
@@ -252,13 +277,17 @@ def _tiles(num_pairs: int, num_experts: int) -> tuple[int, int, int, int, int]:
 def _step_k(block_k: int, k: int, scale: torch.Tensor | None, int4: bool) -> tuple[int, int]:
     """(BLOCK_K, GROUP_K) for a weight of k inputs: GROUP_K the inputs a scale covers where the
     tile scales its weight before the dot (groups, or any 4-bit weight), else 0; BLOCK_K then
-    divides it, so a K step lies within one group."""
+    divides it, so a K step lies within one group.
+
+    NOTE: MXFP4's blocks of 32 make K steps of 32 inputs where the tiles take 128 (decode) or
+    64 (prefill): four or two times the loop trips and scale loads (unmeasured); a step over
+    several groups, each scaled on its own, would lift it."""
     group_k = k // scale.shape[2] if scale is not None and (int4 or scale.shape[2] > 1) else 0
     return (math.gcd(block_k, group_k) if group_k else block_k), group_k
 
 
 def _gemm(a, w, scale, zero, bias, c, weights, sorted_ids, expert_ids, total, num_pairs,
-          top_k, mul_weight, tiles):
+          top_k, mul_weight, tiles, fp4=False):
     block_m, block_n, block_k, warps, stages = tiles
     int4 = w.dtype == torch.int32
     n, k = w.shape[1], a.shape[1]
@@ -272,7 +301,7 @@ def _gemm(a, w, scale, zero, bias, c, weights, sorted_ids, expert_ids, total, nu
                            0 if scale is None else scale.stride(1),
                            0 if bias is None else bias.stride(0),
                            TOP_K=top_k, MUL_WEIGHT=mul_weight, HAS_SCALE=scale is not None,
-                           INT4=int4, HAS_BIAS=bias is not None, GROUP_K=group_k,
+                           INT4=int4, FP4=fp4, HAS_BIAS=bias is not None, GROUP_K=group_k,
                            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
                            num_stages=stages)
 
@@ -282,8 +311,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
               w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
               w13_zero: torch.Tensor | None = None, w2_zero: torch.Tensor | None = None,
               w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
-              swiglu: tuple[float, float] | None = None) -> torch.Tensor:
-    """The MoE MLP of x [T, H] (see the module docstring) -> [T, H] in x's dtype."""
+              swiglu: tuple[float, float] | None = None, fp4: bool = False) -> torch.Tensor:
+    """The MoE MLP of x [T, H] (see the module docstring; fp4: the 4-bit words hold MXFP4's
+    e2m1 codes, without zero points) -> [T, H] in x's dtype."""
     from conveyor.kernels.clamped_swiglu import clamped_swiglu
     from conveyor.kernels.silu_and_mul import silu_and_mul
 
@@ -299,9 +329,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     one_byte = w13.dtype in (torch.float8_e4m3fn, torch.int8)
     check(x.dtype in (torch.float16, torch.bfloat16) and w13.dtype == w2.dtype
           and ((one_byte or int4) if quantized else w13.dtype == x.dtype)
-          and (w13_zero is not None) == int4,
+          and (w13_zero is not None) == (int4 and not fp4) and (int4 or not fp4),
           f"x must be fp16 or bf16 and w13, w2 the same, or 1-byte with scales, or 4-bit with "
-          f"scales and zero points: {x.dtype}, {w13.dtype}, {w2.dtype}")
+          f"scales and zero points (fp4: without): {x.dtype}, {w13.dtype}, {w2.dtype}")
     for w, scale, zero, k in ((w13, w13_scale, w13_zero, h), (w2, w2_scale, w2_zero, inter)):
         if not quantized:
             break
@@ -334,12 +364,12 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     weights = topk_weights.reshape(-1).contiguous()
     gate_up = torch.empty((pairs, two_i), dtype=x.dtype, device=x.device)
     _gemm(x, w13, w13_scale, w13_zero, w13_bias, gate_up, weights, sorted_ids, expert_ids,
-          total, pairs, top_k, False, tiles)
+          total, pairs, top_k, False, tiles, fp4)
     if swiglu is None:
         act = silu_and_mul(gate_up)                                  # [pairs, I]
     else:
         act = clamped_swiglu(gate_up, *swiglu)
     down = torch.empty((pairs, h), dtype=x.dtype, device=x.device)
     _gemm(act, w2, w2_scale, w2_zero, w2_bias, down, weights, sorted_ids, expert_ids, total,
-          pairs, 1, True, tiles)
+          pairs, 1, True, tiles, fp4)
     return down.view(t, top_k, h).sum(dim=1, dtype=torch.float32).to(x.dtype)

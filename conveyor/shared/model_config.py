@@ -30,8 +30,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     initializer_range: float = 0.02          # std of random (load_format="dummy") weights
-    # "fp8" / "int8": the checkpoint stores its linear weights in float8 e4m3 / int8 with scales
-    # (config.json's quantization_config; checkpoint_quantization below); None: full precision
+    # "fp8" / "int8": the checkpoint stores its linear weights in float8 e4m3 / int8 with scales;
+    # "awq" / "gptq": 4-bit; "mxfp4": gpt-oss's experts in MXFP4 (config.json's
+    # quantization_config; checkpoint_quantization below); None: full precision
     quantization: str | None = None
     # per layer: how many keys (the query's own included) its attention sees; 0 = all of them
     # (Mistral's sliding_window on every layer; Gemma's on the "sliding_attention" layers)
@@ -112,12 +113,13 @@ def checkpoint_quantization(qc: dict[str, Any] | None) -> str | None:
     GPTQ weights (int4_format), in the formats vLLM calls "fp8"
     (AutoFP8, `quant_method: fp8`) and "compressed-tensors" (llm-compressor's float 8-bit
     weights, or symmetric int 8-bit ones stored as int8: its "int-quantized" W8A8 models, run
-    here as W8A16). gpt-oss's "mxfp4" experts are dequantized to the model dtype as they load
-    (models/gpt_oss.py), so the model runs in full precision: None. Other formats raise
-    ValueError."""
-    if not qc or qc.get("quant_method") == "mxfp4":
+    here as W8A16), and gpt-oss's "mxfp4" experts (kept in 4 bits, models/gpt_oss.py). Other
+    formats raise ValueError."""
+    if not qc:
         return None
     method = qc.get("quant_method")
+    if method == "mxfp4":
+        return method
     if method == "fp8":
         block = qc.get("weight_block_size")
         if block and (len(block) != 2 or block[0] != block[1]):

@@ -144,7 +144,9 @@ def read_model_config(files: ModelFiles) -> ModelConfig:
 
 
 _GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-               "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+               "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
+               "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+               "phi3": "Phi3ForCausalLM"}
 
 
 def gguf_to_hf_config(path: Path) -> dict:
@@ -183,6 +185,10 @@ def gguf_to_hf_config(path: Path) -> dict:
     }
     if arch == "qwen2":
         cfg["attention_bias"] = True
+    if arch in ("gemma2", "gemma3"):
+        cfg.update(_gemma_keys(arch, field, cfg))
+    if arch == "phi3":
+        cfg.update(_phi3_keys(reader, field, cfg))
     experts = field(f"{arch}.expert_count")
     if experts:
         # every layer a mixture of `experts` (stacked blk.N.ffn_*_exps tensors); llama.cpp
@@ -195,6 +201,61 @@ def gguf_to_hf_config(path: Path) -> dict:
                        moe_intermediate_size=field(f"{arch}.expert_feed_forward_length"),
                        norm_topk_prob=bool(field(f"{arch}.expert_weights_norm", True)))
     return cfg
+
+
+# Gemma's 27B models scale attention by (hidden / heads)^-0.5, the others by head_dim^-0.5
+# (query_pre_attn_scalar); llama.cpp tells them apart by their number of layers
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def _gemma_keys(arch: str, field, cfg: dict) -> dict:
+    """Gemma 2 / 3 config keys: what the GGUF carries, and what llama.cpp derives where the
+    format has no key (query_pre_attn_scalar; Gemma 3's sliding-window pattern and local rope
+    base) or assumes where a key is absent (Gemma 2's window and soft-caps)."""
+    big = cfg["num_hidden_layers"] == _GEMMA_27B_LAYERS[arch]
+    keys = {"query_pre_attn_scalar": (cfg["hidden_size"] // cfg["num_attention_heads"] if big
+                                      else cfg["head_dim"])}
+    if arch == "gemma2":        # every other layer slides; llama.cpp's defaults where absent
+        return {**keys, "sliding_window": field(f"{arch}.attention.sliding_window", 4096),
+                "attn_logit_softcapping": field(f"{arch}.attn_logit_softcapping", 50.0),
+                "final_logit_softcapping": field(f"{arch}.final_logit_softcapping", 30.0)}
+    kind = field(f"{arch}.rope.scaling.type")
+    if kind not in (None, "none", "linear"):
+        raise ValueError(f"GGUF {arch}: rope scaling {kind!r} is not supported (linear only)")
+    scaling = ({"rope_type": "linear", "factor": field(f"{arch}.rope.scaling.factor")}
+               if kind == "linear" else None)
+    # five sliding layers for each global one, those at base 10,000 unscaled, as llama.cpp
+    # fixes them; without a window every layer is global
+    return {**keys, "sliding_window": field(f"{arch}.attention.sliding_window") or None,
+            "sliding_window_pattern": 6, "rope_local_base_freq": 10000.0,
+            "rope_scaling": scaling,
+            "final_logit_softcapping": field(f"{arch}.final_logit_softcapping")}
+
+
+def _phi3_keys(reader, field, cfg: dict) -> dict:
+    """Phi-3 config keys: the rotary share of each head, the sliding window (0: none; applied
+    as transformers and a Hugging Face folder apply it, where llama.cpp ignores it), and
+    LongRoPE's factors, which llama.cpp writes as the tensors rope_factors_short /
+    rope_factors_long."""
+    rotary = field("phi3.rope.dimension_count", cfg["head_dim"])
+    keys = {"partial_rotary_factor": rotary / cfg["head_dim"],
+            "sliding_window": field("phi3.attention.sliding_window") or None,
+            "original_max_position_embeddings": field("phi3.rope.scaling.original_context_length")}
+    factors = {t.name.removesuffix(".weight").removeprefix("rope_factors_"): t
+               for t in reader.tensors if t.name.startswith("rope_factors_")}
+    if not factors:
+        return keys
+    if set(factors) != {"short", "long"} or keys["original_max_position_embeddings"] is None:
+        raise ValueError("GGUF phi3: LongRoPE needs rope_factors_short, rope_factors_long and "
+                         "phi3.rope.scaling.original_context_length; the file has "
+                         f"{sorted(factors)} and "
+                         f"{keys['original_max_position_embeddings']!r}")
+    scaling = {"rope_type": "longrope",
+               **{f"{k}_factor": [float(x) for x in t.data] for k, t in factors.items()}}
+    attention = field("phi3.rope.scaling.attn_factor")
+    if attention is not None:
+        scaling["attention_factor"] = float(attention)
+    return {**keys, "rope_scaling": scaling}
 
 
 def fetch_default_model() -> Path:

@@ -8,6 +8,7 @@ so the weights do not depend on the tensor-parallel size: TP=k can be checked ag
 from __future__ import annotations
 
 import hashlib
+import math
 
 import torch
 
@@ -84,14 +85,24 @@ def tensor_seed(seed: int, name: str) -> int:
 
 
 def dummy_weights(config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
-                  seed: int):
+                  seed: int, mxfp4: bool = False):
     """(name, full tensor) for every checkpoint tensor: normal(0, initializer_range) for
     matrices and biases, 1 + normal(0, initializer_range) for norm weights (as the random
-    benchmark models, whose norms are ones, but not all equal)."""
+    benchmark models, whose norms are ones, but not all equal). With mxfp4 (experts that took
+    FusedMoE.make_mxfp4) each expert's projections come as 4-bit words of random e2m1 codes
+    and a scale `weight_scale` a block of 32, the power of two nearest initializer_range / 3
+    (random codes have an RMS of about 3)."""
     device = torch.device(device)
     std = config.initializer_range
     for name, shape in checkpoint_shapes(config).items():
         gen = torch.Generator(device).manual_seed(tensor_seed(seed, name))
+        if mxfp4 and ".mlp.experts." in name and name.endswith("_proj.weight"):
+            rows, k = shape
+            yield name, torch.randint(-2 ** 31, 2 ** 31 - 1, (rows, k // 8), generator=gen,
+                                      dtype=torch.int32, device=device)
+            yield name + "_scale", torch.full((rows, k // 32), 2.0 ** round(math.log2(std / 3)),
+                                              device=device)
+            continue
         w = torch.normal(0.0, std, shape, generator=gen, dtype=dtype, device=device)
         if name.endswith("norm.weight"):
             w.add_(1)

@@ -1,8 +1,9 @@
 """The tensors of a GGUF file under Hugging Face names, in torch layout: llama.cpp's tensor names
-mapped back, its q/k row order undone, and Q8_0 blocks either dequantized or kept as int8 values
-with their scales (the loader, worker/loader.py, decides which). A mixture of experts' stacked
-tensors (blk.N.ffn_gate_exps and the like, [E, out, in]) are dequantized and given as each
-expert's projection.
+mapped back, what its converter changed undone (q/k row order of "llama" models, Gemma's norms
+stored as 1 + w), and Q8_0 blocks either dequantized or kept as int8 values with their scales
+(the loader, worker/loader.py, decides which). A mixture of experts' stacked tensors
+(blk.N.ffn_gate_exps and the like, [E, out, in]) are dequantized and given as each expert's
+projection. Phi-3's fused attn_qkv and ffn_up (gate and up) keep Hugging Face's fused names.
 """
 from __future__ import annotations
 
@@ -33,6 +34,17 @@ _GGUF_LAYER = {
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate_inp": "mlp.gate",                  # a mixture of experts' router
 }
+# where an architecture's GGUF names stand for other modules than llama's
+_GEMMA_LAYER = {"post_attention_norm": "post_attention_layernorm",
+                "ffn_norm": "pre_feedforward_layernorm",
+                "post_ffw_norm": "post_feedforward_layernorm"}
+_ARCH_LAYER = {"gemma2": _GEMMA_LAYER, "gemma3": _GEMMA_LAYER,
+               "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
+# NOTE: llama.cpp multiplies by a norm's weight where Gemma multiplies by 1 + weight: its
+# converter stores 1 + w for every Gemma norm (Hugging Face names ending "norm.weight")
+_NORM_PLUS_ONE = ("gemma2", "gemma3")
+# LongRoPE's factors (in the config, shared/model_files.py) and llama 3's recomputed scaling
+_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 # a mixture's experts, stacked [E, out, in]: loaded as each expert's projection
 _GGUF_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
                  "ffn_down_exps": "down_proj"}
@@ -49,14 +61,16 @@ def expert_names(tensor) -> list[str] | None:
             for e in range(len(tensor.data))]
 
 
-def gguf_to_hf_name(name: str) -> str | None:
-    """The Hugging Face name of a GGUF tensor, or None if it has none."""
+def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
+    """The Hugging Face name of a GGUF tensor of a model of GGUF architecture `arch`, or None if
+    it has none."""
     if name in _GGUF_GLOBAL:
         return _GGUF_GLOBAL[name]
     m = _GGUF_LAYER_NAME.fullmatch(name)
-    if m is None or m.group(2) not in _GGUF_LAYER:
+    layer = {**_GGUF_LAYER, **_ARCH_LAYER.get(arch, {})}
+    if m is None or m.group(2) not in layer:
         return None
-    return f"model.layers.{m.group(1)}.{_GGUF_LAYER[m.group(2)]}.{m.group(3)}"
+    return f"model.layers.{m.group(1)}.{layer[m.group(2)]}.{m.group(3)}"
 
 
 def _unpermute_rotary(w: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -94,15 +108,17 @@ def gguf_weights(reader, int8_names: set[str] = frozenset()
             stacked = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
             yield from zip(experts, torch.from_numpy(stacked.copy()))
             continue
-        name = gguf_to_hf_name(tensor.name)
+        name = gguf_to_hf_name(tensor.name, arch)
         if name is None:
-            if tensor.name == "rope_freqs.weight":   # llama3 scaling, recomputed from the config
+            if tensor.name in _ROPE_TENSORS:
                 continue
             name = f"<gguf>{tensor.name}"            # reported as unexpected
         if name in int8_names:
             out = dict(zip((name, name + "_scale"), q8_0_blocks(tensor.data)))
         else:
             array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            if arch in _NORM_PLUS_ONE and name.endswith("norm.weight"):
+                array = array - 1
             out = {name: torch.from_numpy(array if array.flags.writeable else array.copy())}
         for key, w in out.items():
             for module, n in permuted.items():

@@ -13,13 +13,15 @@ are then loaded as they are (int8 with one scale per 32 values) instead of dequa
 are a quantized checkpoint's 1-byte weights (config.quantization "fp8" or "int8"; MoE experts'
 too), with their per-tensor or per-channel `weight_scale` as one scale per row, or square block
 scales as one per row and block of inputs; static `input_scale`s are not
-used (fp8 activations are quantized per token as they come; int8 runs W8A16). Per-layer KV
+used (fp8 activations are quantized per token as they come; int8 runs W8A16). gpt-oss's MXFP4
+experts stay in 4 bits (`_take_mxfp4`). Per-layer KV
 cache scales (`self_attn.k_scale` / `v_scale`, or AutoFP8's `k_proj` / `v_proj.output_scale`)
 become `model.checkpoint_kv_scales`, which an fp8 KV pool uses instead of calibrating. A pipeline
 stage loads only the tensors of the modules it holds (layers/pipeline.py).
 """
 from __future__ import annotations
 
+import logging
 import math
 import re
 from collections.abc import Iterator
@@ -38,6 +40,7 @@ from conveyor.worker.layers.quantization import Q8_0_GROUP, keep_matches, quanti
 from conveyor.worker.models import get_model_class
 
 Weights = Iterator[tuple[str, torch.Tensor]]
+log = logging.getLogger("conveyor.quantization")
 
 
 def load_model(config: ModelConfig, files: ModelFiles, dtype: torch.dtype,
@@ -61,10 +64,11 @@ def load_model(config: ModelConfig, files: ModelFiles, dtype: torch.dtype,
         load_weights(model, _below_layer(weights, config.num_hidden_layers)
                      if first_layers else weights)
 
+    mxfp4 = config.quantization == "mxfp4" and _take_mxfp4(model)
     if load_format == "dummy":
         from conveyor.worker.dummy_weights import dummy_weights
 
-        fill(dummy_weights(config, dtype, device, seed))
+        fill(dummy_weights(config, dtype, device, seed, mxfp4))
     elif files.is_gguf:
         from conveyor.shared.gguf_reader import open_gguf
 
@@ -73,13 +77,18 @@ def load_model(config: ModelConfig, files: ModelFiles, dtype: torch.dtype,
         fill(gguf_weights(reader, int8_names))
     elif config.quantization in ("awq", "gptq"):
         fill(_take_int4(model, files.path, config, device))
+    elif config.quantization == "mxfp4":
+        fill(safetensors_weights(files.path))       # models/gpt_oss.py converts the experts
     else:
         block = _block_size(config)
         rows = _take_quantized(model, files.path, config.quantization, block)
         kv_scales: dict[tuple[int, str], float] = {}
         fill(_with_scales(safetensors_weights(files.path), rows, kv_scales, block))
         model.checkpoint_kv_scales = _per_layer(kv_scales, config.num_hidden_layers)
-    from_checkpoint = config.quantization is not None and load_format != "dummy"
+    # dummy weights are drawn in full precision and quantized in the checkpoint's mode, but
+    # MXFP4's experts are drawn as bytes (dummy_weights.py), the rest kept as the checkpoint's
+    from_checkpoint = config.quantization is not None and (load_format != "dummy"
+                                                           or config.quantization == "mxfp4")
     model.quant_report = quantize_model(model, quantization, keep, device, from_checkpoint)
     return model.eval()
 
@@ -172,6 +181,26 @@ def _take_int4(model: nn.Module, folder: Path, config: ModelConfig,
     return weights
 
 
+def _take_mxfp4(model: nn.Module) -> bool:
+    """For gpt-oss's MXFP4 checkpoint: make the experts take 4-bit words and block scales
+    (FusedMoE.make_mxfp4), if this rank's share of each is whole blocks of 32 inputs; else
+    they stay in the model dtype, the blocks dequantized as they load (gpt-oss-120b's and
+    -20b's intermediate size 2880 at TP 4 and 8: 720 and 360), which the log and the
+    report's "kept" say. Returns whether they take them."""
+    from conveyor.worker.mxfp4_checkpoint import BLOCK
+
+    experts = {name: m for name, m in model.named_modules() if isinstance(m, FusedMoE)}
+    if not all(m.whole_groups(BLOCK, 8) for m in experts.values()):
+        inter = next(iter(experts.values())).inter
+        log.warning("MXFP4 experts dequantized to the model dtype: their intermediate size "
+                    "on this rank (%d) is not whole blocks of %d (use a tensor-parallel size "
+                    "that splits it so, e.g. 2 for gpt-oss)", inter, BLOCK)
+        return False
+    for m in experts.values():
+        m.make_mxfp4()
+    return bool(experts)
+
+
 def _by_module(model: nn.Module, flags: dict[str, bool]
                ) -> dict[str, tuple[nn.Module | None, dict[str, bool]]]:
     """Checkpoint weights grouped by the module of ours they load into (q/k/v into qkv_proj):
@@ -237,9 +266,10 @@ def _keep_q8_0(model: nn.Module, reader, keep: tuple[re.Pattern, ...]) -> set[st
     left as they are); returns the checkpoint names to load without dequantizing."""
     import gguf
 
+    arch = reader.fields["general.architecture"].contents()
     is_q8_0 = {}                              # checkpoint weight name -> stored as Q8_0
     for tensor in reader.tensors:
-        for name in expert_names(tensor) or [gguf_to_hf_name(tensor.name)]:
+        for name in expert_names(tensor) or [gguf_to_hf_name(tensor.name, arch)]:
             if name is not None and name.endswith(".weight"):
                 is_q8_0[name] = tensor.tensor_type == gguf.GGMLQuantizationType.Q8_0
     names = set()

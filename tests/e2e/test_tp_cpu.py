@@ -7,6 +7,7 @@ far below the gaps between a random model's top tokens, so the tokens must be eq
 """
 import pytest
 from models_util import make_tiny_model
+from mxfp4_util import make_mxfp4_gpt_oss
 from serve_util import assert_top5_close, served_outputs
 
 from conveyor import LLM, SamplingParams
@@ -90,5 +91,18 @@ def test_new_families_at_tp2_match_tp1(tmp_path, arch):
     sharded, gpt-oss's sinks split with the heads and its experts' down bias added on one rank:
     TP=2 gives TP=1's tokens."""
     path = str(make_tiny_model(arch, tmp_path / arch, max_position_embeddings=512))
+    reference = tp1_tokens(path)
+    assert served_tokens(path, 2) == reference
+
+
+@pytest.mark.parametrize("inter", [64, 32])
+def test_gpt_oss_mxfp4_at_tp2_matches_tp1(tmp_path, inter):
+    """gpt-oss's MXFP4 checkpoint at TP=2: its experts kept in 4 bits where each rank's share
+    of the intermediate size is whole blocks of 32 (64: one block a rank), dequantized as they
+    load where it is not (32: 16 a rank); TP=2 gives TP=1's tokens either way."""
+    src = make_tiny_model("gpt-oss", tmp_path / "src", max_position_embeddings=512,
+                          intermediate_size=inter)
+    make_mxfp4_gpt_oss(src, tmp_path / "mxfp4")
+    path = str(tmp_path / "mxfp4")
     reference = tp1_tokens(path)
     assert served_tokens(path, 2) == reference

@@ -1,7 +1,9 @@
 """The fused-MoE Triton path (align, two grouped GEMMs) against the torch reference, on odd
 shapes: hidden and intermediate sizes off the tiles, experts with no tokens, decode-sized and
 prefill-sized batches (each tile class: 1-8, 9-32 and more rows an expert), top-k 1, 2 and 8,
-bf16 and fp16; and gpt-oss's experts (biases, the clamped SwiGLU)."""
+bf16 and fp16; and gpt-oss's experts (biases, the clamped SwiGLU; MXFP4 weights)."""
+import math
+
 import pytest
 import torch
 
@@ -204,6 +206,43 @@ def test_fused_moe_int4_experts(t, h, inter, group, device):
                          torch.bfloat16)
     want = fused_moe_ref(x.float(), w13, w2, weights.float(), ids, s13, s2, z13, z2)
     got = fused_moe(x, w13, w2, weights, ids, None, s13, s2, z13, z2)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("t,h,inter,experts,top_k", [(1, 96, 64, 4, 2), (21, 160, 96, 7, 3),
+                                                     (300, 224, 160, 5, 4)])
+@pytest.mark.parametrize("gpt_oss", [False, True])
+def test_fused_moe_mxfp4_experts(t, h, inter, experts, top_k, gpt_oss, device):
+    """MXFP4 experts (gpt-oss's checkpoints, worker/mxfp4_checkpoint.py's mxfp4_words): random
+    bytes, so every e2m1 code, with block exponents 8x apart, so a scale applied to the wrong
+    block shows; each K step's codes decoded in the tile, at each tile class; with gpt-oss's
+    biases and clamped SwiGLU, and without. The reference dequantizes first."""
+    from conveyor.worker.mxfp4_checkpoint import mxfp4_words
+
+    gen = torch.Generator(device=device).manual_seed(t + h + gpt_oss)
+    x = torch.randn(t, h, device=device, generator=gen).to(torch.bfloat16)
+
+    def mxfp4(n, k):
+        blocks = torch.randint(0, 256, (experts, n, k // 32, 16), device=device, generator=gen,
+                               dtype=torch.uint8)
+        # values of RMS about 3, so a row's sum is about 1 for exponents near 1 / (3 sqrt(k))
+        exponent = 127 - round(math.log2(3 * k ** 0.5)) + torch.randint(
+            -2, 2, (experts, n, k // 32), device=device, generator=gen)
+        return mxfp4_words(blocks, exponent.to(torch.uint8))
+
+    (w13, s13), (w2, s2) = mxfp4(2 * inter, h), mxfp4(h, inter)
+    extra = {}
+    if gpt_oss:
+        extra = dict(w13_bias=torch.randn(experts, 2 * inter, device=device,
+                                          generator=gen).bfloat16(),
+                     w2_bias=torch.randn(experts, h, device=device, generator=gen).bfloat16(),
+                     swiglu=(1.702, 0.7))
+    weights, ids = route(torch.randn(t, experts, device=device, generator=gen), top_k, True,
+                         torch.bfloat16, softmax_after_topk=gpt_oss)
+    want = fused_moe_ref(x.float(), w13, w2, weights.float(), ids, s13, s2,
+                         **_floats(extra), fp4=True)
+    got = fused_moe(x, w13, w2, weights, ids, None, s13, s2, **extra, fp4=True)
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
 
 

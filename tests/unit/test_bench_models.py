@@ -32,17 +32,29 @@ def test_qwen3_30b_a3b_shape_has_its_published_size():
     assert 3.2e9 < active < 3.4e9
 
 
+def test_gpt_oss_shapes_have_their_published_sizes():
+    """gpt-oss-20b: 20.9 B parameters, gpt-oss-120b: 116.8 B (OpenAI's model card)."""
+    from benchmarks.models import checkpoint_bytes
+
+    assert 20.8e9 < checkpoint_bytes("gpt-oss-20b") / 2 < 21.0e9
+    assert 116.7e9 < checkpoint_bytes("gpt-oss-120b") / 2 < 116.9e9
+
+
 def test_random_quantized_checkpoints_load_and_run(tmp_path):
-    """benchmarks' random 4-bit and block-scaled fp8 checkpoints (shortened qwen3-0.6b and
-    qwen3-30b-a3b shapes) load through the published-format path and generate."""
+    """benchmarks' random 4-bit and block-scaled fp8 checkpoints (shortened qwen3-0.6b,
+    qwen3-30b-a3b and gpt-oss-20b shapes) load through the published-format path and
+    generate."""
     from benchmarks.models import build_random_quantized
     from conveyor import LLM, SamplingParams
 
     small = dict(num_hidden_layers=1, vocab_size=512)
     moe = dict(small, hidden_size=256, moe_intermediate_size=128, num_experts=4,
                num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2)
+    gpt_oss = dict(small, hidden_size=64, intermediate_size=96, num_local_experts=4,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     for shape, fmt, extra in (("qwen3-0.6b", "awq", small), ("qwen3-0.6b", "gptq", small),
-                              ("qwen3-30b-a3b", "fp8", moe), ("qwen3-30b-a3b", "awq", moe)):
+                              ("qwen3-30b-a3b", "fp8", moe), ("qwen3-30b-a3b", "awq", moe),
+                              ("gpt-oss-20b", "mxfp4", gpt_oss)):
         path = build_random_quantized(shape, fmt, tmp_path / f"{shape}-{fmt}", **extra)
         llm = LLM(model=str(path), device="cpu", skip_tokenizer_init=True,
                   kv_cache_memory_bytes=16 << 20, max_model_len=64)

@@ -19,7 +19,7 @@ SiLU-and-mul, and a softmax over the top K logits (`softmax_after_topk`).
 Checkpoint tensors `experts.{e}.gate_proj|up_proj|down_proj.weight` (and `.bias`) load through
 the shard ids (e, 0), (e, 1) and (e, 2) (loader.py maps the names; `expected_shards` lists them
 all), and a quantized checkpoint's scales (and 4-bit zero points) beside them the same way
-(`make_quantized`, `make_int4`).
+(`make_quantized`, `make_int4`, `make_mxfp4`).
 """
 from __future__ import annotations
 
@@ -66,6 +66,7 @@ class FusedMoE(nn.Module):
         # zero points beside the scales (W = (q - zero) * scale, kernels/w4a16_gemm.py's layout)
         self.register_parameter("w13_zero", None)
         self.register_parameter("w2_zero", None)
+        self.fp4 = False            # the words hold MXFP4's e2m1 codes (no zero points)
 
     def _expect(self, w13: nn.Parameter, w2: nn.Parameter) -> None:
         for param, parts in ((w13, (0, 1)), (w2, (2,))):
@@ -86,7 +87,17 @@ class FusedMoE(nn.Module):
         if act_order:
             raise ValueError("GPTQ act-order (desc_act) experts are not supported: their "
                              "inputs' order differs from expert to expert")
-        self._make(torch.int32, group, 8, "groups")
+        self._make(torch.int32, group, 8, "groups", zeros=True)
+
+    def make_mxfp4(self) -> None:
+        """Load gpt-oss's MXFP4 experts in 4 bits (worker/mxfp4_checkpoint.py's mxfp4_words):
+        int32 words of 8 e2m1 codes [E, rows, inputs / 8] and float32 scales, powers of two,
+        [E, rows, inputs / 32]; W = e2m1(q) * scale. This rank's inputs must be whole blocks
+        of 32 (`whole_groups(32, 8)`)."""
+        from conveyor.worker.mxfp4_checkpoint import BLOCK
+
+        self._make(torch.int32, BLOCK, 8, "MXFP4 blocks")
+        self.fp4 = True
 
     def whole_groups(self, group: int, per_word: int = 1) -> bool:
         """Whether this rank's experts' inputs split into whole groups of `group` (0: one a
@@ -94,7 +105,8 @@ class FusedMoE(nn.Module):
         h = self.w13.shape[2]
         return not ((group and (h % group or self.inter % group)) or self.inter % per_word)
 
-    def _make(self, dtype: torch.dtype, group: int, per_word: int, what: str) -> None:
+    def _make(self, dtype: torch.dtype, group: int, per_word: int, what: str,
+              zeros: bool = False) -> None:
         e, two_i, h = self.w13.shape
         if not self.whole_groups(group, per_word):
             raise ValueError(f"experts of {h} inputs and {self.inter} intermediate rows on "
@@ -111,7 +123,7 @@ class FusedMoE(nn.Module):
         self.w2_scale = param((e, h, self.inter // group if group else 1))
         self._expect(self.w13, self.w2)
         self._expect(self.w13_scale, self.w2_scale)
-        if dtype == torch.int32:
+        if zeros:
             self.w13_zero, self.w2_zero = param(self.w13_scale.shape), param(self.w2_scale.shape)
             self._expect(self.w13_zero, self.w2_zero)
 
@@ -157,7 +169,7 @@ class FusedMoE(nn.Module):
         scales = (self.w13_scale, self.w2_scale, self.w13_zero, self.w2_zero)
         # the down bias joins one rank's partial sums only: the reduction adds it once
         extra = dict(w13_bias=self.w13_bias, w2_bias=self.w2_bias if tp_rank() == 0 else None,
-                     swiglu=self.swiglu)
+                     swiglu=self.swiglu, fp4=self.fp4)
         if x.is_cuda and triton_available() and x.dtype != torch.float32:
             return fused_moe(x, self.w13, self.w2, weights, ids, None, *scales, **extra)
         return fused_moe_ref(x, self.w13, self.w2, weights, ids, *scales, **extra)

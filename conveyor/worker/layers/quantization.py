@@ -57,7 +57,8 @@ def quantizable(module: nn.Module) -> bool:
 @dataclass
 class QuantReport:
     """What load-time quantization did, for the log line and LLM.quantization_report."""
-    mode: str                                   # "int8" | "fp8" | "awq" | "gptq" (checkpoints)
+    # "int8" | "fp8", or a checkpoint's: "fp8" | "int8" | "awq" | "gptq" | "mxfp4"
+    mode: str
     dtype: str                                  # the model's (activation) dtype
     quantized: list[str] = field(default_factory=list)     # per-row scales, quantized here
     # loaded quantized: GGUF Q8_0 blocks kept in int8, or a quantized checkpoint's layers
@@ -95,7 +96,8 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def resolve_mode(requested: str | None, checkpoint: str | None) -> str | None:
     """The quantization to run: --quantization, or the checkpoint's own (an fp8 checkpoint
-    loads as fp8; asking for another mode is an error)."""
+    loads as fp8, an AWQ, GPTQ or MXFP4 one in 4 bits; asking for another mode is an
+    error)."""
     if checkpoint is None or requested in (None, checkpoint):
         return checkpoint or requested
     raise ValueError(f"the checkpoint is already quantized ({checkpoint}): leave quantization "
