@@ -12,6 +12,8 @@ returns the prompt alone (one token is computed and left out).
 """
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
 from conveyor.frontend.tools import history_tool_calls
@@ -112,6 +114,8 @@ class ChatRequest(_Common, kw_only=True):
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, str | int | float | bool | None] | None = None
+    # OpenAI's, as gpt-oss's template reads it; refused where the template does not
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
 
 
 def decode_request(body: bytes, kind: type):

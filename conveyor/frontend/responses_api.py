@@ -4,7 +4,8 @@ response object of output items (a reasoning item, a message, function calls) or
 the API's typed events.
 
 Nothing is stored: `store: true`, `previous_response_id` and `background` are refused, as are
-the fields the engine does not honour (`reasoning`, `include`, tools other than functions,
+the fields the engine does not honour (`reasoning` but its `effort`, which goes to the chat
+template as chat's `reasoning_effort` does, `include`, tools other than functions,
 `truncation: "auto"`): each a 400 naming it. The conversation goes in `input`: messages (roles
 user, assistant, system, developer; text parts), an assistant's `function_call` items and their
 `function_call_output`s, and `reasoning` items (given to the next assistant message, as chat's
@@ -69,9 +70,14 @@ def chat_request(req: ResponsesRequest) -> oai.ChatRequest:
                      ("include", "no extra output is made")):
         if getattr(req, key):
             raise ValueError(f"{key} is not supported: {why}")
-    if req.reasoning and any(v is not None for v in req.reasoning.values()):
-        raise ValueError("reasoning is not supported (the model reasons as its chat template "
-                         "and --reasoning-parser say)")
+    reasoning = dict(req.reasoning or {})
+    effort = reasoning.pop("effort", None)
+    if effort not in (None, "low", "medium", "high"):
+        raise ValueError(f'reasoning.effort must be "low", "medium" or "high", got {effort!r}')
+    if any(v is not None for v in reasoning.values()):
+        raise ValueError(f"reasoning.{next(k for k, v in reasoning.items() if v is not None)} "
+                         f"is not supported (only reasoning.effort, where the chat template "
+                         f"reads it)")
     if req.truncation not in (None, "disabled"):
         raise ValueError('truncation "auto" is not supported (a prompt too long is a 400)')
     fmt = req.text.format if req.text is not None and req.text.format is not None else None
@@ -90,7 +96,7 @@ def chat_request(req: ResponsesRequest) -> oai.ChatRequest:
         stream=req.stream, tools=[_tool(i, t) for i, t in enumerate(req.tools or ())] or None,
         tool_choice=_tool_choice(req.tool_choice), parallel_tool_calls=req.parallel_tool_calls,
         response_format=response_format, user=req.user,
-        chat_template_kwargs=req.chat_template_kwargs)
+        chat_template_kwargs=req.chat_template_kwargs, reasoning_effort=effort)
 
 
 def _messages(req: ResponsesRequest) -> list[dict]:

@@ -31,7 +31,7 @@ from conveyor.frontend.http import ApiError, Run, error_response
 from conveyor.frontend.openai_responses import ChatShape, CompletionShape
 from conveyor.frontend.reasoning import REASONING_PARSERS
 from conveyor.frontend.responses_api import ResponsesRequest, ResponsesShape, chat_request
-from conveyor.frontend.tokenizer import apply_chat_template, check_token_ids
+from conveyor.frontend.tokenizer import apply_chat_template, check_token_ids, template_reads
 from conveyor.frontend.tools import constrain, constraint_schema, tool_mode
 from conveyor.shared.messages.client import GenerateRequest
 from conveyor.shared.request_options import RequestOptions
@@ -163,11 +163,21 @@ class Routes:
                 # the reader needs the format's markers; none of them reaches the client
                 params = msgspec.structs.replace(params, skip_special_tokens=False)
             gen = GenerateRequest(id="0", messages=oai.chat_messages(req), tools=req.tools,
-                                  chat_template_kwargs=req.chat_template_kwargs,
+                                  chat_template_kwargs=self._template_kwargs(req),
                                   sampling=params, stream=req.stream,
                                   options=self.options(request, req, model))
         reads = tools.choice != "none" or self.reasoning is not None
         return gen, (lambda: ChatReader(self.reasoning, tools)) if reads else None
+
+    def _template_kwargs(self, req: oai.ChatRequest) -> dict | None:
+        """The chat template's variables: chat_template_kwargs, and reasoning_effort where the
+        model's template reads it (gpt-oss's); ValueError where it does not."""
+        if req.reasoning_effort is None:
+            return req.chat_template_kwargs
+        if not template_reads(self.core.tokenizer, "reasoning_effort"):
+            raise ValueError("reasoning_effort is not supported: this model's chat template "
+                             "does not read it")
+        return {"reasoning_effort": req.reasoning_effort, **(req.chat_template_kwargs or {})}
 
     async def _respond(self, request: Request, gens: list[GenerateRequest], shape, req):
         usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -75,6 +75,15 @@ def check_token_ids(token_ids: list[int], vocab_size: int, what: str = "prompt t
         raise ValueError(f"{what} out of the vocabulary [0, {vocab_size}): {bad[:5]}")
 
 
+def template_reads(tokenizer, variable: str) -> bool:
+    """Whether the model's chat template mentions `variable` (a request may set only what the
+    template would read)."""
+    template = tokenizer.chat_template if tokenizer is not None else None
+    if isinstance(template, dict):            # named templates: any of them
+        template = " ".join(template.values())
+    return bool(template) and variable in template
+
+
 def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
                         tools: list[dict] | None = None, **kwargs) -> list[int]:
     """The prompt's token ids; `tools` and `kwargs` (chat_template_kwargs such as

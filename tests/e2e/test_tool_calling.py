@@ -329,7 +329,9 @@ def test_responses_call_functions_streamed_or_not(oai, choice):
     ({"store": True}, "store is not supported"),
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type 'web_search'"),
-    ({"reasoning": {"effort": "high"}}, "reasoning is not supported"),
+    ({"reasoning": {"effort": "high"}}, "reasoning_effort is not supported"),   # its template
+    ({"reasoning": {"effort": "max"}}, "reasoning.effort must be"),
+    ({"reasoning": {"summary": "auto"}}, "reasoning.summary is not supported"),
     ({"input": [{"type": "image", "image_url": "x"}]}, "input[0].type 'image'"),
     ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "only text parts"),
     ({"text": {"format": {"type": "xml"}}}, "text.format.type"),

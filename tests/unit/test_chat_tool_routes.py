@@ -10,6 +10,7 @@ from fastapi.testclient import TestClient
 
 from conveyor.frontend import openai_protocol as oai
 from conveyor.frontend.core import READY, FrontendCore
+from conveyor.frontend.http import ApiError
 from conveyor.frontend.routes import Routes, build_app
 from conveyor.frontend.tokenizer import load_tokenizer
 from conveyor.shared.messages import through_wire
@@ -84,3 +85,23 @@ def test_harmony_chats_keep_their_special_tokens_and_thinking_reaches_the_templa
     _, ids, _ = core2.preparer.prepare(GenerateRequest(id="a", messages=oai.chat_messages(req)),
                                        fit_context=False)
     assert "assistant:Greet back.|Hello;" in tok2.decode(ids)
+
+
+def test_reasoning_effort_reaches_a_template_that_reads_it_and_is_refused_elsewhere(tok):
+    """OpenAI's reasoning_effort is a variable of gpt-oss's template; with a template that does
+    not read it the request is a 400 naming it (the field would do nothing)."""
+    req = msgspec.convert({"messages": [{"role": "user", "content": "Hi"}],
+                           "reasoning_effort": "low"}, oai.ChatRequest)
+    core = FrontendCore(tok, len(tok), 2048, "f-", lambda m: None, state=READY)
+    with pytest.raises(ApiError, match="reasoning_effort is not supported"):
+        Routes(core, ("m",), 4)._chat(None, req, "m")
+    reads = load_tokenizer(resolve_model(None))
+    reads.chat_template = ("Reasoning: {{ reasoning_effort | default('medium') }}|"
+                           "{% for m in messages %}{{ m.content }}{% endfor %}")
+    core = FrontendCore(reads, len(reads), 2048, "f-", lambda m: None, state=READY)
+    gen = Routes(core, ("m",), 4)._chat(None, req, "m")[0]
+    assert gen.chat_template_kwargs == {"reasoning_effort": "low"}
+    _, ids, _ = core.preparer.prepare(gen, fit_context=False)
+    assert reads.decode(ids) == "Reasoning: low|Hi"
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert({"messages": [], "reasoning_effort": "max"}, oai.ChatRequest)
