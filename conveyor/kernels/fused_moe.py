@@ -25,8 +25,9 @@ activations stay in x's dtype (W8A16 math). 4-bit experts (an AWQ or GPTQ checkp
 w2 int32 words of 8 values along K (kernels/w4a16_gemm.py's layout) with scales and zero points
 [E, rows, G]; each K step's words are unpacked into the tile and dequantized, (q - zero) *
 scale, before its dot (W4A16). MXFP4 experts (gpt-oss's checkpoints, `fp4`): the same words
-holding float4 e2m1 codes, no zero points, one scale a row and block of 32 inputs; each nibble
-becomes its e2m1 value, times its block's scale.
+holding float4 e2m1 codes, no zero points, and the checkpoint's uint8 e8m0 scales [E, rows,
+K / 32], one a row and block of 32 inputs; each nibble becomes its e2m1 value, times its block's
+2^(s - 127), both built as float32 bits in the tile.
 """
 from __future__ import annotations
 
@@ -92,8 +93,9 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 def dequantize_experts(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
                        dtype: torch.dtype, fp4: bool = False) -> torch.Tensor:
     """w [E, N, K] 1-byte, or [E, N, K / 8] int32 words of 4-bit values with zero points (with
-    fp4: of e2m1 codes, no zero points); scale (and zero) [E, N, G], a row's G groups of K / G
-    inputs -> W [E, N, K] in dtype. An fp4 value times its scale is rounded to dtype once, as
+    fp4: of e2m1 codes, no zero points, the scales uint8 e8m0 bytes); scale (and zero)
+    [E, N, G], a row's G groups of K / G inputs -> W [E, N, K] in dtype. An fp4 value times its
+    scale is exact in float32 (see _e8m0_half) and rounded to dtype once, as
     mxfp4_checkpoint.dequantize_mxfp4 (transformers) rounds it: the same bits."""
     from conveyor.kernels.w4a16_gemm import unpack_int4
 
@@ -101,8 +103,10 @@ def dequantize_experts(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor 
     g = scale.shape[2]
     if w.dtype == torch.int32:
         q = unpack_int4(w.reshape(e * n, -1))
-        if fp4:
-            q = torch.tensor(E2M1, device=w.device)[q.long()].view(e, n, g, -1)
+        if fp4:             # as the tiles decode them: 2 e2m1(q) times 2^(s - 128)
+            q = 2 * torch.tensor(E2M1, device=w.device)[q.long()].view(e, n, g, -1)
+            s = scale.to(torch.int32)
+            scale = torch.where(s < 2, (s + 1) << 21, (s - 1) << 23).view(torch.float32)
         else:
             q = q.float().view(e, n, g, -1) - zero[..., None]
     else:
@@ -181,13 +185,24 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int
 
 
 @jit
-def _e2m1(q):
-    """float4 e2m1 codes (int32, 0..15) -> their float32 values, built as bits (no I2F): code
-    exponent e > 0 and mantissa m make the float 2^(e - 1) (1 + m / 2), exponent field e + 126
-    and m the top mantissa bit; e = 0 is 0 or 0.5 (m); bit 3 the sign."""
+def _e2m1_x2(q):
+    """float4 e2m1 codes (int32, 0..15) -> twice their values in float32 (see _e8m0_half),
+    built as bits (no I2F): code exponent e > 0 and mantissa m make 2^e (1 + m / 2), exponent
+    field e + 127 and m the top mantissa bit; e = 0 is 0 or 1 (m); bit 3 the sign."""
     v = q & 7
-    bits = tl.where(v >= 2, (v << 22) + (126 << 23), tl.where(v == 1, 126 << 23, 0))
+    bits = tl.where(v >= 2, (v << 22) + (127 << 23), tl.where(v == 1, 127 << 23, 0))
     return (bits | ((q & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@jit
+def _e8m0_half(s):
+    """MXFP4 scale bytes (int32, 0..255) -> 2^(s - 128) in float32, built as bits: exponent
+    field s - 1, or for s = 1 and 0 the subnormals 2^-127 and 2^-128.
+
+    NOTE: half the scale, against _e2m1_x2's doubled values, so that e2m1 * 2^(s - 127) is one
+    exact float32 product for every byte: s = 255 too, whose 2^128 is past float32's range; as
+    with transformers' ldexp, its 0 stays 0, its 0.5 gives 2^127 and the rest overflow to inf."""
+    return tl.where(s < 2, (s + 1) << 21, (s - 1) << 23).to(tl.float32, bitcast=True)
 
 
 @jit(do_not_specialize=["num_pairs"])
@@ -202,8 +217,8 @@ def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_id
     pair's router weight), for the pairs of one tile of sorted_ids; a [rows, K], w [E, N, K]
     (1-byte with HAS_SCALE, times scale [E, N, G]: GROUP_K = K / G inputs a scale, 0 for one a
     row; with INT4, [E, N, K / 8] words of 4-bit values and zero points like the scales; with
-    FP4 too, the values e2m1 codes and no zero points), bias [E, N], c [pairs, N]. A K step
-    lies within one group (BLOCK_K divides GROUP_K)."""
+    FP4 too, the values e2m1 codes, the scales e8m0 bytes and no zero points), bias [E, N],
+    c [pairs, N]. A K step lies within one group (BLOCK_K divides GROUP_K)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(total_ptr):
@@ -232,12 +247,13 @@ def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_id
         w = tl.load(w_ptrs, mask=w_ok[:, None] & n_ok[None, :], other=0.0)
         if GROUP_K:
             s_at = expert * stride_se + offs_n * stride_sn + k0 // GROUP_K
-            s = tl.load(scale_ptr + s_at, mask=n_ok, other=0.0)
+            s = tl.load(scale_ptr + s_at, mask=n_ok, other=0)
             if INT4:     # nibble i of word j is input 8 j + i
                 q = (w[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 15
                 q = tl.reshape(q, (BLOCK_K, BLOCK_N))
-                if FP4:
-                    w = _e2m1(q)
+                if FP4:     # e2m1(q) 2^(s - 127), exactly: 2 e2m1(q) times 2^(s - 128)
+                    w = _e2m1_x2(q)
+                    s = _e8m0_half(s.to(tl.int32))
                 else:
                     w = q.to(tl.float32) - tl.load(zero_ptr + s_at, mask=n_ok,
                                                    other=0.0)[None, :]
@@ -313,7 +329,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
               w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
               swiglu: tuple[float, float] | None = None, fp4: bool = False) -> torch.Tensor:
     """The MoE MLP of x [T, H] (see the module docstring; fp4: the 4-bit words hold MXFP4's
-    e2m1 codes, without zero points) -> [T, H] in x's dtype."""
+    e2m1 codes, without zero points, and the scales its e8m0 bytes) -> [T, H] in x's dtype."""
     from conveyor.kernels.clamped_swiglu import clamped_swiglu
     from conveyor.kernels.silu_and_mul import silu_and_mul
 
@@ -336,11 +352,12 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         if not quantized:
             break
         check(scale.dim() == 3 and scale.shape[:2] == w.shape[:2] and k % scale.shape[2] == 0
-              and scale.dtype == torch.float32 and scale.is_contiguous()
+              and scale.dtype == (torch.uint8 if fp4 else torch.float32)
+              and scale.is_contiguous()
               and (zero is None or (zero.shape == scale.shape and zero.dtype == torch.float32
                                     and zero.is_contiguous())),
-              "scales (and 4-bit zero points) must be float32 [E, rows, G], G dividing the "
-              "inputs")
+              "scales (and 4-bit zero points) must be float32 [E, rows, G] (fp4: uint8 e8m0 "
+              "bytes), G dividing the inputs")
         group_k = _step_k(16, k, scale, int4)[1]
         check(group_k % 16 == 0, f"groups of inputs must be whole steps of 16 inputs: {k} "
                                  f"inputs, {scale.shape[2]} groups")

@@ -90,8 +90,8 @@ def dummy_weights(config: ModelConfig, dtype: torch.dtype, device: torch.device 
     matrices and biases, 1 + normal(0, initializer_range) for norm weights (as the random
     benchmark models, whose norms are ones, but not all equal). With mxfp4 (experts that took
     FusedMoE.make_mxfp4) each expert's projections come as 4-bit words of random e2m1 codes
-    and a scale `weight_scale` a block of 32, the power of two nearest initializer_range / 3
-    (random codes have an RMS of about 3)."""
+    and an e8m0 scale byte `weight_scale` a block of 32, the power of two nearest
+    initializer_range / 3 (random codes have an RMS of about 3)."""
     device = torch.device(device)
     std = config.initializer_range
     for name, shape in checkpoint_shapes(config).items():
@@ -100,8 +100,8 @@ def dummy_weights(config: ModelConfig, dtype: torch.dtype, device: torch.device 
             rows, k = shape
             yield name, torch.randint(-2 ** 31, 2 ** 31 - 1, (rows, k // 8), generator=gen,
                                       dtype=torch.int32, device=device)
-            yield name + "_scale", torch.full((rows, k // 32), 2.0 ** round(math.log2(std / 3)),
-                                              device=device)
+            yield name + "_scale", torch.full((rows, k // 32), 127 + round(math.log2(std / 3)),
+                                              dtype=torch.uint8, device=device)
             continue
         w = torch.normal(0.0, std, shape, generator=gen, dtype=dtype, device=device)
         if name.endswith("norm.weight"):

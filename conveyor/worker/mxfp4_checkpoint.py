@@ -1,7 +1,7 @@
 """gpt-oss's MXFP4 experts as published (config.json's quantization_config
-{"quant_method": "mxfp4"}): kept in 4 bits for the fused-MoE kernels (`mxfp4_words`), or
-dequantized to the model dtype (`dequantize_mxfp4`: the reference, and the load of a rank whose
-share of the experts is not whole blocks).
+{"quant_method": "mxfp4"}): kept in 4 bits for the fused-MoE kernels (`mxfp4_words`, the scale
+bytes as they are), or dequantized to the model dtype (`dequantize_mxfp4`: the reference, and
+the load of a rank whose share of the experts is not whole blocks).
 
 Per MoE layer and projection P (gate_up_proj: 2I rows, gate and up interleaved, of H inputs;
 down_proj: H rows of I inputs), `P_blocks` uint8 [E, rows, inputs / 32, 16] holds each block of
@@ -43,14 +43,12 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
 
 def mxfp4_words(blocks: torch.Tensor, scales: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """blocks uint8 [..., G, 16], scales uint8 [..., G] -> (int32 words [..., 4 G], float32
-    scales [..., G]): the 4-bit experts' layout (layers/moe.py's make_mxfp4), value k of a row
-    in bits 4 (k % 8) of word k // 8 (a block's bytes read as little-endian words), and each
-    scale 2^(s - 127) exactly (its float32 bits; s = 0 the subnormal 2^-127, s = 255 inf)."""
+    """blocks uint8 [..., G, 16], scales uint8 [..., G] -> (int32 words [..., 4 G], the same
+    scales): the 4-bit experts' layout (layers/moe.py's make_mxfp4), value k of a row in bits
+    4 (k % 8) of word k // 8 (a block's bytes read as little-endian words), and the e8m0
+    bytes kept as they are (the kernels build 2^(s - 127) from each as they load it)."""
     _check(blocks, scales)
     if not blocks.is_contiguous():
         blocks = blocks.contiguous()
     words = blocks.flatten(-2).view(torch.int32)          # little-endian hosts only (x86, Arm)
-    s = scales.to(torch.int32)
-    bits = torch.where(s == 0, 1 << 22, s << 23)
-    return words, bits.view(torch.float32)
+    return words, scales

@@ -16,7 +16,8 @@ def _fix_interpreter() -> None:
     """Works around four bugs of Triton 3.5's interpreter that these kernels meet:
     - `range` over a scalar tensor (a loop with runtime bounds) calls int() on a one-element
       array, which NumPy 2.4 refuses;
-    - tl.dot multiplies bfloat16 operands as their raw uint16 bits;
+    - tl.dot multiplies bfloat16 operands as their raw uint16 bits (and the interpreter's
+      bfloat16 -> float32 conversion loses subnormals);
     - float32 -> bfloat16 casts truncate, where the GPU rounds to nearest even;
     - float32 -> float8 e4m3 casts truncate (0.3 becomes 0.28125, not 0.3125), where the GPU
       rounds to nearest even, as torch does.
@@ -37,8 +38,9 @@ def _fix_interpreter() -> None:
     def as_float(h):
         if h.dtype.scalar != tl.bfloat16:
             return h
-        data = interpreter._convert_float(h.data, tl.bfloat16, tl.float32, None)
-        return interpreter.TensorHandle(data.view(np.float32), tl.float32)
+        # through torch: the interpreter's own conversion gets subnormals wrong (2^-127 to 0)
+        data = torch.from_numpy(h.data.view(np.int16)).view(torch.bfloat16).float().numpy()
+        return interpreter.TensorHandle(data, tl.float32)
 
     def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         return create_dot(self, as_float(a), as_float(b), d, input_precision,

@@ -213,7 +213,7 @@ def test_sinks_attention(compiled):
 def test_gpt_oss_moe_kernels(compiled, m):
     """gpt-oss-20b's experts (H = I = 2880, 32 of them, 4 a token): biases in the grouped
     GEMMs and the clamped SwiGLU, at each tile class; with int8 experts too, and MXFP4's
-    (4-bit e2m1 words, a scale a block of 32 inputs)."""
+    (4-bit e2m1 words, an e8m0 scale byte a block of 32 inputs)."""
     from conveyor.kernels.fused_moe import fused_moe, route
 
     h, inter, experts = 2880, 2880, 32
@@ -228,8 +228,8 @@ def test_gpt_oss_moe_kernels(compiled, m):
     fused_moe(torch.zeros(m, h, dtype=BF),
               torch.zeros(experts, 2 * inter, h // 8, dtype=torch.int32),
               torch.zeros(experts, h, inter // 8, dtype=torch.int32), weights, ids, None,
-              torch.ones(experts, 2 * inter, h // 32), torch.ones(experts, h, inter // 32),
-              **bias, fp4=True)
+              torch.full((experts, 2 * inter, h // 32), 127, dtype=torch.uint8),
+              torch.full((experts, h, inter // 32), 127, dtype=torch.uint8), **bias, fp4=True)
     check(compiled, "_moe_gemm_kernel", "_clamped_swiglu_kernel", "_count_kernel",
           "_offsets_kernel", "_scatter_kernel")
 

@@ -247,6 +247,40 @@ def test_fused_moe_mxfp4_experts(t, h, inter, experts, top_k, gpt_oss, device):
 
 
 @pytest.mark.interpreter
+def test_mxfp4_scale_bytes_decode_exactly(device):
+    """The tiles' 2^(s - 127) from each e8m0 byte, read back through the gate/up GEMM with
+    one-hot rows of x (token k of expert e gives W[e][:, k]): random codes at scale bytes 0 and
+    1 (subnormal weights), 127, and 254 and 255 (2^128) with the codes whose weights are finite
+    (|e2m1| <= 1.5 and <= 0.5: one inf would make its column's dot NaN), equal to the reference's
+    dequantization and to transformers' (dequantize_mxfp4)."""
+    from conveyor.kernels.fused_moe import _gemm, _tiles, dequantize_experts
+    from conveyor.worker.mxfp4_checkpoint import dequantize_mxfp4, mxfp4_words
+
+    gen = torch.Generator(device=device).manual_seed(11)
+    experts, n, k = 2, 40, 64
+    scales = torch.tensor([0, 1, 127, 254, 255], dtype=torch.uint8, device=device)[
+        torch.randint(0, 5, (experts, n, k // 32), device=device, generator=gen)]
+    codes = torch.randint(0, 16, (experts, n, k // 32, 32), device=device, generator=gen)
+    most = torch.where(scales == 255, 1, torch.where(scales == 254, 3, 7))[..., None]
+    codes = torch.where((codes & 7) > most, codes & 8, codes)       # too large: a signed 0
+    blocks = (codes[..., 0::2] | codes[..., 1::2] << 4).to(torch.uint8)
+    words, scales = mxfp4_words(blocks, scales)
+    want = dequantize_experts(words, scales, None, torch.bfloat16, fp4=True)    # [E, N, K]
+    assert torch.equal(want, dequantize_mxfp4(blocks, scales, torch.bfloat16))
+    assert want.isfinite().all() and (want.abs() == 2.0 ** 127).any()
+    assert (want[want != 0].abs() < 2.0 ** -126).any()                  # subnormal weights
+
+    x = torch.eye(k, device=device, dtype=torch.bfloat16).repeat(experts, 1)   # [E K, K]
+    ids = torch.arange(experts, device=device, dtype=torch.int32).repeat_interleave(k)[:, None]
+    tiles = _tiles(experts * k, experts)
+    sorted_ids, expert_ids, total = align(ids, experts, tiles[0])
+    got = torch.empty(experts * k, n, dtype=torch.bfloat16, device=device)
+    _gemm(x, words, scales, None, None, got, torch.ones(experts * k, device=device), sorted_ids,
+          expert_ids, total, experts * k, 1, False, tiles, fp4=True)
+    assert torch.equal(got.view(experts, k, n), want.transpose(1, 2))
+
+
+@pytest.mark.interpreter
 @pytest.mark.parametrize("t,experts,top_k,block_m", [(1, 8, 2, 16), (37, 5, 3, 16),
                                                      (300, 64, 8, 64), (9, 128, 1, 4),
                                                      (700, 3, 2, 128), (2, 200, 1, 32)])

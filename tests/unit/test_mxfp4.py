@@ -1,5 +1,5 @@
 """gpt-oss's MXFP4 checkpoints (packed by tests/mxfp4_util.py, in the published layout): the
-dequantization equals transformers' bit for bit, and so do the 4-bit words and scales the
+dequantization equals transformers' bit for bit, and so do the 4-bit words and scale bytes the
 experts keep, dequantized by the fused-MoE reference; a tiny gpt-oss saved with MXFP4 experts
 holds them in 4 bits and gives the greedy tokens of transformers loading the same checkpoint
 dequantized."""
@@ -17,8 +17,8 @@ from conveyor.worker.mxfp4_checkpoint import dequantize_mxfp4, mxfp4_words
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
 def test_dequantization_equals_transformers_bit_for_bit(dtype):
     """Packed random weights (large, small, and all-zero blocks), and random bytes (every code
-    and exponent, 2^127 included), through ours and transformers' convert_moe_packed_tensors
-    (which returns the transpose, transformers' [E, inputs, rows])."""
+    and exponent, 255's 2^128 included), through ours and transformers'
+    convert_moe_packed_tensors (which returns the transpose, transformers' [E, inputs, rows])."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     gen = torch.Generator().manual_seed(0)
@@ -26,7 +26,7 @@ def test_dequantization_equals_transformers_bit_for_bit(dtype):
     w[1, 2, 32:64] = 0
     packed = [pack_mxfp4(w),
               (torch.randint(0, 256, (2, 7, 5, 16), generator=gen, dtype=torch.uint8),
-               torch.randint(0, 255, (2, 7, 5), generator=gen, dtype=torch.uint8))]
+               torch.randint(0, 256, (2, 7, 5), generator=gen, dtype=torch.uint8))]
     for blocks, scales in packed:
         ours = dequantize_mxfp4(blocks, scales, dtype)
         theirs = convert_moe_packed_tensors(blocks, scales, dtype=dtype).transpose(1, 2)
@@ -37,20 +37,23 @@ def test_dequantization_equals_transformers_bit_for_bit(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
 def test_words_dequantize_to_the_same_bits(dtype):
-    """The experts' 4-bit words and float32 scales (mxfp4_words), through the fused-MoE
-    reference's dequantization, give dequantize_mxfp4's bits (so transformers'): every code
-    and exponent (0 and 254 included), and packed weights."""
+    """The experts' 4-bit words and the scale bytes as they are (mxfp4_words), through the
+    fused-MoE reference's dequantization, give dequantize_mxfp4's bits (so transformers'):
+    every code at every scale byte (0 and 1: subnormal scales; 254 and 255: 2^127 and 2^128,
+    whose products overflow to inf but for small codes), random bytes, and packed weights."""
     gen = torch.Generator().manual_seed(3)
+    every = (torch.arange(256, dtype=torch.uint8).view(1, 1, 16, 16).expand(1, 256, 16, 16),
+             torch.arange(256, dtype=torch.uint8).view(1, 256, 1).expand(1, 256, 16))
     random = (torch.randint(0, 256, (3, 7, 5, 16), generator=gen, dtype=torch.uint8),
-              torch.randint(0, 255, (3, 7, 5), generator=gen, dtype=torch.uint8))
-    random[1][0, 0, :2] = torch.tensor([0, 254], dtype=torch.uint8)
+              torch.randint(0, 256, (3, 7, 5), generator=gen, dtype=torch.uint8))
+    random[1][0, 0] = torch.tensor([0, 1, 127, 254, 255], dtype=torch.uint8)
     w = torch.randn(2, 9, 64, generator=gen) * torch.logspace(-5, 2, 9)[:, None]
-    for blocks, scales in (random, pack_mxfp4(w)):
-        words, block_scales = mxfp4_words(blocks, scales)
+    for blocks, scales in (every, random, pack_mxfp4(w)):
+        words, kept = mxfp4_words(blocks, scales)
         e, n, g = scales.shape
         assert words.dtype == torch.int32 and words.shape == (e, n, 4 * g)
-        assert block_scales.dtype == torch.float32 and block_scales.shape == scales.shape
-        ours = dequantize_experts(words, block_scales, None, dtype, fp4=True)
+        assert kept.dtype == torch.uint8 and torch.equal(kept, scales)
+        ours = dequantize_experts(words, kept, None, dtype, fp4=True)
         bits = {torch.float32: torch.int32}.get(dtype, torch.int16)
         assert torch.equal(ours.view(bits), dequantize_mxfp4(blocks, scales, dtype).view(bits))
 
@@ -72,10 +75,10 @@ def test_packer_round_trip():
 
 
 def test_mxfp4_model_matches_transformers(tmp_path):
-    """Loaded from MXFP4 blocks and scales, the model keeps its experts in 4 bits (words and
-    block scales), which dequantize to the experts transformers dequantizes from the same
-    checkpoint, exactly, and gives its greedy tokens (prefix caching and chunked prefill, as
-    in test_models)."""
+    """Loaded from MXFP4 blocks and scales, the model keeps its experts in 4 bits (words, and
+    the checkpoint's e8m0 scale bytes), which dequantize to the experts transformers
+    dequantizes from the same checkpoint, exactly, and gives its greedy tokens (prefix caching
+    and chunked prefill, as in test_models)."""
     from test_models import greedy, hf_greedy
     from transformers import AutoModelForCausalLM, Mxfp4Config
 
@@ -98,7 +101,11 @@ def test_mxfp4_model_matches_transformers(tmp_path):
     assert moe.fp4 and moe.w13_zero is None
     assert moe.w13.dtype == moe.w2.dtype == torch.int32                 # 8 codes a word
     assert moe.w13.shape == (e, two_i, h // 8) and moe.w2.shape == (e, h, two_i // 16)
+    assert moe.w13_scale.dtype == moe.w2_scale.dtype == torch.uint8     # one byte a block
     assert moe.w13_scale.shape == (e, two_i, h // 32) and moe.w2_scale.shape == (e, h, two_i // 64)
+    checkpoint = load_file(tmp_path / "mxfp4" / "model.safetensors")
+    scales = checkpoint["model.layers.1.mlp.experts.gate_up_proj_scales"]   # rows interleaved
+    assert torch.equal(moe.w13_scale, torch.cat([scales[:, 0::2], scales[:, 1::2]], 1))
     w13 = dequantize_experts(moe.w13, moe.w13_scale, None, torch.float32, fp4=True)
     w2 = dequantize_experts(moe.w2, moe.w2_scale, None, torch.float32, fp4=True)
     assert torch.equal(w13, torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], 1))
@@ -110,6 +117,9 @@ def test_mxfp4_model_matches_transformers(tmp_path):
     assert report.prequantized == [f"model.layers.{i}.mlp.experts"
                                    for i in range(config.num_hidden_layers)]
     assert "model.layers.0.self_attn.qkv_proj" in report.kept
+    # each layer's experts: 4-bit words and a scale byte a block of 32
+    values = config.num_hidden_layers * e * 3 * two_i // 2 * h
+    assert report.bytes_after == values // 2 + values // 32
 
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, config.vocab_size, (41,), generator=gen).tolist()
@@ -193,7 +203,7 @@ def test_tensor_parallel_ranks_take_whole_blocks(monkeypatch):
 
 def test_dummy_weights_draw_mxfp4_experts(tmp_path):
     """load_format=dummy with gpt-oss's MXFP4 config.json: the experts hold random 4-bit
-    words and scales, the rest is drawn in full precision and kept so, and it runs."""
+    words and scale bytes, the rest is drawn in full precision and kept so, and it runs."""
     import json
 
     from test_models import greedy
@@ -209,7 +219,7 @@ def test_dummy_weights_draw_mxfp4_experts(tmp_path):
     model = load_model(read_model_config(files), files, torch.float32, "cpu", "mxfp4",
                        load_format="dummy", seed=5)
     moe = model.model.layers[0].mlp.experts
-    assert moe.fp4 and moe.w13.dtype == torch.int32 and moe.w2_scale.dtype == torch.float32
+    assert moe.fp4 and moe.w13.dtype == torch.int32 and moe.w2_scale.dtype == torch.uint8
     assert len(model.quant_report.prequantized) == config["num_hidden_layers"]
     assert model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float32
     assert len(greedy(model, [[3, 4, 5]], 4)[0]) == 4

@@ -96,7 +96,8 @@ def linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, bias: torch.Tensor |
     return fp8_gemm_ref(x, weight, scale, bias)
 
 
-_ONE_BYTE = (torch.int8, torch.float8_e4m3fn, torch.int32)   # and 4-bit words: never cast
+# and 4-bit words and MXFP4's scale bytes: never cast
+_ONE_BYTE = (torch.int8, torch.float8_e4m3fn, torch.int32, torch.uint8)
 
 
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:

@@ -59,7 +59,7 @@ class FusedMoE(nn.Module):
                                         requires_grad=False)
             self._expect(self.w13_bias, self.w2_bias)
         # float32 once quantized: [E, 2I, G] and [E, H, G], one scale a row and group of K / G
-        # inputs (G = 1: a scale a row)
+        # inputs (G = 1: a scale a row); MXFP4's uint8 e8m0 bytes
         self.register_parameter("w13_scale", None)
         self.register_parameter("w2_scale", None)
         # 4-bit checkpoints: w13 and w2 int32 words of 8 values along the inputs, and float32
@@ -91,12 +91,12 @@ class FusedMoE(nn.Module):
 
     def make_mxfp4(self) -> None:
         """Load gpt-oss's MXFP4 experts in 4 bits (worker/mxfp4_checkpoint.py's mxfp4_words):
-        int32 words of 8 e2m1 codes [E, rows, inputs / 8] and float32 scales, powers of two,
-        [E, rows, inputs / 32]; W = e2m1(q) * scale. This rank's inputs must be whole blocks
-        of 32 (`whole_groups(32, 8)`)."""
+        int32 words of 8 e2m1 codes [E, rows, inputs / 8] and the checkpoint's uint8 e8m0
+        scales [E, rows, inputs / 32]; W = e2m1(q) * 2^(s - 127). This rank's inputs must be
+        whole blocks of 32 (`whole_groups(32, 8)`)."""
         from conveyor.worker.mxfp4_checkpoint import BLOCK
 
-        self._make(torch.int32, BLOCK, 8, "MXFP4 blocks")
+        self._make(torch.int32, BLOCK, 8, "MXFP4 blocks", scale_dtype=torch.uint8)
         self.fp4 = True
 
     def whole_groups(self, group: int, per_word: int = 1) -> bool:
@@ -106,7 +106,7 @@ class FusedMoE(nn.Module):
         return not ((group and (h % group or self.inter % group)) or self.inter % per_word)
 
     def _make(self, dtype: torch.dtype, group: int, per_word: int, what: str,
-              zeros: bool = False) -> None:
+              zeros: bool = False, scale_dtype: torch.dtype = torch.float32) -> None:
         e, two_i, h = self.w13.shape
         if not self.whole_groups(group, per_word):
             raise ValueError(f"experts of {h} inputs and {self.inter} intermediate rows on "
@@ -119,8 +119,8 @@ class FusedMoE(nn.Module):
 
         self.w13 = param((e, two_i, h // per_word), dtype)
         self.w2 = param((e, h, self.inter // per_word), dtype)
-        self.w13_scale = param((e, two_i, h // group if group else 1))
-        self.w2_scale = param((e, h, self.inter // group if group else 1))
+        self.w13_scale = param((e, two_i, h // group if group else 1), scale_dtype)
+        self.w2_scale = param((e, h, self.inter // group if group else 1), scale_dtype)
         self._expect(self.w13, self.w2)
         self._expect(self.w13_scale, self.w2_scale)
         if zeros:

@@ -8,9 +8,10 @@ biases and the clamped SwiGLU (swiglu_alpha 1.702, swiglu_limit 7).
 The checkpoint stacks each layer's experts (`mlp.experts.gate_up_proj` [E, H, 2I], gate and up
 interleaved along the last dim, `down_proj` [E, I, H], and their biases [E, 2I], [E, H]); the
 published one stores the two projections in MXFP4 (`*_blocks`, `*_scales`,
-worker/mxfp4_checkpoint.py), which load as 4-bit words and block scales where the loader made
-the experts take them (FusedMoE.make_mxfp4), else dequantized. Both are split into Qwen3-MoE's
-per-expert names (gate and up de-interleaved), and `mlp.router` is loaded as `mlp.gate`.
+worker/mxfp4_checkpoint.py), which load as 4-bit words and the scale bytes where the loader
+made the experts take them (FusedMoE.make_mxfp4), else dequantized. Both are split into
+Qwen3-MoE's per-expert names (gate and up de-interleaved), and `mlp.router` is loaded as
+`mlp.gate`.
 """
 from __future__ import annotations
 
@@ -70,14 +71,14 @@ class GptOssForCausalLM(LlamaForCausalLM):
             raise ValueError(f"MXFP4 experts without their blocks or scales: {sorted(mxfp4)}")
 
     def _mxfp4_experts(self, proj: str, blocks: torch.Tensor, scales: torch.Tensor):
-        """Each expert's words and scales (`weight`, `weight_scale`) where the experts take
+        """Each expert's words and scale bytes (`weight`, `weight_scale`) where the experts take
         MXFP4, else each dequantized in turn (on the experts' device, in their dtype): beside
         the model's own weights, at most one expert's projection is held in full precision."""
         experts = next((m for m in self.modules() if isinstance(m, FusedMoE)), None)
         if experts is not None and experts.fp4:
-            words, block_scales = mxfp4_words(blocks, scales)
+            words, scales = mxfp4_words(blocks, scales)
             yield from _per_expert(proj, words)
-            yield from _per_expert(proj, block_scales, "weight_scale")
+            yield from _per_expert(proj, scales, "weight_scale")
             return
         device = experts.w13.device if experts is not None else torch.device("cpu")
         dtype = experts.w13.dtype if experts is not None else torch.float32
