@@ -257,8 +257,19 @@ _GGUF_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 def _refuse_what_gguf_cannot_carry(arch: str, c: dict) -> None:
     """ValueError for a config that llama.cpp's GGUF of `arch` cannot hold (llama.cpp would run
     a different model): Gemma's query_pre_attn_scalar (derived from the size), its window period
-    and Gemma 2's rope base and Gemma 3's local one (fixed)."""
+    and Gemma 2's rope base and Gemma 3's local one (fixed); gpt-oss's SwiGLU and its
+    alternating layers, the first sliding (fixed)."""
     if arch == "phi3":
+        return
+    if arch == "gpt-oss":
+        types = ["full_attention" if i % 2 else "sliding_attention"
+                 for i in range(c["num_hidden_layers"])]
+        wrong = {"swiglu": ((c["swiglu_alpha"], c["swiglu_limit"]), (1.702, 7.0)),
+                 "layer_types": (c["layer_types"], types)}
+        wrong = {k: v for k, v in wrong.items() if v[0] != v[1]}
+        if wrong:
+            raise ValueError(f"llama.cpp's gpt-oss GGUF cannot carry {wrong} (as (given, "
+                             f"llama.cpp's))")
         return
     layers, rope = c["num_hidden_layers"], c.get("rope_parameters") or {}
     big = layers == _GGUF_GEMMA_27B_LAYERS[arch]
@@ -278,7 +289,8 @@ def _refuse_what_gguf_cannot_carry(arch: str, c: dict) -> None:
 
 def _write_family_keys(writer, arch: str, c: dict) -> None:
     """The metadata keys convert_hf_to_gguf.py writes for `arch` (Gemma2Model.set_gguf_parameters;
-    Gemma3Model's over TextModel's; Phi3MiniModel's), and the tokenizer's token list and ids."""
+    Gemma3Model's over TextModel's; Phi3MiniModel's; GptOssModel's over TextModel's), and the
+    tokenizer's token list and ids."""
     import math
 
     import gguf
@@ -310,6 +322,19 @@ def _write_family_keys(writer, arch: str, c: dict) -> None:
             writer.add_final_logit_softcapping(c["final_logit_softcapping"])
         if c.get("sliding_window_pattern") != 1:
             writer.add_sliding_window(c["sliding_window"])
+    elif arch == "gpt-oss":
+        writer.add_key_length(c["head_dim"])
+        writer.add_value_length(c["head_dim"])
+        writer.add_rope_freq_base(rope["rope_theta"])
+        writer.add_expert_count(c["num_local_experts"])
+        writer.add_expert_used_count(c["num_experts_per_tok"])
+        writer.add_sliding_window(c["sliding_window"])
+        writer.add_expert_feed_forward_length(c["intermediate_size"])
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
     else:
         heads = c["num_attention_heads"]
         rotary = int(rope.get("partial_rotary_factor", 1.0) * c["hidden_size"]) // heads
@@ -363,6 +388,70 @@ def make_tiny_family_gguf(arch: str, path, ref, quant: str = "Q8_0", **overrides
             packed = gguf.quants.quantize(array, kind)
             writer.add_tensor(gguf_name, packed, raw_dtype=kind)
             held[name] = torch.from_numpy(gguf.quants.dequantize(packed, kind).copy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    ref = Path(ref)
+    ref.mkdir(parents=True)
+    shutil.copy(src / "config.json", ref)
+    save_file({k: v.contiguous() for k, v in held.items()}, ref / "model.safetensors")
+    return Path(path)
+
+
+def make_tiny_gpt_oss_gguf(path, ref, quant: str = "F16", experts: str = "MXFP4",
+                           **overrides) -> Path:
+    """Save the tiny random "gpt-oss" preset as a GGUF file at `path` the way llama.cpp's
+    convert_hf_to_gguf.py (GptOssModel) writes it: each layer's experts as stacks [E, out, in]
+    (gate_up_proj transposed and its interleaved rows split into ffn_gate_exps and ffn_up_exps,
+    its bias likewise) in `experts` (MXFP4: gguf's own quantization), the sinks as
+    attn_sinks.weight, the other 2-D weights in `quant` but the router, which stays F32 with the
+    biases and norms; the converter's metadata keys. Into the folder `ref` goes the same model
+    with the weights the file holds (dequantized by gguf), for transformers to run as the
+    reference. A config llama.cpp's GGUF cannot carry raises ValueError."""
+    import gguf
+    from safetensors.torch import load_file, save_file
+
+    src = make_tiny_model("gpt-oss", Path(ref).with_suffix(".src"), **overrides)
+    config = json.loads((src / "config.json").read_text())
+    _refuse_what_gguf_cannot_carry("gpt-oss", config)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GPT_OSS, config["num_hidden_layers"])
+    writer = gguf.GGUFWriter(str(path), "gpt-oss")
+    _write_family_keys(writer, "gpt-oss", config)
+    f32, dense, stacked = (gguf.GGMLQuantizationType[k] for k in ("F32", quant, experts))
+
+    def add(hf_name: str, w: torch.Tensor, kind) -> torch.Tensor:
+        """Write w under hf_name's GGUF name in `kind`; returns what the file holds."""
+        gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if kind == f32:
+            writer.add_tensor(gguf_name, w.float().numpy())
+            return w
+        packed = gguf.quants.quantize(w.float().contiguous().numpy(), kind)
+        writer.add_tensor(gguf_name, packed, raw_dtype=kind)
+        return torch.from_numpy(gguf.quants.dequantize(packed, kind).copy())
+
+    held = {}
+    for name, w in load_file(src / "model.safetensors").items():
+        prefix = name.rsplit(".", 1)[0]                       # model.layers.N.mlp.experts
+        if name.endswith(".experts.gate_up_proj"):            # [E, H, 2I]: gate, up, gate, ...
+            rows = w.transpose(1, 2)
+            gate = add(prefix + ".gate_proj.weight", rows[:, 0::2], stacked)
+            up = add(prefix + ".up_proj.weight", rows[:, 1::2], stacked)
+            held[name] = torch.stack([gate, up], 2).flatten(1, 2).transpose(1, 2)
+        elif name.endswith(".experts.gate_up_proj_bias"):     # [E, 2I]
+            gate = add(prefix + ".gate_proj.bias", w[:, 0::2], f32)
+            up = add(prefix + ".up_proj.bias", w[:, 1::2], f32)
+            held[name] = torch.stack([gate, up], 2).flatten(1)
+        elif name.endswith(".experts.down_proj"):             # [E, I, H]
+            held[name] = add(prefix + ".down_proj.weight", w.transpose(1, 2), stacked
+                             ).transpose(1, 2)
+        elif name.endswith(".experts.down_proj_bias"):
+            held[name] = add(prefix + ".down_proj.bias", w, f32)
+        elif name.endswith(".sinks"):                         # the converter adds ".weight"
+            held[name] = add(name + ".weight", w, f32)
+        else:
+            full = w.dim() == 1 or ".mlp.router." in name
+            held[name] = add(name, w, f32 if full else dense)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -146,7 +146,7 @@ def read_model_config(files: ModelFiles) -> ModelConfig:
 _GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
                "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-               "phi3": "Phi3ForCausalLM"}
+               "phi3": "Phi3ForCausalLM", "gpt-oss": "GptOssForCausalLM"}
 
 
 def gguf_to_hf_config(path: Path) -> dict:
@@ -189,8 +189,10 @@ def gguf_to_hf_config(path: Path) -> dict:
         cfg.update(_gemma_keys(arch, field, cfg))
     if arch == "phi3":
         cfg.update(_phi3_keys(reader, field, cfg))
+    if arch == "gpt-oss":
+        cfg.update(_gpt_oss_keys(reader, field, cfg))
     experts = field(f"{arch}.expert_count")
-    if experts:
+    if experts and arch != "gpt-oss":
         # every layer a mixture of `experts` (stacked blk.N.ffn_*_exps tensors); llama.cpp
         # converts Mixtral to "llama" with experts, whose router weights are always renormalised
         cfg.update(num_experts_per_tok=field(f"{arch}.expert_used_count"))
@@ -256,6 +258,44 @@ def _phi3_keys(reader, field, cfg: dict) -> dict:
     if attention is not None:
         scaling["attention_factor"] = float(attention)
     return {**keys, "rope_scaling": scaling}
+
+
+# YaRN keys llama.cpp's converter may write that gpt-oss's config never sets
+_YARN_UNSUPPORTED = ("yarn_ext_factor", "yarn_attn_factor", "yarn_log_multiplier")
+
+
+def _gpt_oss_keys(reader, field, cfg: dict) -> dict:
+    """gpt-oss config keys. The window's layers alternate (the first slides) and the clamped
+    SwiGLU keeps alpha 1.702 and limit 7 in every gpt-oss, which llama.cpp fixes rather than
+    stores. YaRN's beta_fast and beta_slow default to llama.cpp's 32 and 1 (older files lack
+    them); its ramp ends are not rounded (`truncate: false`, as gpt-oss's config.json says:
+    llama.cpp rounds them). Experts stored in ggml's MXFP4 declare gpt-oss's mxfp4
+    quantization (kept in 4 bits, worker/gguf_tensors.py)."""
+    import gguf
+
+    keys = {"attention_bias": True, "sliding_window": field("gpt-oss.attention.sliding_window"),
+            "num_local_experts": field("gpt-oss.expert_count"),
+            "num_experts_per_tok": field("gpt-oss.expert_used_count"),
+            "intermediate_size": field("gpt-oss.expert_feed_forward_length",
+                                       cfg["intermediate_size"]),
+            "swiglu_alpha": 1.702, "swiglu_limit": 7.0}
+    unsupported = [k for k in _YARN_UNSUPPORTED if f"gpt-oss.rope.scaling.{k}" in reader.fields]
+    if unsupported:
+        raise ValueError(f"GGUF gpt-oss: rope scaling keys {unsupported} are not supported")
+    kind = field("gpt-oss.rope.scaling.type")
+    if kind not in (None, "none", "yarn"):
+        raise ValueError(f"GGUF gpt-oss: rope scaling {kind!r} is not supported (yarn only)")
+    if kind == "yarn":
+        keys["rope_scaling"] = {
+            "rope_type": "yarn", "factor": field("gpt-oss.rope.scaling.factor"),
+            "original_max_position_embeddings":
+                field("gpt-oss.rope.scaling.original_context_length"),
+            "beta_fast": field("gpt-oss.rope.scaling.yarn_beta_fast", 32.0),
+            "beta_slow": field("gpt-oss.rope.scaling.yarn_beta_slow", 1.0), "truncate": False}
+    kinds = {t.tensor_type for t in reader.tensors if t.name.endswith("_exps.weight")}
+    if kinds == {gguf.GGMLQuantizationType.MXFP4}:
+        keys["quantization_config"] = {"quant_method": "mxfp4"}
+    return keys
 
 
 def fetch_default_model() -> Path:

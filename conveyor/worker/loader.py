@@ -14,7 +14,7 @@ are a quantized checkpoint's 1-byte weights (config.quantization "fp8" or "int8"
 too), with their per-tensor or per-channel `weight_scale` as one scale per row, or square block
 scales as one per row and block of inputs; static `input_scale`s are not
 used (fp8 activations are quantized per token as they come; int8 runs W8A16). gpt-oss's MXFP4
-experts stay in 4 bits (`_take_mxfp4`). Per-layer KV
+experts, from its checkpoint or a GGUF, stay in 4 bits (`_take_mxfp4`). Per-layer KV
 cache scales (`self_attn.k_scale` / `v_scale`, or AutoFP8's `k_proj` / `v_proj.output_scale`)
 become `model.checkpoint_kv_scales`, which an fp8 KV pool uses instead of calibrating. A pipeline
 stage loads only the tensors of the modules it holds (layers/pipeline.py).
@@ -74,7 +74,7 @@ def load_model(config: ModelConfig, files: ModelFiles, dtype: torch.dtype,
 
         reader = open_gguf(files.path)
         int8_names = _keep_q8_0(model, reader, keep) if quantization == "int8" else set()
-        fill(gguf_weights(reader, int8_names))
+        fill(gguf_weights(reader, int8_names, mxfp4))
     elif config.quantization in ("awq", "gptq"):
         fill(_take_int4(model, files.path, config, device))
     elif config.quantization == "mxfp4":
