@@ -68,6 +68,13 @@ def load_model(config: ModelConfig, files: ModelFiles, dtype: torch.dtype,
     if load_format == "dummy":
         from conveyor.worker.dummy_weights import dummy_weights
 
+        if config.quantization in ("awq", "gptq"):
+            raise ValueError(f"load_format dummy cannot stand in for a 4-bit {config.quantization} "
+                             f"checkpoint (its layers take 4-bit words drawn from no checkpoint"
+                             f"); a random 4-bit model comes from benchmarks.models."
+                             f"build_random_quantized (the benchmark scripts' --int4 "
+                             f"{config.quantization})")
+
         fill(dummy_weights(config, dtype, device, seed, mxfp4))
     elif files.is_gguf:
         from conveyor.shared.gguf_reader import open_gguf

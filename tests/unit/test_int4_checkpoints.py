@@ -88,6 +88,17 @@ def test_llm_serves_a_gptq_checkpoint(tmp_path):
         assert out.outputs[0].token_ids == want
 
 
+def test_dummy_weights_for_an_int4_checkpoint_are_refused_by_name(tmp_path):
+    from conveyor import LLM
+
+    src = make_tiny_model("llama", tmp_path / "src", hidden_size=128, intermediate_size=256,
+                          head_dim=32)
+    write_int4(src, tmp_path / "q", tmp_path / "ref", "awq", 64)
+    with pytest.raises(ValueError, match="load_format dummy cannot stand in for a 4-bit awq"):
+        LLM(model=str(tmp_path / "q"), device="cpu", skip_tokenizer_init=True,
+            kv_cache_memory_bytes=16 << 20, max_model_len=128, load_format="dummy")
+
+
 @pytest.mark.parametrize("fmt,group", [("awq", 32), ("gptq", 64), ("awq", 0)])
 def test_moe_int4_checkpoint_matches_transformers(tmp_path, fmt, group):
     """Qwen3-MoE with every expert in 4 bits (as Qwen3-30B-A3B-GPTQ-Int4 and the AWQ releases
