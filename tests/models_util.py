@@ -154,10 +154,24 @@ def make_tiny_gguf(path, quant: str = "Q8_0", seed: int = 0, **overrides) -> Pat
             w = layer.get_submodule(hf).weight
             heads = {"attn_q": c.num_attention_heads, "attn_k": c.num_key_value_heads}.get(ours)
             add(f"blk.{i}.{ours}.weight", w, heads)
+    return _finish_gguf(writer, path)
+
+
+def _finish_gguf(writer, path, src: Path | None = None, ref=None, held: dict | None = None
+                 ) -> Path:
+    """Write and close the GGUF at `path`; with `ref`, a folder of the model `src`'s config and
+    the weights the file holds (`held`, dequantized), for transformers to run."""
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    if ref is not None:
+        from safetensors.torch import save_file
+
+        ref = Path(ref)
+        ref.mkdir(parents=True)
+        shutil.copy(Path(src) / "config.json", ref)
+        save_file({k: v.contiguous() for k, v in held.items()}, ref / "model.safetensors")
     return Path(path)
 
 
@@ -177,7 +191,7 @@ def make_tiny_moe_gguf(arch: str, path, ref, quant: str = "Q8_0", **overrides) -
     `ref` the same model with the dequantized weights, for transformers to run as the
     reference. Every layer is a mixture (no mlp_only_layers)."""
     import gguf
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     src = make_tiny_model(arch, Path(ref).with_suffix(".src"), **overrides)
     config = json.loads((src / "config.json").read_text())
@@ -238,15 +252,7 @@ def make_tiny_moe_gguf(arch: str, path, ref, quant: str = "Q8_0", **overrides) -
                      if n.startswith(f"{prefix}") and f".experts.{e}.{proj}.weight" in n]
             add(f"blk.{i}.{_GGUF_EXPERTS[proj]}.weight",
                 torch.stack([tensors[n] for n in names]), names)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    ref = Path(ref)
-    ref.mkdir(parents=True)
-    shutil.copy(src / "config.json", ref)
-    save_file({k: v.contiguous() for k, v in dequantized.items()}, ref / "model.safetensors")
-    return Path(path)
+    return _finish_gguf(writer, path, src, ref, dequantized)
 
 
 # Gemma's sliding-window period and the 27B sizes (by layers) that llama.cpp fixes per arch
@@ -365,7 +371,7 @@ def make_tiny_family_gguf(arch: str, path, ref, quant: str = "Q8_0", **overrides
     transformers to run as the reference. A config llama.cpp's GGUF cannot carry raises
     ValueError."""
     import gguf
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     src = make_tiny_model(arch, Path(ref).with_suffix(".src"), **overrides)
     config = json.loads((src / "config.json").read_text())
@@ -388,15 +394,7 @@ def make_tiny_family_gguf(arch: str, path, ref, quant: str = "Q8_0", **overrides
             packed = gguf.quants.quantize(array, kind)
             writer.add_tensor(gguf_name, packed, raw_dtype=kind)
             held[name] = torch.from_numpy(gguf.quants.dequantize(packed, kind).copy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    ref = Path(ref)
-    ref.mkdir(parents=True)
-    shutil.copy(src / "config.json", ref)
-    save_file({k: v.contiguous() for k, v in held.items()}, ref / "model.safetensors")
-    return Path(path)
+    return _finish_gguf(writer, path, src, ref, held)
 
 
 def make_tiny_gpt_oss_gguf(path, ref, quant: str = "F16", experts: str = "MXFP4",
@@ -410,7 +408,7 @@ def make_tiny_gpt_oss_gguf(path, ref, quant: str = "F16", experts: str = "MXFP4"
     with the weights the file holds (dequantized by gguf), for transformers to run as the
     reference. A config llama.cpp's GGUF cannot carry raises ValueError."""
     import gguf
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     src = make_tiny_model("gpt-oss", Path(ref).with_suffix(".src"), **overrides)
     config = json.loads((src / "config.json").read_text())
@@ -452,15 +450,7 @@ def make_tiny_gpt_oss_gguf(path, ref, quant: str = "F16", experts: str = "MXFP4"
         else:
             full = w.dim() == 1 or ".mlp.router." in name
             held[name] = add(name, w, f32 if full else dense)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    ref = Path(ref)
-    ref.mkdir(parents=True)
-    shutil.copy(src / "config.json", ref)
-    save_file({k: v.contiguous() for k, v in held.items()}, ref / "model.safetensors")
-    return Path(path)
+    return _finish_gguf(writer, path, src, ref, held)
 
 
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -26,7 +26,6 @@ NEW_TOKENS = 10
 @pytest.mark.parametrize("quant", ["F16", "Q8_0"])
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3", "phi3"])
 def test_gguf_family_matches_transformers(tmp_path, arch, quant):
-    from transformers import AutoModelForCausalLM
 
     path = make_tiny_family_gguf(arch, tmp_path / f"{arch}.{quant}.gguf", tmp_path / "ref",
                                  quant, **CARRIED[arch])
@@ -37,18 +36,7 @@ def test_gguf_family_matches_transformers(tmp_path, arch, quant):
                             ignore_eos=True, logprobs=5, prompt_logprobs=5)
     llm = LLM(str(path), device="cpu", skip_tokenizer_init=True, block_size=4)
     outs = llm.generate(prompts, params, use_tqdm=False)
-    ours = [o.outputs[0].token_ids for o in outs]
-    ref = AutoModelForCausalLM.from_pretrained(tmp_path / "ref", dtype=torch.float32).eval()
-    for p, got, out in zip(prompts, ours, outs):
-        with torch.no_grad():
-            want = ref.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS,
-                                min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
-                                attention_mask=torch.ones(1, len(p), dtype=torch.long)
-                                )[0, len(p):].tolist()
-            logprobs = ref(torch.tensor([p + got])).logits[0].log_softmax(-1)   # [T, vocab]
-        assert got == want
-        for row, position in zip(logprobs, positions(out)):
-            assert all(abs(lp.logprob - row[t].item()) < 2e-4 for t, lp in position.items())
+    assert_matches_the_file(outs, prompts, tmp_path / "ref")
     if quant != "Q8_0":
         return
     int8 = LLM(str(path), device="cpu", skip_tokenizer_init=True, block_size=4,
@@ -62,6 +50,25 @@ def test_gguf_family_matches_transformers(tmp_path, arch, quant):
         for pa, pb in zip(positions(a), positions(b)):
             assert set(pa) == set(pb)
             assert all(abs(pa[t].logprob - pb[t].logprob) < 1e-4 for t in pa)
+
+
+def assert_matches_the_file(outs, prompts, ref_dir) -> None:
+    """Greedy tokens equal transformers' on the weights the file holds (`ref_dir`), and each
+    position's top-5 logprobs too (prompt and output)."""
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
+    for p, out in zip(prompts, outs):
+        got = out.outputs[0].token_ids
+        with torch.no_grad():
+            want = ref.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS,
+                                min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
+                                attention_mask=torch.ones(1, len(p), dtype=torch.long)
+                                )[0, len(p):].tolist()
+            logprobs = ref(torch.tensor([p + got])).logits[0].log_softmax(-1)   # [T, vocab]
+        assert got == want
+        for row, position in zip(logprobs, positions(out)):
+            assert all(abs(lp.logprob - row[t].item()) < 2e-4 for t, lp in position.items())
 
 
 def positions(out) -> list[dict]:

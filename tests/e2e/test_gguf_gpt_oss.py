@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from models_util import make_tiny_gpt_oss_gguf
-from test_gguf_families import NEW_TOKENS, positions
+from test_gguf_families import NEW_TOKENS, assert_matches_the_file, positions
 
 from conveyor import LLM, SamplingParams
 from conveyor.kernels.fused_moe import dequantize_experts
@@ -27,7 +27,6 @@ CARRIED = {"swiglu_limit": 7.0}
 @pytest.mark.parametrize("quant, experts", [("F16", "MXFP4"), ("Q8_0", "MXFP4"),
                                             ("Q8_0", "Q8_0")])
 def test_gguf_gpt_oss_matches_transformers(tmp_path, quant, experts):
-    from transformers import AutoModelForCausalLM
 
     path = make_tiny_gpt_oss_gguf(tmp_path / "gpt-oss.gguf", tmp_path / "ref", quant, experts,
                                   **CARRIED)
@@ -39,18 +38,7 @@ def test_gguf_gpt_oss_matches_transformers(tmp_path, quant, experts):
     llm = LLM(str(path), device="cpu", skip_tokenizer_init=True, block_size=4)
     assert llm.runner.model.model.layers[0].mlp.experts.fp4 == (experts == "MXFP4")
     outs = llm.generate(prompts, params, use_tqdm=False)
-    ref = AutoModelForCausalLM.from_pretrained(tmp_path / "ref", dtype=torch.float32).eval()
-    for p, out in zip(prompts, outs):
-        got = out.outputs[0].token_ids
-        with torch.no_grad():
-            want = ref.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS,
-                                min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
-                                attention_mask=torch.ones(1, len(p), dtype=torch.long)
-                                )[0, len(p):].tolist()
-            logprobs = ref(torch.tensor([p + got])).logits[0].log_softmax(-1)   # [T, vocab]
-        assert got == want
-        for row, position in zip(logprobs, positions(out)):
-            assert all(abs(lp.logprob - row[t].item()) < 2e-4 for t, lp in position.items())
+    assert_matches_the_file(outs, prompts, tmp_path / "ref")
     if experts != "Q8_0":
         return
     int8 = LLM(str(path), device="cpu", skip_tokenizer_init=True, block_size=4,
