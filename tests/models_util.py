@@ -311,9 +311,10 @@ def _write_family_keys(writer, arch: str, c: dict) -> None:
     writer.add_head_count(c["num_attention_heads"])
     writer.add_head_count_kv(c["num_key_value_heads"])
     writer.add_layer_norm_rms_eps(c["rms_norm_eps"])
-    if arch == "gemma2":
+    if arch != "phi3":                       # head_dim apart from hidden / heads
         writer.add_key_length(c["head_dim"])
         writer.add_value_length(c["head_dim"])
+    if arch == "gemma2":
         writer.add_attn_logit_softcapping(c["attn_logit_softcapping"])
         writer.add_final_logit_softcapping(c["final_logit_softcapping"])
         writer.add_sliding_window(c["sliding_window"])
@@ -322,15 +323,11 @@ def _write_family_keys(writer, arch: str, c: dict) -> None:
             writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             writer.add_rope_scaling_factor(rope["factor"])
         writer.add_rope_freq_base(rope["rope_theta"])
-        writer.add_key_length(c["head_dim"])
-        writer.add_value_length(c["head_dim"])
         if c.get("final_logit_softcapping"):
             writer.add_final_logit_softcapping(c["final_logit_softcapping"])
         if c.get("sliding_window_pattern") != 1:
             writer.add_sliding_window(c["sliding_window"])
     elif arch == "gpt-oss":
-        writer.add_key_length(c["head_dim"])
-        writer.add_value_length(c["head_dim"])
         writer.add_rope_freq_base(rope["rope_theta"])
         writer.add_expert_count(c["num_local_experts"])
         writer.add_expert_used_count(c["num_experts_per_tok"])
