@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from models_util import make_tiny_gpt_oss_gguf
-from test_gguf_families import NEW_TOKENS, assert_matches_the_file, positions
+from test_gguf_families import NEW_TOKENS, assert_matches_the_file, assert_same_outputs
 
 from conveyor import LLM, SamplingParams
 from conveyor.kernels.fused_moe import dequantize_experts
@@ -47,11 +47,7 @@ def test_gguf_gpt_oss_matches_transformers(tmp_path, quant, experts):
     assert len(int8.quantization_report.prequantized) == 3 * layers   # qkv, o, experts
     moe = int8.runner.model.model.layers[0].mlp.experts
     assert moe.w13.dtype == torch.int8 and moe.w13_scale.shape[2] == 64 // 32
-    for a, b in zip(outs, int8.generate(prompts, params, use_tqdm=False)):
-        assert b.outputs[0].token_ids == a.outputs[0].token_ids
-        for pa, pb in zip(positions(a), positions(b)):
-            assert set(pa) == set(pb)
-            assert all(abs(pa[t].logprob - pb[t].logprob) < 1e-4 for t in pa)
+    assert_same_outputs(outs, int8.generate(prompts, params, use_tqdm=False))
 
 
 def test_gguf_mxfp4_experts_stay_the_files_bytes(tmp_path, monkeypatch):
