@@ -84,7 +84,11 @@ def make_tiny_model(arch: str, path, seed: int = 0, weights: bool = True, **over
     if arch not in PRESETS:
         raise ValueError(f"unknown tiny model {arch!r} (known: {', '.join(PRESETS)})")
     config_class, extra = PRESETS[arch]
-    config = getattr(transformers, config_class)(**{**_COMMON, **extra, **overrides})
+    config_cls = getattr(transformers, config_class)
+    if "swiglu_limit" in extra and "swiglu_limit" not in getattr(config_cls, "__annotations__", {}):
+        # older transformers (5.17) fix gpt-oss's limit at 7.0 whatever the config says
+        extra = {k: v for k, v in extra.items() if k != "swiglu_limit"}
+    config = config_cls(**{**_COMMON, **extra, **overrides})
     if not weights:
         config.architectures = [config_class.replace("TextConfig", "Config")
                                 .replace("Config", "ForCausalLM")]
