@@ -12,8 +12,8 @@ from conveyor.frontend.tools import ToolMode
 
 class ChatReader:
     def __init__(self, reasoning: type[ReasoningParser] | None, tools: ToolMode | None):
-        self.reasoning = reasoning() if reasoning is not None else None
         self.tools = tools.new_parser() if tools is not None else None
+        self.reasoning = reasoning(self.tools is not None) if reasoning is not None else None
         self.parallel = tools is None or tools.parallel
         self.called = False                  # a tool call went out
 
@@ -45,7 +45,7 @@ class ChatReader:
         """The OpenAI `message` of the whole output."""
         thought, content = None, text
         if self.reasoning is not None:
-            thought, content = type(self.reasoning).parse(text)
+            thought, content = type(self.reasoning).parse(text, self.reasoning.calls)
         calls = []
         if self.tools is not None:
             parsed = self.tools.parse_all(content)

@@ -79,7 +79,7 @@ class RequestPreparer:
             check_token_ids(so.start_after, self.vocab_size, "structured_outputs.start_after")
         elif so is not None and self.reasoning is not None and req.messages is not None:
             # a reasoning model thinks freely; the constraint holds its answer, after the thought
-            start = self.reasoning.constraint_start(self.tokenizer, token_ids)
+            start = self.reasoning.constraint_start(self.tokenizer, token_ids, so)
             if start is not None:
                 params = msgspec.structs.replace(
                     params, structured_outputs=msgspec.structs.replace(so, start_after=start))

@@ -32,7 +32,7 @@ from conveyor.frontend.openai_responses import ChatShape, CompletionShape
 from conveyor.frontend.reasoning import REASONING_PARSERS
 from conveyor.frontend.responses_api import ResponsesRequest, ResponsesShape, chat_request
 from conveyor.frontend.tokenizer import apply_chat_template, check_token_ids, template_reads
-from conveyor.frontend.tools import constrain, constraint_schema, tool_mode
+from conveyor.frontend.tools import constrain, tool_mode
 from conveyor.shared.messages.client import GenerateRequest
 from conveyor.shared.request_options import RequestOptions
 
@@ -155,14 +155,18 @@ class Routes:
         """A chat request's GenerateRequest, and what makes a reader of its choices' text
         (None: the text is the content, as it is)."""
         with _bad_request():
+            harmony = self.reasoning is not None and self.reasoning.writes_calls
             tools = tool_mode(req.tools, req.tool_choice, req.parallel_tool_calls,
-                              self.tool_parser)
-            # NOTE: "required" and named tool choices are held to this JSON schema
-            params = constrain(oai.sampling_params(req, self.defaults), constraint_schema(tools))
+                              self.tool_parser, harmony)
+            # NOTE: "required" and named tool choices are held to their call
+            params = constrain(oai.sampling_params(req, self.defaults), tools)
             if self.reasoning is not None and self.reasoning.keeps_special_tokens:
                 # the reader needs the format's markers; none of them reaches the client
                 params = msgspec.structs.replace(params, skip_special_tokens=False)
-            gen = GenerateRequest(id="0", messages=oai.chat_messages(req), tools=req.tools,
+            # a harmony model is not shown functions it may not call ("none"), as vLLM does:
+            # it would call them in its own channels all the same
+            shown = None if harmony and tools.choice == "none" else req.tools
+            gen = GenerateRequest(id="0", messages=oai.chat_messages(req), tools=shown,
                                   chat_template_kwargs=self._template_kwargs(req),
                                   sampling=params, stream=req.stream,
                                   options=self.options(request, req, model))

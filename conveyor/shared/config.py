@@ -262,9 +262,10 @@ class HttpConfig:
 
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs a tool_call_parser")
-        if self.tool_call_parser == "openai" and self.reasoning_parser != "openai_gptoss":
-            raise ValueError("tool_call_parser openai reads gpt-oss's harmony channels: it needs "
-                             "reasoning_parser openai_gptoss")
+        if (self.tool_call_parser == "openai") != (self.reasoning_parser == "openai_gptoss") \
+                and self.tool_call_parser is not None:
+            raise ValueError("gpt-oss's calls are harmony messages: tool_call_parser openai and "
+                             "reasoning_parser openai_gptoss go together")
         for name, value, known in (("tool_call_parser", self.tool_call_parser, TOOL_PARSERS),
                                    ("reasoning_parser", self.reasoning_parser,
                                     REASONING_PARSERS)):

@@ -87,6 +87,23 @@ def test_harmony_chats_keep_their_special_tokens_and_thinking_reaches_the_templa
     assert "assistant:Greet back.|Hello;" in tok2.decode(ids)
 
 
+def test_harmony_tool_choices_on_the_route(tok):
+    """On a harmony server "required" is held by a call grammar from the first token (the
+    thought is in it), "none" shows the model no functions, "auto" shows them unheld."""
+    core = FrontendCore(tok, len(tok), 2048, "f-", lambda m: None, state=READY)
+    harmony = Routes(core, ("m",), 4, tool_parser="openai", reasoning_parser="openai_gptoss")
+    ask = {"messages": [{"role": "user", "content": "Time?"}], "tools": TOOLS}
+    gens = {choice: harmony._chat(None, msgspec.convert({**ask, "tool_choice": choice},
+                                                        oai.ChatRequest), "m")[0]
+            for choice in ("required", "none", "auto")}
+    so = gens["required"].sampling.structured_outputs
+    assert "<|channel|>" in so.grammar and "functions.get_time" in so.grammar
+    _, _, params = core.preparer.prepare(gens["required"], fit_context=False)
+    assert params.structured_outputs.start_after is None
+    assert gens["none"].tools is None and gens["none"].sampling.structured_outputs is None
+    assert gens["auto"].tools == TOOLS and gens["auto"].sampling.structured_outputs is None
+
+
 def test_reasoning_effort_reaches_a_template_that_reads_it_and_is_refused_elsewhere(tok):
     """OpenAI's reasoning_effort is a variable of gpt-oss's template; with a template that does
     not read it the request is a 400 naming it (the field would do nothing)."""

@@ -8,8 +8,10 @@ import pytest
 
 from conveyor.frontend.chat_output import ChatReader
 from conveyor.frontend.reasoning import HarmonyReasoningParser
-from conveyor.frontend.tools import tool_mode
+from conveyor.frontend.tools import constraint, tool_mode
 from conveyor.shared.config import HttpConfig
+from conveyor.shared.grammar import check as check_grammar
+from conveyor.shared.structured_outputs import from_json_schema
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"location": {"type": "string"}}}}}
@@ -116,17 +118,105 @@ def test_a_cut_call_is_no_call_and_a_non_function_recipient_is_content():
     assert "tool_calls" not in builtin and builtin["content"] == '{"q": 1}'
 
 
-def test_a_constraint_starts_at_the_final_channel():
+def test_a_constraint_starts_at_the_final_channel_unless_it_is_written_in_harmony():
     class Tok:
         def encode(self, text, add_special_tokens):
             assert not add_special_tokens
             return [ord(ch) for ch in text]
-    start = HarmonyReasoningParser.constraint_start(Tok(), [1, 2, 3])
+    start = HarmonyReasoningParser.constraint_start(Tok(), [1, 2, 3], from_json_schema({}))
     assert "".join(map(chr, start)) == "<|channel|>final<|message|>"
+    call = constraint(tool_mode([WEATHER], "required", True, None, harmony=True))
+    assert HarmonyReasoningParser.constraint_start(Tok(), [1, 2, 3], call) is None
 
 
-def test_the_openai_tool_parser_needs_the_harmony_reasoning_parser():
+def test_the_openai_tool_parser_and_the_harmony_reasoning_parser_go_together():
     with pytest.raises(ValueError, match="reasoning_parser openai_gptoss"):
         HttpConfig(enable_auto_tool_choice=True, tool_call_parser="openai")
+    with pytest.raises(ValueError, match="tool_call_parser openai"):
+        HttpConfig(enable_auto_tool_choice=True, tool_call_parser="hermes",
+                   reasoning_parser="openai_gptoss")
     HttpConfig(enable_auto_tool_choice=True, tool_call_parser="openai",
                reasoning_parser="openai_gptoss")
+    HttpConfig(reasoning_parser="openai_gptoss")
+
+
+# --- tool_choice "required" and named: the output is held to a harmony call by a grammar ----
+
+TYPED = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"location": {"type": "string"},
+                                     "unit": {"enum": ["C", "F"]}},
+    "required": ["location", "unit"], "additionalProperties": False}}}
+THOUGHT = "<|channel|>analysis<|message|>The user wants Paris's weather.<|end|><|start|>assistant"
+CALL = ('<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
+        '{"location": "Paris", "unit": "C"}<|call|>')
+
+
+@pytest.fixture(scope="module")
+def harmony_tok():
+    """The default model's tokenizer with harmony's markers added as special tokens."""
+    from conveyor.frontend.tokenizer import load_tokenizer
+    from conveyor.shared.model_files import default_model_path, resolve_model
+    if not default_model_path().is_file():
+        pytest.skip("default model not fetched (make model)")
+    tok = load_tokenizer(resolve_model(None))
+    tok.add_special_tokens({"additional_special_tokens": list(MARKERS)})
+    return tok
+
+
+MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>", "<|constrain|>",
+           "<|return|>")
+
+
+def _follows(tok, grammar: str, text: str) -> bool:
+    """Whether the grammar lets the model write `text` (as the tokenizer cuts it) and stop."""
+    import llguidance
+
+    from conveyor.shared.grammar import build_tokenizer
+    ends = (tok.eos_token_id, tok.convert_tokens_to_ids("<|return|>"))
+    matcher = llguidance.LLMatcher(build_tokenizer(tok, len(tok), ends),
+                                   llguidance.grammar_from("lark", grammar))
+    assert not matcher.get_error()
+    return (all(matcher.consume_token(t) for t in tok.encode(text, add_special_tokens=False))
+            and matcher.is_accepting())
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function",
+                                                 "function": {"name": "get_weather"}}])
+def test_required_and_named_hold_a_harmony_output_to_a_call(harmony_tok, choice):
+    """The grammar lets gpt-oss think, then call a function in its own header with arguments
+    of the function's schema; nothing else (an answer, another function, bad arguments, a call
+    not ended). What it lets through the reader gives as one tool call."""
+    mode = tool_mode([TYPED, TIME], choice, True, None, harmony=True)
+    so = constraint(mode)
+    check_grammar(so)
+    time_call = ('<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>{}'
+                 '<|call|>')
+    assert _follows(harmony_tok, so.grammar, THOUGHT + CALL)
+    assert _follows(harmony_tok, so.grammar, CALL)
+    assert _follows(harmony_tok, so.grammar, time_call) == (choice == "required")
+    for wrong in ["<|channel|>final<|message|>It is sunny.<|return|>",
+                  CALL.replace('"C"', '"K"'), CALL.replace('"unit": "C"', '"unit":"C"'),
+                  CALL.replace("<|call|>", ""), THOUGHT + THOUGHT + CALL,
+                  CALL.replace("functions.get_weather", "functions.get_news")]:
+        assert not _follows(harmony_tok, so.grammar, wrong), wrong
+    message = ChatReader(HarmonyReasoningParser, mode).message(THOUGHT + CALL)
+    assert message["reasoning_content"] == "The user wants Paris's weather."
+    assert calls_of(message) == [("get_weather", {"location": "Paris", "unit": "C"})]
+    assert not message["content"]
+
+
+def test_tool_choice_none_leaves_a_harmony_call_as_content_without_markers():
+    """Under "none" nothing is read as a call: what the model sends a function anyway is
+    content (its arguments), and no marker reaches the client."""
+    mode = tool_mode([WEATHER], "none", True, "openai", harmony=True)
+    assert constraint(mode) is None and mode.new_parser() is None
+    reader = ChatReader(HarmonyReasoningParser, mode)
+    message = reader.message(THOUGHT + CALL)
+    assert "tool_calls" not in message
+    assert message["content"] == '{"location": "Paris", "unit": "C"}'
+    text = THOUGHT + CALL
+    for i in range(len(text) + 1):
+        r, got = ChatReader(HarmonyReasoningParser, mode), ""
+        for j, piece in enumerate([text[:i], text[i:]]):
+            got += r.delta(piece, final=j == 1).get("content", "")
+        assert got == message["content"]

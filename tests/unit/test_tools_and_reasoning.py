@@ -194,9 +194,9 @@ def test_the_constraint_starts_after_the_thought():
     prompt = [{"role": "user", "content": "Hi"}]
     open_prompt = apply_chat_template(tok, prompt)
     closed_prompt = open_prompt + tok.encode("<think>\n\n</think>\n\n", add_special_tokens=False)
-    end = Qwen3ReasoningParser.constraint_start(tok, open_prompt)
+    end = Qwen3ReasoningParser.constraint_start(tok, open_prompt, None)
     assert tok.decode(end) == "</think>"
-    assert Qwen3ReasoningParser.constraint_start(tok, closed_prompt) is None
+    assert Qwen3ReasoningParser.constraint_start(tok, closed_prompt, None) is None
     assert set(REASONING_PARSERS) == {"qwen3", "deepseek_r1", "openai_gptoss"}
 
 

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 class ReasoningParser:
     keeps_special_tokens = False              # the format's markers are special tokens
+    writes_calls = False                      # tool calls are messages of the format (harmony)
 
-    def __init__(self) -> None:
+    def __init__(self, calls: bool = True) -> None:
         self.buf = ""
+        self.calls = calls                    # writes_calls: a call is a call (else content)
 
     def feed(self, text: str, final: bool = False) -> tuple[str, str]:
         raise NotImplementedError
@@ -18,15 +20,15 @@ class ReasoningParser:
         return self.feed("", final=True)
 
     @classmethod
-    def parse(cls, text: str) -> tuple[str, str]:
+    def parse(cls, text: str, calls: bool = True) -> tuple[str, str]:
         """The whole output's (reasoning, content)."""
-        parser = cls()
+        parser = cls(calls)
         r1, c1 = parser.feed(text)
         r2, c2 = parser.finish()
         return r1 + r2, c1 + c2
 
     @staticmethod
-    def constraint_start(tokenizer, prompt_ids: list[int]) -> list[int] | None:
-        """The token ids after which a structured-output constraint starts (None: from the
-        first generated token)."""
+    def constraint_start(tokenizer, prompt_ids: list[int], so) -> list[int] | None:
+        """The token ids after which the structured-output constraint `so` starts (None: from
+        the first generated token)."""
         raise NotImplementedError

@@ -10,7 +10,8 @@ a recipient (`to=functions.NAME`, before or after the channel) and a format (`<|
     {"city": "Paris"}<|call|>
 
 The analysis channel is the thought (`reasoning_content`). A message to a function is a tool
-call: it goes on in the content as
+call (unless the request reads no calls: tool_choice "none"; then it is content): it goes on in
+the content as
 `<|start|>assistant to=functions.NAME<|message|>ARGUMENTS<|call|>`, which
 `--tool-call-parser openai` reads (tool_parsers/openai.py). Any other message (final, a
 commentary preamble, one to a built-in tool) is content. The markers are special tokens, so a
@@ -35,9 +36,10 @@ _WS = " \t\n\r"
 
 class HarmonyReasoningParser(ReasoningParser):
     keeps_special_tokens = True
+    writes_calls = True
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, calls: bool = True) -> None:
+        super().__init__(calls)
         self.state = "header"                # header | text | plain
         self.channel: str | None = None
         self.recipient: str | None = None
@@ -83,7 +85,7 @@ class HarmonyReasoningParser(ReasoningParser):
         channel, recipient = _CHANNEL_RE.search(header), _RECIPIENT_RE.search(header)
         self.channel = channel.group(1) if channel else None
         # NOTE: a built-in tool's message (browser, python) is not a function call: content
-        self.recipient = (recipient.group(1) if recipient
+        self.recipient = (recipient.group(1) if recipient and self.calls
                           and recipient.group(1).startswith(FUNCTIONS) else None)
         if self.recipient:
             content.append(CALL_OPEN + self.recipient + MESSAGE)
@@ -105,6 +107,9 @@ class HarmonyReasoningParser(ReasoningParser):
         return out, False
 
     @staticmethod
-    def constraint_start(tokenizer, prompt_ids: list[int]) -> list[int] | None:
-        """A structured-output constraint holds the final channel's text."""
+    def constraint_start(tokenizer, prompt_ids: list[int], so) -> list[int] | None:
+        """A structured-output constraint holds the final channel's text; a grammar that
+        names harmony's markers (a tool choice's call) holds the whole output."""
+        if so.grammar is not None and CHANNEL in so.grammar:
+            return None
         return tokenizer.encode(CHANNEL + "final" + MESSAGE, add_special_tokens=False)

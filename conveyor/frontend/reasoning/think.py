@@ -19,8 +19,8 @@ _WS = " \t\n\r"
 class ThinkParser(ReasoningParser):
     opened_in_prompt = False
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, calls: bool = True) -> None:
+        super().__init__(calls)
         self.state = "start"                  # start | reasoning | answer_start | answer
 
     def feed(self, text: str, final: bool = False) -> tuple[str, str]:
@@ -51,7 +51,7 @@ class ThinkParser(ReasoningParser):
         return reasoning, content
 
     @staticmethod
-    def constraint_start(tokenizer, prompt_ids: list[int]) -> list[int] | None:
+    def constraint_start(tokenizer, prompt_ids: list[int], so) -> list[int] | None:
         """The token ids after which a structured-output constraint starts: those of `</think>`,
         unless the prompt already closed the thought (thinking turned off): then None."""
         tail = tokenizer.decode(prompt_ids[-16:], skip_special_tokens=False).rstrip(_WS)

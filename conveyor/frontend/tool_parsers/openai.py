@@ -5,18 +5,42 @@ the content (frontend/reasoning/harmony.py), so it needs `--reasoning-parser ope
 
 The recipient `functions.NAME` names the call and the message is its arguments, a JSON object,
 streamed as the model writes it. A recipient that is not a function (a built-in tool) is content.
+
+`call_grammar` is what holds a harmony output to a call under tool_choice "required" or a named
+function: a thought (optional), then the call in the header gpt-oss writes, its arguments held
+to the function's schema.
 """
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 
 from conveyor.frontend.tool_parsers.base import ToolParser, partial_tail
 from conveyor.frontend.tool_parsers.call_object import CallReader
+from conveyor.shared.grammar import JSON_OPTIONS
 
 # harmony's markers (special tokens), and a call as reasoning/harmony.py hands it on
 START, MESSAGE, CALL = "<|start|>", "<|message|>", "<|call|>"
 CALL_OPEN = START + "assistant to="
 FUNCTIONS = "functions."
+_ANY_OBJECT = {"type": "object"}
+
+
+def call_grammar(functions: Sequence[dict]) -> str:
+    """A Lark grammar (llguidance's, where `<|name|>` is that special token) for a harmony
+    output that is one call of one of `functions` ({"name", "parameters"}), perhaps after an
+    analysis message. Calls end at `<|call|>`: harmony has one call a turn. The arguments are
+    compact JSON, as every JSON constraint here (shared/grammar.py)."""
+    calls = [f'<|channel|> {json.dumps("commentary to=" + FUNCTIONS + f["name"] + " ")} '
+             f'<|constrain|> "json" <|message|> '
+             f'%json {json.dumps({**(f.get("parameters") or _ANY_OBJECT), "x-guidance": JSON_OPTIONS})} '
+             f'<|call|>'
+             for f in functions]
+    return "\n".join([
+        "start: analysis? call",
+        'analysis: <|channel|> "analysis" <|message|> THOUGHT <|end|> <|start|> "assistant"',
+        "THOUGHT: /(?s:.*)/",                # text: a special token ends it
+        "call: " + "\n    | ".join(calls)])
 
 
 class OpenAIParser(ToolParser):
