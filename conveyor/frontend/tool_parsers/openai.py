@@ -31,11 +31,11 @@ def call_grammar(functions: Sequence[dict]) -> str:
     output that is one call of one of `functions` ({"name", "parameters"}), perhaps after an
     analysis message. Calls end at `<|call|>`: harmony has one call a turn. The arguments are
     compact JSON, as every JSON constraint here (shared/grammar.py)."""
+    def schema(f: dict) -> str:
+        return json.dumps({**(f.get("parameters") or _ANY_OBJECT), "x-guidance": JSON_OPTIONS})
+
     calls = [f'<|channel|> {json.dumps("commentary to=" + FUNCTIONS + f["name"] + " ")} '
-             f'<|constrain|> "json" <|message|> '
-             f'%json {json.dumps({**(f.get("parameters") or _ANY_OBJECT), "x-guidance": JSON_OPTIONS})} '
-             f'<|call|>'
-             for f in functions]
+             f'<|constrain|> "json" <|message|> %json {schema(f)} <|call|>' for f in functions]
     return "\n".join([
         "start: analysis? call",
         'analysis: <|channel|> "analysis" <|message|> THOUGHT <|end|> <|start|> "assistant"',
