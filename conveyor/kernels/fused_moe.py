@@ -185,13 +185,19 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int
 
 
 @jit
-def _e2m1_x2(q):
-    """float4 e2m1 codes (int32, 0..15) -> twice their values in float32 (see _e8m0_half),
-    built as bits (no I2F): code exponent e > 0 and mantissa m make 2^e (1 + m / 2), exponent
-    field e + 127 and m the top mantissa bit; e = 0 is 0 or 1 (m); bit 3 the sign."""
-    v = q & 7
-    bits = tl.where(v >= 2, (v << 22) + (127 << 23), tl.where(v == 1, 127 << 23, 0))
-    return (bits | ((q & 8) << 28)).to(tl.float32, bitcast=True)
+def _e2m1_x2(x):
+    """The float4 e2m1 code in x's low 4 bits (int32; the bits above are ignored) -> twice its
+    value in float32 (see _e8m0_half), in 6 integer ops and a product: the code's exponent e
+    and mantissa m put in float32's exponent field and top mantissa bit make 2^(e - 127)
+    (1 + m / 2), or for e = 0 the subnormal m 2^-127, and 2^127 times that is exactly twice
+    e2m1's 2^(e - 1) (1 + m / 2) or m / 2; bit 3 is the sign.
+
+    NOTE: a code-by-code form (two selects on the exponent) took twice the integer work, which
+    bounds a decode step's expert GEMMs (each weight decoded for a few rows): this one took
+    gpt-oss-20b's MXFP4 decode from 6.09 to 5.55 ms a token and its reference workload from
+    3,294 to 3,495 tok/s (H200, 2026-12-05, side by side)."""
+    bits = ((x & 7) << 22) | ((x & 8) << 28)
+    return bits.to(tl.float32, bitcast=True) * 1.7014118346046923e38     # 2^127
 
 
 @jit
@@ -252,11 +258,13 @@ def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_id
             s_ok = (g < tl.cdiv(K, GROUP_K))[:, None] & n_ok[None, :]
             s = tl.load(scale_ptr + s_at, mask=s_ok, other=0)
             if INT4:     # nibble i of word j is input 8 j + i
-                q = (w[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 15
-                w = tl.reshape(q, (BLOCK_K, BLOCK_N))
+                x = tl.reshape(w[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None],
+                               (BLOCK_K, BLOCK_N))
                 if FP4:     # e2m1(q) 2^(s - 127), exactly: 2 e2m1(q) times 2^(s - 128)
-                    w = _e2m1_x2(w)
+                    w = _e2m1_x2(x)
                     s = _e8m0_half(s.to(tl.int32))
+                else:
+                    w = x & 15
             w = tl.reshape(w.to(tl.float32), (G, BLOCK_K // G, BLOCK_N))
             if INT4 and not FP4:
                 w = w - tl.load(zero_ptr + s_at, mask=s_ok, other=0.0)[:, None, :]
@@ -297,15 +305,16 @@ def _step_k(block_k: int, block_m: int, k: int, scale: torch.Tensor | None, int4
             ) -> tuple[int, int]:
     """(BLOCK_K, GROUP_K) for a weight of k inputs: GROUP_K the inputs a scale covers where the
     tile scales its weight before the dot (groups, or any 4-bit weight), else 0. A K step lies
-    within one group (BLOCK_K divides GROUP_K) or, in the decode tiles, covers whole groups,
+    within one group (BLOCK_K divides GROUP_K) or, in the 16-row tiles, covers whole groups,
     each scaled on its own (GROUP_K divides BLOCK_K: MXFP4's blocks of 32).
 
-    NOTE: gpt-oss-20b's MXFP4 experts (H200, bench_latency / bench_throughput): steps of one
-    32-block, 8.14 ms a decoded token (bf16: 3.19) and 4,318 tok/s on the reference workload;
-    steps of whole blocks in every tile, 6.13 ms but 3,364 tok/s (the prefill tiles' steps of
-    64 regroup a 64 x 256 tile a step)."""
+    NOTE: gpt-oss-20b's MXFP4 experts (H200, 2026-12-05, bench_latency / bench_throughput):
+    steps of one 32-block, 8.14 ms a decoded token (bf16: 3.19) and 4,318 tok/s on the
+    reference workload; steps of whole blocks in every tile, 6.13 ms but 3,364 tok/s; in the
+    16- and 32-row tiles, 6.09 ms and 3,294 tok/s (the workload's decode runs 32-row tiles).
+    Hence whole blocks in the 16-row tiles only (batch 1-2 a step); that mix is unmeasured."""
     group_k = k // scale.shape[2] if scale is not None and (int4 or scale.shape[2] > 1) else 0
-    if group_k and (block_k % group_k or block_m > 32):
+    if group_k and (block_k % group_k or block_m > 16):
         block_k = math.gcd(block_k, group_k)
     return block_k, group_k
 
