@@ -222,7 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "qwen3_coder, openai (gpt-oss)")
     g.add_argument("--reasoning-parser", default=None, metavar="NAME",
                    help="split the model's thought into reasoning_content: qwen3, "
-                        "deepseek_r1 (<think>...</think>), openai_gptoss (gpt-oss's channels)")
+                        "deepseek_r1 (<think>...</think>), openai_gptoss (gpt-oss's channels; "
+                        "the default for gpt-oss)")
     g.add_argument("--zmq-port", type=int, default=5555,
                    help="frontend i listens on ZMQ_PORT + i (0: any free port)")
     g.add_argument("--frontends", type=int, default=None,

@@ -57,6 +57,17 @@ def default_frontends() -> int:
     return max(1, min(8, len(os.sched_getaffinity(0)) // 4))
 
 
+def model_parsers(model: ModelConfig, http: HttpConfig) -> HttpConfig:
+    """The HTTP config with the parsers the model's output format needs where none was given:
+    gpt-oss writes harmony channels, whose markers (special tokens) would otherwise be dropped
+    and its thought run into its answer; vLLM reads them for gpt-oss without a flag too."""
+    if model.architecture != "GptOssForCausalLM" or http.reasoning_parser is not None:
+        return http
+    print("conveyor: gpt-oss: reading its harmony channels (--reasoning-parser openai_gptoss)",
+          flush=True)
+    return dataclasses.replace(http, reasoning_parser="openai_gptoss")
+
+
 def serve(engine: EngineConfig, http: HttpConfig, *, host: str = "127.0.0.1", zmq_port: int = 0,
           num_frontends: int | None = None, curve_keys: str | None = None,
           startup_timeout: float = 600.0, skip_tokenizer_init: bool = False,
@@ -70,6 +81,10 @@ def serve(engine: EngineConfig, http: HttpConfig, *, host: str = "127.0.0.1", zm
                                       else default_frontends())
     files = resolve_model(engine.model, engine.revision)
     model = read_model_config(files)
+    try:
+        http = model_parsers(model, http)
+    except ValueError as e:
+        raise LaunchError(str(e)) from None
     check_tensor_parallel(model, engine.tensor_parallel_size)
     stages = check_pipeline_parallel(model, engine.pipeline_parallel_size)
     max_model_len(engine, model)

@@ -262,6 +262,9 @@ class HttpConfig:
 
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs a tool_call_parser")
+        if self.tool_call_parser == "openai" and self.reasoning_parser is None:
+            # gpt-oss's calls are harmony messages: the harmony reader hands them on
+            object.__setattr__(self, "reasoning_parser", "openai_gptoss")
         if (self.tool_call_parser == "openai") != (self.reasoning_parser == "openai_gptoss") \
                 and self.tool_call_parser is not None:
             raise ValueError("gpt-oss's calls are harmony messages: tool_call_parser openai and "

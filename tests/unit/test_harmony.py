@@ -130,8 +130,14 @@ def test_a_constraint_starts_at_the_final_channel_unless_it_is_written_in_harmon
 
 
 def test_the_openai_tool_parser_and_the_harmony_reasoning_parser_go_together():
+    """The openai tool parser brings the harmony reader (vLLM's gpt-oss flags name only the
+    tool parser); another reasoning parser with it, or another tool parser with harmony, is
+    refused."""
+    assert HttpConfig(enable_auto_tool_choice=True,
+                      tool_call_parser="openai").reasoning_parser == "openai_gptoss"
     with pytest.raises(ValueError, match="reasoning_parser openai_gptoss"):
-        HttpConfig(enable_auto_tool_choice=True, tool_call_parser="openai")
+        HttpConfig(enable_auto_tool_choice=True, tool_call_parser="openai",
+                   reasoning_parser="qwen3")
     with pytest.raises(ValueError, match="tool_call_parser openai"):
         HttpConfig(enable_auto_tool_choice=True, tool_call_parser="hermes",
                    reasoning_parser="openai_gptoss")
@@ -220,3 +226,26 @@ def test_tool_choice_none_leaves_a_harmony_call_as_content_without_markers():
         for j, piece in enumerate([text[:i], text[i:]]):
             got += r.delta(piece, final=j == 1).get("content", "")
         assert got == message["content"]
+
+
+def test_a_gpt_oss_server_reads_harmony_without_the_flag(tmp_path):
+    """As vLLM does: a gpt-oss model's chats are read as harmony with no --reasoning-parser
+    (its thought would otherwise run into its answer); a given parser is kept, and a tool
+    parser that cannot read harmony is refused."""
+    from models_util import make_tiny_model
+
+    from conveyor.launcher import model_parsers
+    from conveyor.shared.model_files import read_model_config, resolve_model
+
+    def model(arch):
+        return read_model_config(resolve_model(str(make_tiny_model(arch, tmp_path / arch,
+                                                                   weights=False))))
+    gpt_oss, llama = model("gpt-oss"), model("llama")
+    assert model_parsers(gpt_oss, HttpConfig()).reasoning_parser == "openai_gptoss"
+    assert model_parsers(llama, HttpConfig()).reasoning_parser is None
+    with pytest.raises(ValueError, match="go together"):
+        model_parsers(gpt_oss, HttpConfig(enable_auto_tool_choice=True,
+                                          tool_call_parser="hermes"))
+    tools = HttpConfig(enable_auto_tool_choice=True, tool_call_parser="openai",
+                       reasoning_parser="openai_gptoss")
+    assert model_parsers(gpt_oss, tools) == tools
