@@ -11,9 +11,11 @@ from conveyor.frontend.tools import ToolMode
 
 
 class ChatReader:
-    def __init__(self, reasoning: type[ReasoningParser] | None, tools: ToolMode | None):
+    def __init__(self, reasoning: type[ReasoningParser] | None, tools: ToolMode | None,
+                 include_reasoning: bool = True):
         self.tools = tools.new_parser() if tools is not None else None
         self.reasoning = reasoning(self.tools is not None) if reasoning is not None else None
+        self.include_reasoning = include_reasoning   # False: the thought is split off, unsent
         self.parallel = tools is None or tools.parallel
         self.called = False                  # a tool call went out
 
@@ -26,7 +28,7 @@ class ChatReader:
                 more = self.reasoning.finish()
                 thought, content = thought + more[0], content + more[1]
         out = {}
-        if thought:
+        if thought and self.include_reasoning:
             out["reasoning_content"] = thought
         if self.tools is not None:
             d = self.tools.feed(content)
@@ -56,6 +58,6 @@ class ChatReader:
                "content": content or (None if calls or thought else content)}
         if calls:
             out["tool_calls"] = calls
-        if self.reasoning is not None:
+        if self.reasoning is not None and self.include_reasoning:
             out["reasoning_content"] = thought or None
         return out

@@ -116,6 +116,7 @@ class ChatRequest(_Common, kw_only=True):
     chat_template_kwargs: dict[str, str | int | float | bool | None] | None = None
     # OpenAI's, as gpt-oss's template reads it; refused where the template does not
     reasoning_effort: Literal["low", "medium", "high"] | None = None
+    include_reasoning: bool = True           # vLLM's: False drops reasoning_content
 
 
 def decode_request(body: bytes, kind: type):

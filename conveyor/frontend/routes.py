@@ -171,7 +171,8 @@ class Routes:
                                   sampling=params, stream=req.stream,
                                   options=self.options(request, req, model))
         reads = tools.choice != "none" or self.reasoning is not None
-        return gen, (lambda: ChatReader(self.reasoning, tools)) if reads else None
+        return gen, (lambda: ChatReader(self.reasoning, tools, req.include_reasoning)) \
+            if reads else None
 
     def _template_kwargs(self, req: oai.ChatRequest) -> dict | None:
         """The chat template's variables: chat_template_kwargs, and reasoning_effort where the

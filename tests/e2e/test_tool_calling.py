@@ -159,6 +159,14 @@ def test_reasoning_is_split_off_streamed_or_not(oai):
     reasoning, content, calls, finish = _streamed(oai, model="x", messages=THINKING,
                                                   max_tokens=30, temperature=0)
     assert (reasoning, content, calls) == (message.model_extra["reasoning_content"], "Hello!", [])
+    # vLLM's include_reasoning: false: the thought is split off and not sent
+    hidden = {"include_reasoning": False}
+    r = oai.chat.completions.create(model="x", messages=THINKING, max_tokens=30, temperature=0,
+                                    extra_body=hidden)
+    assert r.choices[0].message.content == "Hello!"
+    assert "reasoning_content" not in (r.choices[0].message.model_extra or {})
+    assert _streamed(oai, model="x", messages=THINKING, max_tokens=30, temperature=0,
+                     extra_body=hidden)[:3] == ("", "Hello!", [])
 
 
 def test_chat_template_kwargs_reach_the_template(oai, tok):
