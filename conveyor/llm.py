@@ -105,11 +105,16 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              chat_template_kwargs: dict | None = None,
-             tools: list[dict] | None = None) -> list[RequestOutput]:
-        """tools: OpenAI-style function definitions, for the chat template to show the model."""
+             tools: list[dict] | None = None,
+             continue_final_message: bool = False) -> list[RequestOutput]:
+        """tools: OpenAI-style function definitions, for the chat template to show the model;
+        continue_final_message (with add_generation_prompt=False): the prompt ends inside the
+        last message, the assistant's, which the model goes on writing."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         sampling_params = sampling_params or self.get_default_sampling_params()
-        kwargs = {"add_generation_prompt": add_generation_prompt, **(chat_template_kwargs or {})}
+        kwargs = {"add_generation_prompt": add_generation_prompt,
+                  **({"continue_final_message": True} if continue_final_message else {}),
+                  **(chat_template_kwargs or {})}
         requests = [GenerateRequest(id="", messages=conv, sampling=params or SamplingParams(),
                                     chat_template_kwargs=kwargs, tools=tools)
                     for conv, params in zip(conversations, _per_prompt(

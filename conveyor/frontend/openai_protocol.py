@@ -117,6 +117,9 @@ class ChatRequest(_Common, kw_only=True):
     # OpenAI's, as gpt-oss's template reads it; refused where the template does not
     reasoning_effort: Literal["low", "medium", "high"] | None = None
     include_reasoning: bool = True           # vLLM's: False drops reasoning_content
+    # vLLM's: a prompt that ends without the assistant's opening, or inside its last message
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 def decode_request(body: bytes, kind: type):

@@ -175,14 +175,25 @@ class Routes:
             if reads else None
 
     def _template_kwargs(self, req: oai.ChatRequest) -> dict | None:
-        """The chat template's variables: chat_template_kwargs, and reasoning_effort where the
+        """The chat template's variables: chat_template_kwargs, vLLM's add_generation_prompt
+        and continue_final_message where not left as they are, and reasoning_effort where the
         model's template reads it (gpt-oss's); ValueError where it does not."""
-        if req.reasoning_effort is None:
-            return req.chat_template_kwargs
-        if not template_reads(self.core.tokenizer, "reasoning_effort"):
-            raise ValueError("reasoning_effort is not supported: this model's chat template "
-                             "does not read it")
-        return {"reasoning_effort": req.reasoning_effort, **(req.chat_template_kwargs or {})}
+        out = {}
+        if req.continue_final_message:
+            if req.add_generation_prompt:
+                raise ValueError("continue_final_message needs add_generation_prompt: false")
+            if not req.messages or req.messages[-1].role != "assistant":
+                raise ValueError("continue_final_message needs the last message to be the "
+                                 "assistant's")
+            out["continue_final_message"] = True
+        if not req.add_generation_prompt:
+            out["add_generation_prompt"] = False
+        if req.reasoning_effort is not None:
+            if not template_reads(self.core.tokenizer, "reasoning_effort"):
+                raise ValueError("reasoning_effort is not supported: this model's chat "
+                                 "template does not read it")
+            out["reasoning_effort"] = req.reasoning_effort
+        return {**out, **(req.chat_template_kwargs or {})} or None
 
     async def _respond(self, request: Request, gens: list[GenerateRequest], shape, req):
         usage = bool(req.stream_options and req.stream_options.include_usage)

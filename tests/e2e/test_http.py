@@ -189,6 +189,22 @@ def test_invalid_requests_are_400(server, body, needle):
     assert needle in _error(_post(server, "/v1/completions", body), 400)
 
 
+def test_continue_final_message_equals_the_offline_api(oai, llm):
+    """vLLM's continue_final_message: the prompt ends inside the assistant's last message (as
+    transformers' template renders it) and the model goes on from there, over HTTP as offline."""
+    started = CHAT + [{"role": "assistant", "content": "The capital of France is"}]
+    want = llm.chat(started, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False,
+                    add_generation_prompt=False, continue_final_message=True)[0]
+    text = llm.tokenizer.apply_chat_template(started, tokenize=False,
+                                             continue_final_message=True)
+    assert text.endswith("The capital of France is")
+    assert want.prompt_token_ids == llm.tokenizer.encode(text, add_special_tokens=False)
+    r = oai.chat.completions.create(model="smol", messages=started, max_tokens=8,
+                                    temperature=0, extra_body={"add_generation_prompt": False,
+                                                               "continue_final_message": True})
+    assert r.choices[0].message.content == want.outputs[0].text
+    assert r.usage.prompt_tokens == len(want.prompt_token_ids)
+
 def test_chat_errors_and_other_statuses(server):
     assert "messages" in _error(_post(server, "/v1/chat/completions", {"messages": []}), 400)
     zero = {"messages": CHAT, "max_completion_tokens": 0}     # not "unset": the whole context

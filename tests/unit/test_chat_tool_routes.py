@@ -122,3 +122,31 @@ def test_reasoning_effort_reaches_a_template_that_reads_it_and_is_refused_elsewh
     assert reads.decode(ids) == "Reasoning: low|Hi"
     with pytest.raises(msgspec.ValidationError):
         msgspec.convert({"messages": [], "reasoning_effort": "max"}, oai.ChatRequest)
+
+
+def test_continue_final_message_and_add_generation_prompt_shape_the_prompt():
+    """vLLM's add_generation_prompt and continue_final_message, with the default model's own
+    template: the prompt ends inside the assistant's last message, or without the assistant's
+    opening; a combination that cannot hold is a 400 naming it."""
+    tok = load_tokenizer(resolve_model(None))
+    core = FrontendCore(tok, len(tok), 2048, "f-", lambda m: None, state=READY)
+    routes = Routes(core, ("m",), 4)
+
+    def prompt(**fields):
+        req = msgspec.convert({"messages": [{"role": "user", "content": "Hi"},
+                                            {"role": "assistant", "content": "Hello, I am"}],
+                               **fields}, oai.ChatRequest)
+        _, ids, _ = core.preparer.prepare(routes._chat(None, req, "m")[0], fit_context=False)
+        return tok.decode(ids)
+
+    assert prompt().endswith("Hello, I am<|im_end|>\n<|im_start|>assistant\n")
+    assert prompt(add_generation_prompt=False).endswith("Hello, I am<|im_end|>\n")
+    assert prompt(add_generation_prompt=False,
+                  continue_final_message=True).endswith("<|im_start|>assistant\nHello, I am")
+    with pytest.raises(ApiError, match="add_generation_prompt: false"):
+        prompt(continue_final_message=True)
+    req = msgspec.convert({"messages": [{"role": "user", "content": "Hi"}],
+                           "add_generation_prompt": False, "continue_final_message": True},
+                          oai.ChatRequest)
+    with pytest.raises(ApiError, match="the assistant's"):
+        routes._chat(None, req, "m")
