@@ -164,15 +164,7 @@ class Sampler:
             x = on_rows(x, penalised, lambda sub: self._apply_penalties(
                 sub, [states[i] for i in penalised]))
         if biased:
-            rows, cols, bias = [], [], []
-            for i in biased:
-                for tok, value in params[i].logit_bias.items():
-                    if tok < self.vocab_size:
-                        rows.append(i)
-                        cols.append(tok)
-                        bias.append(value)
-            x.index_put_((to_device(rows, x.device), to_device(cols, x.device)),
-                         to_device(bias, x.device, torch.float32), accumulate=True)
+            self.add_logit_bias(x, params)
         if banned_rows:
             x[to_device(banned_rows, x.device), to_device(banned_ids, x.device)] = float("-inf")
 
@@ -195,6 +187,19 @@ class Sampler:
             logprobs = gather_logprobs(raw.float().log_softmax(-1), token_ids[idx],
                                        [params[i].logprobs for i in wants_logprobs])
         return SampledTensors(token_ids, wants_logprobs, logprobs)
+
+    def add_logit_bias(self, x: torch.Tensor, params: list[SamplingParams]) -> None:
+        """Each row's logit_bias added to x [N, V] (float32, in place)."""
+        rows, cols, bias = [], [], []
+        for i, p in enumerate(params):
+            for tok, value in (p.logit_bias or {}).items():
+                if tok < self.vocab_size:
+                    rows.append(i)
+                    cols.append(tok)
+                    bias.append(value)
+        if rows:
+            x.index_put_((to_device(rows, x.device), to_device(cols, x.device)),
+                         to_device(bias, x.device, torch.float32), accumulate=True)
 
     def _sample_fused(self, x: torch.Tensor, states: list[SeqSamplingState]) -> torch.Tensor:
         """x: [N, V] logits (any float dtype, rows may be strided). Greedy and temperature-only

@@ -49,6 +49,11 @@ SCENARIOS = {
         temperature=0, max_tokens=NEW, logprobs=2, repetition_penalty=1.02,
         frequency_penalty=0.02, presence_penalty=0.01, min_tokens=6,
         stop_token_ids=list(range(3, 256, 5)))),
+    # half the vocabulary banned, some tokens pushed: a guess the bias forbids is rejected
+    "logit-bias": (dict(), SamplingParams(
+        temperature=0, max_tokens=NEW, logprobs=2, ignore_eos=True,
+        logit_bias={**{t: -100.0 for t in range(0, 256, 2)},
+                    **{t: 2.0 for t in range(1, 64, 4)}})),
     "max-tokens-3": (dict(), SamplingParams(temperature=0, max_tokens=3, logprobs=1)),
     "tiny-budget": (dict(max_num_batched_tokens=3), GREEDY),
     "prompt-logprobs": (dict(max_num_batched_tokens=16),

@@ -63,6 +63,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, states: list[SeqSamplingState
     if penalised:
         idx = to_device(penalised, dev)
         x[idx] = sampler._apply_penalties(x[idx], [row_states[r] for r in penalised])
+    sampler.add_logit_bias(x, params)
     rows, cols = sampler._min_tokens_bans(row_states)
     if rows:
         x[to_device(rows, dev), to_device(cols, dev)] = float("-inf")
