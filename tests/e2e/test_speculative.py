@@ -156,7 +156,8 @@ def assert_same_distribution(path, spec, n: int = 2000) -> None:
 
     prompt = [3, 4, 5, 3, 4, 5, 3, 4]
     params = SamplingParams(n=n, temperature=0.9, top_p=0.95, top_k=6, min_p=0.02,
-                            repetition_penalty=1.2, max_tokens=4, ignore_eos=True)
+                            repetition_penalty=1.2, max_tokens=4, ignore_eos=True,
+                            logit_bias={2: 1.0, 6: -1.0})
     samples = []
     # every sample runs at once: lift the default batch size past which speculation stops
     for config in (None, {**spec, "disable_by_batch_size": 512}):
