@@ -166,7 +166,7 @@ class Sampler:
         if biased:
             self.add_logit_bias(x, params)
         if banned_rows:
-            x[to_device(banned_rows, x.device), to_device(banned_ids, x.device)] = float("-inf")
+            self.ban_early_ends(x, states, banned_rows, banned_ids)
 
         random = [i for i, p in enumerate(params) if not p.greedy]
         if fused:
@@ -279,6 +279,23 @@ class Sampler:
                 rows += [i] * len(banned)
                 cols += banned
         return rows, cols
+
+    def ban_early_ends(self, x: torch.Tensor, states: list[SeqSamplingState], rows: list[int],
+                       ids: list[int]) -> None:
+        """-inf at _min_tokens_bans' (rows, ids) of x [N, V], but in a constrained row whose
+        mask left nothing else (its grammar is complete): the constraint wins over min_tokens
+        and the output ends, where all -inf would draw a token the grammar forbids."""
+        r, c = to_device(rows, x.device), to_device(ids, x.device)
+        held = sorted({i for i in rows if states[i].params.structured_outputs is not None})
+        if not held:
+            x[r, c] = float("-inf")
+            return
+        saved = x[r, c]
+        x[r, c] = float("-inf")
+        h = to_device(held, x.device)
+        stuck = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
+        stuck[h] = torch.isneginf(x[h]).all(-1)
+        x[r, c] = torch.where(stuck[r], saved, float("-inf"))
 
     def _apply_penalties(self, x: torch.Tensor, states: list[SeqSamplingState]) -> torch.Tensor:
         """x: [R, V] logits of rows with some penalty. Returns penalised logits [R, V]."""

@@ -116,6 +116,19 @@ def test_guided_regex_and_choice(oai):
         assert isinstance(json.loads(c.message.content), dict)
 
 
+def test_a_complete_output_ends_before_min_tokens(oai):
+    """min_tokens past what the constraint allows: the grammar wins, the output ends once it is
+    complete (an end token is banned only where something else is allowed), greedy and sampled;
+    the end token of a choice is drawn, never a token the grammar forbids."""
+    for temperature in (0, 1):
+        r = oai.completions.create(model=None, prompt="Is the sky blue? Answer:", max_tokens=20,
+                                   temperature=temperature, n=2,
+                                   extra_body={"guided_choice": ["yes", "no"], "min_tokens": 10,
+                                               "return_token_ids": True})
+        for c in r.choices:
+            assert c.text in ("yes", "no") and c.finish_reason == "stop", c
+            assert len(c.model_extra["token_ids"]) <= 3, c
+
 def test_streaming_agrees_with_whole(oai):
     body = dict(model=None, messages=PROMPT, max_tokens=60, temperature=1.0, seed=7,
                 extra_body={"guided_json": SCHEMA})

@@ -66,7 +66,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, states: list[SeqSamplingState
     sampler.add_logit_bias(x, params)
     rows, cols = sampler._min_tokens_bans(row_states)
     if rows:
-        x[to_device(rows, dev), to_device(cols, dev)] = float("-inf")
+        sampler.ban_early_ends(x, row_states, rows, cols)
 
     has_guess = to_device([g >= 0 for g in guess], dev, torch.bool)     # [R]
     g = to_device([max(g, 0) for g in guess], dev, torch.long)          # [R]
