@@ -158,7 +158,7 @@ class FrontendCore:
             output.outputs.append(c)
             samples.append(_Sample(c, IncrementalDetokenizer(
                 self.tokenizer, token_ids, params.skip_special_tokens, params.stop,
-                params.include_stop_str_in_output)))
+                params.include_stop_str_in_output, params.min_tokens)))
         r = self.open[rid] = _Request(output, samples, deliver, req.stream)
         if self.timeout_s is not None:
             r.timer = asyncio.get_running_loop().call_later(self.timeout_s, self._expire, rid)

@@ -4,7 +4,8 @@ Text comes from the tokenizer's own streaming decoder (`tokenizers`' DecodeStrea
 a microsecond a token), primed with the end of the prompt so that the first token's leading space
 decodes right. It returns nothing while a token ends inside a UTF-8 character, so a partial
 character is never emitted; `flush` decodes whatever is still pending at the end. Stop strings are
-searched only where new text could form one.
+searched only where new text could form one, and, as in vLLM, only once the output has more than
+`min_tokens` tokens (one completed earlier does not end it).
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ def backend_of(tokenizer):
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True,
-                 stop: list[str] | None = None, include_stop_str_in_output: bool = False):
+                 stop: list[str] | None = None, include_stop_str_in_output: bool = False,
+                 min_tokens: int = 0):
         self.backend = None if tokenizer is None else backend_of(tokenizer)   # None: ids only
         self.skip_special_tokens = skip_special_tokens
         context = list(prompt_ids[-_CONTEXT_TOKENS:])
@@ -35,6 +37,8 @@ class IncrementalDetokenizer:
         self.stop = stop or []
         self.max_stop = max((len(s) for s in self.stop), default=0)
         self.include_stop = include_stop_str_in_output
+        self.min_tokens = min_tokens
+        self.num_tokens = 0                    # generated tokens pushed
         self.stopped_by: str | None = None     # the stop string that ended the text, if any
         self._streamed = 0                     # characters of `text` already handed out
 
@@ -47,6 +51,7 @@ class IncrementalDetokenizer:
         if self.backend is None:
             return len(new_ids)
         for i, token in enumerate(new_ids):
+            self.num_tokens += 1
             piece = self.stream_.step(self.backend, token)
             self.recent.append(token)
             if piece is None:
@@ -78,7 +83,7 @@ class IncrementalDetokenizer:
 
     def _append(self, piece: str) -> bool:
         self.text += piece
-        if not self.stop:
+        if not self.stop or self.num_tokens <= self.min_tokens:
             return False
         start = max(0, len(self.text) - len(piece) - self.max_stop + 1)
         best = None

@@ -51,6 +51,20 @@ def test_stop_string_truncates(tok, include):
     assert d.text == ("The answer is 42. STOP" if include else "The answer is 42. ")
 
 
+def test_stop_strings_wait_for_min_tokens(tok):
+    """As in vLLM: a stop string ends the text only once more than min_tokens tokens were
+    generated; one completed before that stays in the text, a later one ends it."""
+    ids = tok.encode("one STOP two three four five STOP six")
+    first = next(i for i in range(len(ids)) if "STOP" in tok.decode(ids[:i + 1]))
+    d = IncrementalDetokenizer(tok, [], stop=["STOP"], min_tokens=first + 1)
+    taken = sum(d.push([t]) for t in ids)
+    assert d.stopped_by == "STOP" and d.text == "one STOP two three four five "
+    assert taken < len(ids)
+    d = IncrementalDetokenizer(tok, [], stop=["STOP"], min_tokens=first)
+    for t in ids:
+        d.push([t])
+    assert d.text == "one "
+
 def test_stop_string_across_tokens_and_holdback(tok):
     ids = tok.encode("abc xyz<end>tail")
     d = IncrementalDetokenizer(tok, [], stop=["<end>"])
