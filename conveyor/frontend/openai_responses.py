@@ -75,6 +75,7 @@ class ResponseShape:
     A subclass says what a choice holds (`body`: text or message, logprobs)."""
     object_name = chunk_object = ""
     token_ids = False                        # add each choice's token ids (vLLM's extra)
+    continuous_usage = False                 # usage in every chunk (vLLM's stream option)
     sse_event_names, done_marker = False, True     # the stream's form (http.EventStream)
 
     def __init__(self, id: str, model: str, n: int, prompt_logprobs: int | None = None):
@@ -124,8 +125,11 @@ class ResponseShape:
     def chunk(self, prompt_index: int, c: CompletionOutput) -> dict:
         c = self.visible(c)
         self.completion_tokens += len(c.token_ids)
-        return self.base([self.choice(prompt_index * self.n + c.index, c, delta=True)],
-                         chunk=True)
+        out = self.base([self.choice(prompt_index * self.n + c.index, c, delta=True)],
+                        chunk=True)
+        if self.continuous_usage:
+            out["usage"] = usage(self.prompt_tokens, self.completion_tokens)
+        return out
 
     def whole(self, finals: list[RequestOutput]) -> dict:
         """The response body of whole outputs, one per prompt in prompt order."""

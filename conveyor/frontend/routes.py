@@ -197,6 +197,8 @@ class Routes:
 
     async def _respond(self, request: Request, gens: list[GenerateRequest], shape, req):
         usage = bool(req.stream_options and req.stream_options.include_usage)
+        # vLLM's continuous_usage_stats: with include_usage, every chunk carries the counts so far
+        shape.continuous_usage = usage and req.stream_options.continuous_usage_stats
         return await Run(self.core, request, gens).respond(shape, req.stream, usage)
 
     async def models(self):

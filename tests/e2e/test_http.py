@@ -189,6 +189,22 @@ def test_invalid_requests_are_400(server, body, needle):
     assert needle in _error(_post(server, "/v1/completions", body), 400)
 
 
+def test_continuous_usage_stats_count_every_chunk(oai):
+    """vLLM's stream_options.continuous_usage_stats: each chunk carries the usage so far (the
+    prompt's tokens, the completion's growing), the last one the final count."""
+    chunks = list(oai.chat.completions.create(
+        model="smol", messages=CHAT, max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counted = [c for c in chunks if c.choices and c.choices[0].delta.content]
+    assert counted and all(c.usage is not None for c in counted)
+    done = [c.usage.completion_tokens for c in counted]
+    assert done == sorted(done) and done[-1] <= chunks[-1].usage.completion_tokens
+    assert {c.usage.prompt_tokens for c in chunks if c.usage} == {chunks[-1].usage.prompt_tokens}
+    plain = list(oai.chat.completions.create(model="smol", messages=CHAT, max_tokens=12,
+                                             temperature=0, stream=True,
+                                             stream_options={"include_usage": True}))
+    assert all(c.usage is None for c in plain[:-1])
+
 def test_continue_final_message_equals_the_offline_api(oai, llm):
     """vLLM's continue_final_message: the prompt ends inside the assistant's last message (as
     transformers' template renders it) and the model goes on from there, over HTTP as offline."""
