@@ -59,7 +59,29 @@ class _TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     prompt: str | None = None
     messages: list[oai.ChatMessage] | None = None
     add_special_tokens: bool = True
+    # a chat's prompt as the chat route makes it (vLLM's fields)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[dict] | None = None
+    chat_template_kwargs: dict[str, str | int | float | bool | None] | None = None
+    return_token_strs: bool = False
+
+
+def template_kwargs(req: oai.ChatRequest | _TokenizeRequest) -> dict:
+    """The chat template's variables a request sets beyond its messages and tools:
+    add_generation_prompt and continue_final_message where not left as they are, then
+    chat_template_kwargs; ValueError for a combination that cannot hold."""
+    out = {}
+    if req.continue_final_message:
+        if req.add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt: false")
+        if not req.messages or req.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message needs the last message to be the "
+                             "assistant's")
+        out["continue_final_message"] = True
+    if not req.add_generation_prompt:
+        out["add_generation_prompt"] = False
+    return {**out, **(req.chat_template_kwargs or {})}
 
 
 class _DetokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -175,25 +197,15 @@ class Routes:
             if reads else None
 
     def _template_kwargs(self, req: oai.ChatRequest) -> dict | None:
-        """The chat template's variables: chat_template_kwargs, vLLM's add_generation_prompt
-        and continue_final_message where not left as they are, and reasoning_effort where the
+        """The chat template's variables: `template_kwargs`, and reasoning_effort where the
         model's template reads it (gpt-oss's); ValueError where it does not."""
-        out = {}
-        if req.continue_final_message:
-            if req.add_generation_prompt:
-                raise ValueError("continue_final_message needs add_generation_prompt: false")
-            if not req.messages or req.messages[-1].role != "assistant":
-                raise ValueError("continue_final_message needs the last message to be the "
-                                 "assistant's")
-            out["continue_final_message"] = True
-        if not req.add_generation_prompt:
-            out["add_generation_prompt"] = False
+        out = template_kwargs(req)
         if req.reasoning_effort is not None:
             if not template_reads(self.core.tokenizer, "reasoning_effort"):
                 raise ValueError("reasoning_effort is not supported: this model's chat "
                                  "template does not read it")
-            out["reasoning_effort"] = req.reasoning_effort
-        return {**out, **(req.chat_template_kwargs or {})} or None
+            out = {"reasoning_effort": req.reasoning_effort, **out}
+        return out or None
 
     async def _respond(self, request: Request, gens: list[GenerateRequest], shape, req):
         usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -267,11 +279,14 @@ class Routes:
             if (req.prompt is None) == (req.messages is None):
                 raise ValueError("set exactly one of prompt and messages")
             if req.messages is not None:
-                ids = apply_chat_template(tokenizer, oai.chat_messages(req),
-                                          req.add_generation_prompt)
+                ids = apply_chat_template(tokenizer, oai.chat_messages(req), tools=req.tools,
+                                          **template_kwargs(req))
             else:
                 ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-        return {"count": len(ids), "max_model_len": self.core.max_model_len, "tokens": ids}
+        out = {"count": len(ids), "max_model_len": self.core.max_model_len, "tokens": ids}
+        if req.return_token_strs:
+            out["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
+        return out
 
     async def detokenize(self, request: Request):
         req = _decode(await request.body(), _DetokenizeRequest)

@@ -247,6 +247,15 @@ def test_tokenize_detokenize_version(server):
         "Hello world")
     chat = _post(server, "/tokenize", {"messages": CHAT}).json()
     assert chat["count"] > r["count"]
+    # a chat's prompt as the chat route makes it: the same count as its usage
+    started = {"messages": CHAT + [{"role": "assistant", "content": "Red,"}],
+               "add_generation_prompt": False, "continue_final_message": True,
+               "chat_template_kwargs": {"enable_thinking": False}}
+    counted = _post(server, "/tokenize", {**started, "return_token_strs": True}).json()
+    used = _post(server, "/v1/chat/completions", {**started, "max_tokens": 1}).json()["usage"]
+    assert counted["count"] == used["prompt_tokens"] == len(counted["token_strs"])
+    assert "Red," in _post(server, "/detokenize", {"tokens": counted["tokens"]}).json()["prompt"]
+    _error(_post(server, "/tokenize", {**started, "add_generation_prompt": True}), 400)
     _error(_post(server, "/detokenize", {"tokens": [-1]}), 400)
     version = httpx.get(server.http + "/version", headers={"Authorization": "Bearer key-one"})
     assert version.json()["version"]
