@@ -56,6 +56,8 @@ class RequestPreparer:
             for i, m in enumerate(req.messages):
                 if "role" not in m or "content" not in m:
                     raise ValueError(f"messages[{i}] needs a role and a content")
+        if params.allowed_token_ids is not None:
+            check_token_ids(params.allowed_token_ids, self.vocab_size, "allowed_token_ids")
         if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
             bad = sorted(t for t in params.logit_bias if t >= self.vocab_size)
             raise ValueError(f"logit_bias token ids out of the vocabulary [0, {self.vocab_size})"

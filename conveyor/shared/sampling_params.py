@@ -32,6 +32,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     prompt_logprobs: int | None = None       # top-k logprobs per prompt token
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None   # token id -> added to its logit, in [-100, 100]
+    allowed_token_ids: list[int] | None = None   # only these may be drawn (vLLM's)
     # the output must match a JSON schema, a regex, a choice or a grammar (structured_outputs.py)
     structured_outputs: StructuredOutputs | None = None
 
@@ -71,6 +72,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                    "logit_bias", "keys must be token ids", list(self.logit_bias)[:5])
             _check(all(-100 <= v <= 100 for v in self.logit_bias.values()), "logit_bias",
                    "values must be in [-100, 100]", self.logit_bias)
+        if self.allowed_token_ids is not None:
+            _check(bool(self.allowed_token_ids) and all(
+                isinstance(t, int) and 0 <= t <= INT64_MAX for t in self.allowed_token_ids),
+                "allowed_token_ids", "must be a non-empty list of token ids",
+                self.allowed_token_ids[:5])
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _check(value is None or 0 <= value <= MAX_LOGPROBS, name,

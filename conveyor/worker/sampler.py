@@ -150,7 +150,7 @@ class Sampler:
             logits = logits.float()
         params = [s.params for s in states]
         penalised = [i for i, p in enumerate(params) if uses_penalty(p)]
-        biased = [i for i, p in enumerate(params) if p.logit_bias]
+        biased = [i for i, p in enumerate(params) if p.logit_bias or p.allowed_token_ids]
         banned_rows, banned_ids = self._min_tokens_bans(states)
         wants_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
         edited = penalised or biased or banned_rows
@@ -189,7 +189,8 @@ class Sampler:
         return SampledTensors(token_ids, wants_logprobs, logprobs)
 
     def add_logit_bias(self, x: torch.Tensor, params: list[SamplingParams]) -> None:
-        """Each row's logit_bias added to x [N, V] (float32, in place)."""
+        """Each row's logit_bias added to x [N, V] (float32, in place), and -inf outside its
+        allowed_token_ids where it has them."""
         rows, cols, bias = [], [], []
         for i, p in enumerate(params):
             for tok, value in (p.logit_bias or {}).items():
@@ -200,6 +201,14 @@ class Sampler:
         if rows:
             x.index_put_((to_device(rows, x.device), to_device(cols, x.device)),
                          to_device(bias, x.device, torch.float32), accumulate=True)
+        only = [i for i, p in enumerate(params) if p.allowed_token_ids]
+        if only:
+            rows = [i for i in only for t in params[i].allowed_token_ids if t < self.vocab_size]
+            cols = [t for i in only for t in params[i].allowed_token_ids if t < self.vocab_size]
+            r, c = to_device(rows, x.device), to_device(cols, x.device)
+            kept = x[r, c]
+            x[to_device(only, x.device)] = float("-inf")
+            x[r, c] = kept
 
     def _sample_fused(self, x: torch.Tensor, states: list[SeqSamplingState]) -> torch.Tensor:
         """x: [N, V] logits (any float dtype, rows may be strided). Greedy and temperature-only

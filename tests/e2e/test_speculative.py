@@ -54,6 +54,10 @@ SCENARIOS = {
         temperature=0, max_tokens=NEW, logprobs=2, ignore_eos=True,
         logit_bias={**{t: -100.0 for t in range(0, 256, 2)},
                     **{t: 2.0 for t in range(1, 64, 4)}})),
+    # a third of the vocabulary allowed (vLLM's allowed_token_ids)
+    "allowed-ids": (dict(), SamplingParams(temperature=0, max_tokens=NEW, logprobs=2,
+                                           ignore_eos=True,
+                                           allowed_token_ids=list(range(1, 256, 3)))),
     "max-tokens-3": (dict(), SamplingParams(temperature=0, max_tokens=3, logprobs=1)),
     "tiny-budget": (dict(max_num_batched_tokens=3), GREEDY),
     "prompt-logprobs": (dict(max_num_batched_tokens=16),

@@ -1,7 +1,8 @@
 """`conveyor serve MODEL` as a vLLM user drives it, on CPU with the default model: the model as a
 positional argument, --generation-config defaults, an inline --chat-template, several served
 names; the completions API as lm-eval and the OpenAI spec use it (echo + logprobs with the
-prompt's logprobs, max_tokens 0, prompt_logprobs, logit_bias, refusals naming the field)."""
+prompt's logprobs, max_tokens 0, prompt_logprobs, logit_bias, allowed_token_ids, refusals
+naming the field)."""
 import json
 
 import httpx
@@ -116,6 +117,23 @@ def test_logit_bias(server):
         r = post(server, "/v1/completions", {**base, "logit_bias": bias})
         assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
 
+
+
+def test_allowed_token_ids(server):
+    """vLLM's allowed_token_ids: greedy and sampled, every drawn token is one of them (the
+    greedy one the most likely of them: not the unrestricted choice); ids outside the
+    vocabulary or none at all are a 400."""
+    base = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "return_token_ids": True,
+            "ignore_eos": True}
+    free = ok(server, "/v1/completions", base)["choices"][0]["token_ids"]
+    allowed = [t for t in range(300, 1300, 7) if t not in free]
+    for extra in ({}, {"temperature": 1.0, "n": 3, "seed": 1}):
+        r = ok(server, "/v1/completions", {**base, **extra, "allowed_token_ids": allowed})
+        for c in r["choices"]:
+            assert set(c["token_ids"]) <= set(allowed), c
+    for bad, needle in (([10 ** 7], "vocabulary"), ([], "allowed_token_ids")):
+        r = post(server, "/v1/completions", {**base, "allowed_token_ids": bad})
+        assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
 
 @pytest.mark.parametrize("body,field", [
     ({"prompt": "x", "suffix": "y"}, "suffix"),
