@@ -1,6 +1,7 @@
 """Turns one row of logits per running sequence into its next token, plus logprobs when asked.
 
-Order per row: penalties, logit bias and min_tokens masking, then greedy argmax, or temperature,
+Order per row: the request's own edits (worker/logit_edits.py: penalties, logit_bias and
+allowed_token_ids, min_tokens' ban of the end tokens), then greedy argmax, or temperature,
 top-k, top-p, min-p and an exponential-race draw. Returned logprobs come from the raw logits (vLLM's
 default). Each filter runs batched over only the rows that use it. `sample_tensors` never syncs the
 device (its results stay there until the caller reads them); `sample` is it plus the read.
@@ -24,14 +25,13 @@ from conveyor.kernels import triton_available
 from conveyor.kernels.token_bitmask import apply_token_bitmask
 from conveyor.shared.messages.worker import TokenLogprobs
 from conveyor.shared.sampling_params import SamplingParams
+from conveyor.worker.logit_edits import edit_logits, edits_logits
 from conveyor.worker.sampling_ops import (
     float_column,
     keep_min_p,
     keep_top_p,
     on_rows,
-    pad_rows,
     to_device,
-    uses_penalty,
 )
 
 
@@ -149,24 +149,14 @@ class Sampler:
         if not fused:
             logits = logits.float()
         params = [s.params for s in states]
-        penalised = [i for i, p in enumerate(params) if uses_penalty(p)]
-        biased = [i for i, p in enumerate(params) if p.logit_bias or p.allowed_token_ids]
-        banned_rows, banned_ids = self._min_tokens_bans(states)
         wants_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
-        edited = penalised or biased or banned_rows
+        edited = edits_logits(states)
         if (not fused and all(p.greedy for p in params)
                 and not (edited or wants_logprobs)):
             return SampledTensors(logits.argmax(-1), [], None)
 
         # [N, V]; float32 once edited
-        x = logits.to(torch.float32, copy=True) if edited else logits
-        if penalised:
-            x = on_rows(x, penalised, lambda sub: self._apply_penalties(
-                sub, [states[i] for i in penalised]))
-        if biased:
-            self.add_logit_bias(x, params)
-        if banned_rows:
-            self.ban_early_ends(x, states, banned_rows, banned_ids)
+        x = self.edit(logits.to(torch.float32, copy=True), states) if edited else logits
 
         random = [i for i, p in enumerate(params) if not p.greedy]
         if fused:
@@ -188,27 +178,9 @@ class Sampler:
                                        [params[i].logprobs for i in wants_logprobs])
         return SampledTensors(token_ids, wants_logprobs, logprobs)
 
-    def add_logit_bias(self, x: torch.Tensor, params: list[SamplingParams]) -> None:
-        """Each row's logit_bias added to x [N, V] (float32, in place), and -inf outside its
-        allowed_token_ids where it has them."""
-        rows, cols, bias = [], [], []
-        for i, p in enumerate(params):
-            for tok, value in (p.logit_bias or {}).items():
-                if tok < self.vocab_size:
-                    rows.append(i)
-                    cols.append(tok)
-                    bias.append(value)
-        if rows:
-            x.index_put_((to_device(rows, x.device), to_device(cols, x.device)),
-                         to_device(bias, x.device, torch.float32), accumulate=True)
-        only = [i for i, p in enumerate(params) if p.allowed_token_ids]
-        if only:
-            rows = [i for i in only for t in params[i].allowed_token_ids if t < self.vocab_size]
-            cols = [t for i in only for t in params[i].allowed_token_ids if t < self.vocab_size]
-            r, c = to_device(rows, x.device), to_device(cols, x.device)
-            kept = x[r, c]
-            x[to_device(only, x.device)] = float("-inf")
-            x[r, c] = kept
+    def edit(self, x: torch.Tensor, states: list[SeqSamplingState]) -> torch.Tensor:
+        """x [N, V] float32 with each row's own edits (worker/logit_edits.py)."""
+        return edit_logits(x, states, self.vocab_size, self.eos_token_ids)
 
     def _sample_fused(self, x: torch.Tensor, states: list[SeqSamplingState]) -> torch.Tensor:
         """x: [N, V] logits (any float dtype, rows may be strided). Greedy and temperature-only
@@ -273,60 +245,6 @@ class Sampler:
         logprobs = logits[:, : self.vocab_size].float().log_softmax(-1)  # [P, V]
         targets = to_device(target_ids, logits.device, torch.long)  # [P]
         return gather_logprobs(logprobs, targets, [k] * len(target_ids))
-
-    def _min_tokens_bans(self, states: list[SeqSamplingState]) -> tuple[list[int], list[int]]:
-        """(rows, token ids) to ban: EOS and stop ids of sequences still below min_tokens.
-
-        NOTE: EOS is banned even with ignore_eos, as vLLM does (its min-tokens set always has EOS).
-        """
-        rows: list[int] = []
-        cols: list[int] = []
-        for i, s in enumerate(states):
-            if s.num_output_tokens < s.params.min_tokens:
-                banned = {*self.eos_token_ids, *s.params.stop_token_ids}
-                banned = [t for t in banned if t < self.vocab_size]
-                rows += [i] * len(banned)
-                cols += banned
-        return rows, cols
-
-    def ban_early_ends(self, x: torch.Tensor, states: list[SeqSamplingState], rows: list[int],
-                       ids: list[int]) -> None:
-        """-inf at _min_tokens_bans' (rows, ids) of x [N, V], but in a constrained row whose
-        mask left nothing else (its grammar is complete): the constraint wins over min_tokens
-        and the output ends, where all -inf would draw a token the grammar forbids."""
-        r, c = to_device(rows, x.device), to_device(ids, x.device)
-        held = sorted({i for i in rows if states[i].params.structured_outputs is not None})
-        if not held:
-            x[r, c] = float("-inf")
-            return
-        saved = x[r, c]
-        x[r, c] = float("-inf")
-        h = to_device(held, x.device)
-        stuck = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
-        stuck[h] = torch.isneginf(x[h]).all(-1)
-        x[r, c] = torch.where(stuck[r], saved, float("-inf"))
-
-    def _apply_penalties(self, x: torch.Tensor, states: list[SeqSamplingState]) -> torch.Tensor:
-        """x: [R, V] logits of rows with some penalty. Returns penalised logits [R, V]."""
-        V = self.vocab_size
-        outputs = pad_rows([s.token_array()[s.prompt_len:] for s in states], V, x.device)  # [R, Lo]
-        counts = torch.zeros(x.shape[0], V + 1, device=x.device)  # [R, V + 1]; column V: padding
-        counts.scatter_add_(1, outputs, torch.ones_like(outputs, dtype=counts.dtype))
-        counts = counts[:, :V]  # [R, V]
-        in_output = counts > 0
-
-        def per_row(name: str) -> torch.Tensor:  # [R, 1]
-            return to_device([getattr(s.params, name) for s in states], x.device)[:, None]
-
-        if any(s.params.repetition_penalty != 1 for s in states):
-            prompts = pad_rows([s.token_array()[:s.prompt_len] for s in states], V, x.device)
-            seen = torch.zeros(x.shape[0], V + 1, dtype=torch.bool, device=x.device)
-            seen.scatter_(1, prompts, torch.ones_like(prompts, dtype=torch.bool))
-            seen = seen[:, :V] | in_output  # [R, V]
-            rep = per_row("repetition_penalty")
-            x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
-        return (x - per_row("frequency_penalty") * counts
-                - per_row("presence_penalty") * in_output)
 
     def _sample_random(self, x: torch.Tensor, states: list[SeqSamplingState]) -> torch.Tensor:
         """x: [R, V] logits of non-greedy rows (not edited). Returns the drawn token ids [R].

@@ -59,14 +59,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, states: list[SeqSamplingState
             row_states.append(state if i == 0 else _extended(state, d[:i]))
     R = len(row_states)
     params = [s.params for s in row_states]
-    penalised = [r for r, p in enumerate(params) if uses_penalty(p)]
-    if penalised:
-        idx = to_device(penalised, dev)
-        x[idx] = sampler._apply_penalties(x[idx], [row_states[r] for r in penalised])
-    sampler.add_logit_bias(x, params)
-    rows, cols = sampler._min_tokens_bans(row_states)
-    if rows:
-        sampler.ban_early_ends(x, row_states, rows, cols)
+    x = sampler.edit(x, row_states)
 
     has_guess = to_device([g >= 0 for g in guess], dev, torch.bool)     # [R]
     g = to_device([max(g, 0) for g in guess], dev, torch.long)          # [R]

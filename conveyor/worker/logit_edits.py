@@ -1,0 +1,107 @@
+"""A request's own edits of its logits before any draw, in this order: penalties (repetition,
+frequency, presence), logit_bias, allowed_token_ids, and min_tokens' ban of the end tokens.
+
+One function for a plain draw (worker/sampler.py) and for verifying guesses (spec/verify.py), so
+a guess is judged by the distribution its request samples from.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from conveyor.worker.sampling_ops import on_rows, pad_rows, to_device, uses_penalty
+
+if TYPE_CHECKING:
+    from conveyor.worker.sampler import SeqSamplingState
+
+
+def edits_logits(states: list[SeqSamplingState]) -> bool:
+    """Whether `edit_logits` changes any of these rows."""
+    return any(uses_penalty(s.params) or s.params.logit_bias or s.params.allowed_token_ids
+               or s.num_output_tokens < s.params.min_tokens for s in states)
+
+
+def edit_logits(x: torch.Tensor, states: list[SeqSamplingState], vocab_size: int,
+                eos_token_ids: tuple[int, ...]) -> torch.Tensor:
+    """x [N, V] float32, row i for states[i], with each row's edits (in place, but for
+    penalties on every row: use the result)."""
+    params = [s.params for s in states]
+    penalised = [i for i, p in enumerate(params) if uses_penalty(p)]
+    if penalised:
+        x = on_rows(x, penalised, lambda sub: _penalties(
+            sub, [states[i] for i in penalised], vocab_size))
+    rows, cols, bias = [], [], []
+    for i, p in enumerate(params):
+        for tok, value in (p.logit_bias or {}).items():
+            if tok < vocab_size:
+                rows.append(i)
+                cols.append(tok)
+                bias.append(value)
+    if rows:
+        x.index_put_((to_device(rows, x.device), to_device(cols, x.device)),
+                     to_device(bias, x.device, torch.float32), accumulate=True)
+    only = [i for i, p in enumerate(params) if p.allowed_token_ids]
+    if only:
+        rows = [i for i in only for t in params[i].allowed_token_ids if t < vocab_size]
+        cols = [t for i in only for t in params[i].allowed_token_ids if t < vocab_size]
+        r, c = to_device(rows, x.device), to_device(cols, x.device)
+        kept = x[r, c]
+        x[to_device(only, x.device)] = float("-inf")
+        x[r, c] = kept
+    _ban_early_ends(x, states, vocab_size, eos_token_ids)
+    return x
+
+
+def _ban_early_ends(x: torch.Tensor, states: list[SeqSamplingState], vocab_size: int,
+                    eos_token_ids: tuple[int, ...]) -> None:
+    """-inf at EOS and the stop ids of rows still below min_tokens, but in a constrained row
+    whose mask left nothing else (its grammar is complete): the constraint wins over min_tokens
+    and the output ends, where all -inf would draw a token the grammar forbids.
+
+    NOTE: EOS is banned even with ignore_eos, as vLLM does (its min-tokens set always has EOS).
+    """
+    rows: list[int] = []
+    cols: list[int] = []
+    for i, s in enumerate(states):
+        if s.num_output_tokens < s.params.min_tokens:
+            banned = [t for t in {*eos_token_ids, *s.params.stop_token_ids} if t < vocab_size]
+            rows += [i] * len(banned)
+            cols += banned
+    if not rows:
+        return
+    r, c = to_device(rows, x.device), to_device(cols, x.device)
+    held = sorted({i for i in rows if states[i].params.structured_outputs is not None})
+    if not held:
+        x[r, c] = float("-inf")
+        return
+    saved = x[r, c]
+    x[r, c] = float("-inf")
+    h = to_device(held, x.device)
+    stuck = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
+    stuck[h] = torch.isneginf(x[h]).all(-1)
+    x[r, c] = torch.where(stuck[r], saved, float("-inf"))
+
+
+def _penalties(x: torch.Tensor, states: list[SeqSamplingState], vocab_size: int
+               ) -> torch.Tensor:
+    """x: [R, V] logits of rows with some penalty. Returns penalised logits [R, V]."""
+    V = vocab_size
+    outputs = pad_rows([s.token_array()[s.prompt_len:] for s in states], V, x.device)  # [R, Lo]
+    counts = torch.zeros(x.shape[0], V + 1, device=x.device)  # [R, V + 1]; column V: padding
+    counts.scatter_add_(1, outputs, torch.ones_like(outputs, dtype=counts.dtype))
+    counts = counts[:, :V]  # [R, V]
+    in_output = counts > 0
+
+    def per_row(name: str) -> torch.Tensor:  # [R, 1]
+        return to_device([getattr(s.params, name) for s in states], x.device)[:, None]
+
+    if any(s.params.repetition_penalty != 1 for s in states):
+        prompts = pad_rows([s.token_array()[:s.prompt_len] for s in states], V, x.device)
+        seen = torch.zeros(x.shape[0], V + 1, dtype=torch.bool, device=x.device)
+        seen.scatter_(1, prompts, torch.ones_like(prompts, dtype=torch.bool))
+        seen = seen[:, :V] | in_output  # [R, V]
+        rep = per_row("repetition_penalty")
+        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    return (x - per_row("frequency_penalty") * counts
+            - per_row("presence_penalty") * in_output)
