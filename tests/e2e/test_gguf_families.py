@@ -29,23 +29,40 @@ def test_gguf_family_matches_transformers(tmp_path, arch, quant):
 
     path = make_tiny_family_gguf(arch, tmp_path / f"{arch}.{quant}.gguf", tmp_path / "ref",
                                  quant, **CARRIED[arch])
-    g = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 23, 41)]
-    # min_tokens masks EOS as the reference's min_new_tokens does
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS,
-                            ignore_eos=True, logprobs=5, prompt_logprobs=5)
-    llm = LLM(str(path), device="cpu", skip_tokenizer_init=True, block_size=4)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    assert_matches_the_file(outs, prompts, tmp_path / "ref")
+    _, outs = run_the_file(path, tmp_path / "ref")
     if quant != "Q8_0":
         return
-    int8 = LLM(str(path), device="cpu", skip_tokenizer_init=True, block_size=4,
-               quantization="int8")
+    int8 = kept_int8(path, outs)
     layers = int8.runner.model_config.num_hidden_layers
     assert len(int8.quantization_report.prequantized) == 4 * layers   # qkv, o, gate_up, down
     qkv = int8.runner.model.model.layers[0].self_attn.qkv_proj
     assert qkv.weight.dtype == torch.int8 and qkv.weight_scale.shape[1] == 64 // 32
-    assert_same_outputs(outs, int8.generate(prompts, params, use_tqdm=False))
+
+
+# prompts past the windows (8) and gpt-oss's YaRN context (32); min_tokens masks EOS as the
+# reference's min_new_tokens does
+_G = torch.Generator().manual_seed(2)
+PROMPTS = [torch.randint(3, 256, (n,), generator=_G).tolist() for n in (5, 23, 41)]
+PARAMS = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS,
+                        ignore_eos=True, logprobs=5, prompt_logprobs=5)
+
+
+def run_the_file(path, ref_dir) -> tuple[LLM, list]:
+    """The GGUF file's model on PROMPTS, its outputs checked against transformers on the
+    weights the file holds (`assert_matches_the_file`): (the LLM, its outputs)."""
+    llm = LLM(str(path), device="cpu", skip_tokenizer_init=True, block_size=4)
+    outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    assert_matches_the_file(outs, PROMPTS, ref_dir)
+    return llm, outs
+
+
+def kept_int8(path, outs) -> LLM:
+    """The file's Q8_0 weights kept in int8 (--quantization int8): the same outputs as `outs`
+    (the file dequantized). Returns its LLM."""
+    int8 = LLM(str(path), device="cpu", skip_tokenizer_init=True, block_size=4,
+               quantization="int8")
+    assert_same_outputs(outs, int8.generate(PROMPTS, PARAMS, use_tqdm=False))
+    return int8
 
 
 def assert_matches_the_file(outs, prompts, ref_dir) -> None:

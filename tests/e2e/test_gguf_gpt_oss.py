@@ -9,9 +9,8 @@ import numpy as np
 import pytest
 import torch
 from models_util import make_tiny_gpt_oss_gguf
-from test_gguf_families import NEW_TOKENS, assert_matches_the_file, assert_same_outputs
+from test_gguf_families import kept_int8, run_the_file
 
-from conveyor import LLM, SamplingParams
 from conveyor.kernels.fused_moe import dequantize_experts
 from conveyor.shared.model_config import ModelConfig
 from conveyor.shared.model_files import gguf_to_hf_config, read_model_config, resolve_model
@@ -30,24 +29,15 @@ def test_gguf_gpt_oss_matches_transformers(tmp_path, quant, experts):
 
     path = make_tiny_gpt_oss_gguf(tmp_path / "gpt-oss.gguf", tmp_path / "ref", quant, experts,
                                   **CARRIED)
-    g = torch.Generator().manual_seed(2)
-    # past the window (8) and YaRN's original context (32)
-    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 23, 41)]
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS,
-                            ignore_eos=True, logprobs=5, prompt_logprobs=5)
-    llm = LLM(str(path), device="cpu", skip_tokenizer_init=True, block_size=4)
+    llm, outs = run_the_file(path, tmp_path / "ref")
     assert llm.runner.model.model.layers[0].mlp.experts.fp4 == (experts == "MXFP4")
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    assert_matches_the_file(outs, prompts, tmp_path / "ref")
     if experts != "Q8_0":
         return
-    int8 = LLM(str(path), device="cpu", skip_tokenizer_init=True, block_size=4,
-               quantization="int8")
+    int8 = kept_int8(path, outs)
     layers = int8.runner.model_config.num_hidden_layers
     assert len(int8.quantization_report.prequantized) == 3 * layers   # qkv, o, experts
     moe = int8.runner.model.model.layers[0].mlp.experts
     assert moe.w13.dtype == torch.int8 and moe.w13_scale.shape[2] == 64 // 32
-    assert_same_outputs(outs, int8.generate(prompts, params, use_tqdm=False))
 
 
 def test_gguf_mxfp4_experts_stay_the_files_bytes(tmp_path, monkeypatch):
