@@ -1,9 +1,9 @@
 """Stop conditions, checked each time a request gains a sampled token.
 
 EOS and `stop_token_ids` end a request with "stop", but only once it has `min_tokens` outputs
-(before that the sampler bans them; a constrained request draws one only where its grammar
-allows nothing else, and then it ends: the constraint wins over min_tokens); `max_tokens` and
-the context length end it with "length". Stop strings are the frontend's job.
+(before that the sampler bans them; a request with a grammar or allowed_token_ids draws EOS
+only where its constraints allow nothing else, and then it ends: they win over min_tokens);
+`max_tokens` and the context length end it with "length". Stop strings are the frontend's job.
 """
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ def check_stop(req: Request, eos_token_ids: frozenset[int], max_len: int) -> boo
     sampling = req.sampling
     token = req.token_ids[-1]
     num_outputs = req.num_output_tokens
-    if num_outputs >= sampling.min_tokens or sampling.structured_outputs is not None:
+    if (num_outputs >= sampling.min_tokens or sampling.structured_outputs is not None
+            or sampling.allowed_token_ids):
         if token in eos_token_ids and not sampling.ignore_eos:
             req.finish_reason = "stop"
             return True

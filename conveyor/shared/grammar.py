@@ -188,8 +188,8 @@ def _consume(m, token: int) -> None:
 
 
 def _broken(m, token: int) -> None:
-    # NOTE: only a row with no allowed token can sample outside the mask (min_tokens banning
-    # EOS where the grammar allows only EOS); from here on it allows only EOS.
+    # NOTE: only a row its constraints leave no token draws outside the mask (EOS, which ends
+    # it: worker/logit_edits.py); from here on it allows only EOS.
     log.warning("a sampled token %d broke its grammar: %s", token,
                 m.get_error().splitlines()[0] if m.get_error() else "")
 

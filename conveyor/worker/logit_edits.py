@@ -50,14 +50,13 @@ def edit_logits(x: torch.Tensor, states: list[SeqSamplingState], vocab_size: int
         x[to_device(only, x.device)] = float("-inf")
         x[r, c] = kept
     _ban_early_ends(x, states, vocab_size, eos_token_ids)
+    _end_dead_rows(x, states, eos_token_ids)
     return x
 
 
 def _ban_early_ends(x: torch.Tensor, states: list[SeqSamplingState], vocab_size: int,
                     eos_token_ids: tuple[int, ...]) -> None:
-    """-inf at EOS and the stop ids of rows still below min_tokens, but in a constrained row
-    whose mask left nothing else (its grammar is complete): the constraint wins over min_tokens
-    and the output ends, where all -inf would draw a token the grammar forbids.
+    """-inf at EOS and the stop ids of rows still below min_tokens.
 
     NOTE: EOS is banned even with ignore_eos, as vLLM does (its min-tokens set always has EOS).
     """
@@ -68,19 +67,26 @@ def _ban_early_ends(x: torch.Tensor, states: list[SeqSamplingState], vocab_size:
             banned = [t for t in {*eos_token_ids, *s.params.stop_token_ids} if t < vocab_size]
             rows += [i] * len(banned)
             cols += banned
-    if not rows:
+    if rows:
+        x[to_device(rows, x.device), to_device(cols, x.device)] = float("-inf")
+
+
+def _end_dead_rows(x: torch.Tensor, states: list[SeqSamplingState],
+                   eos_token_ids: tuple[int, ...]) -> None:
+    """A row whose constraints leave no token draws EOS: the output ends there (and
+    scheduler/stop.py ends it, min_tokens or not) where a row of -inf would draw a token nothing
+    allows. Only hard constraints can leave none: a grammar whose one way on is EOS (or an end
+    the request's allowed_token_ids leave out), allowed_token_ids of end tokens below
+    min_tokens; so only rows with a grammar or allowed_token_ids are looked at, on the device
+    (no wait for it)."""
+    rows = [i for i, s in enumerate(states)
+            if s.params.allowed_token_ids or s.params.structured_outputs is not None]
+    if not rows or not eos_token_ids:
         return
-    r, c = to_device(rows, x.device), to_device(cols, x.device)
-    held = sorted({i for i in rows if states[i].params.structured_outputs is not None})
-    if not held:
-        x[r, c] = float("-inf")
-        return
-    saved = x[r, c]
-    x[r, c] = float("-inf")
-    h = to_device(held, x.device)
-    stuck = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
-    stuck[h] = torch.isneginf(x[h]).all(-1)
-    x[r, c] = torch.where(stuck[r], saved, float("-inf"))
+    r = to_device(rows, x.device)
+    dead = torch.isneginf(x[r]).all(-1)
+    eos = eos_token_ids[0]
+    x[r, eos] = torch.where(dead, torch.zeros_like(dead, dtype=x.dtype), x[r, eos])
 
 
 def _penalties(x: torch.Tensor, states: list[SeqSamplingState], vocab_size: int

@@ -129,6 +129,18 @@ def test_a_complete_output_ends_before_min_tokens(oai):
             assert c.text in ("yes", "no") and c.finish_reason == "stop", c
             assert len(c.model_extra["token_ids"]) <= 3, c
 
+def test_constraints_that_leave_no_token_end_the_output(oai):
+    """allowed_token_ids none of which the regex allows: the output ends at once (EOS), where
+    it drew token 0 to max_tokens."""
+    for temperature in (0, 1):
+        r = oai.completions.create(model=None, prompt="Digits:", max_tokens=8,
+                                   temperature=temperature, extra_body={
+                                       "guided_regex": "[a-z]{5}", "allowed_token_ids": [35, 36],
+                                       "return_token_ids": True})
+        c = r.choices[0]
+        assert (c.text, c.finish_reason, r.usage.completion_tokens) == ("", "stop", 1), c
+
+
 def test_streaming_agrees_with_whole(oai):
     body = dict(model=None, messages=PROMPT, max_tokens=60, temperature=1.0, seed=7,
                 extra_body={"guided_json": SCHEMA})

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from conveyor.shared.sampling_params import SamplingParams
+from conveyor.shared.structured_outputs import StructuredOutputs
 from conveyor.worker.sampler import Sampler, SeqSamplingState
 
 V = 8
@@ -179,6 +180,30 @@ def test_min_tokens_bans_every_eos_id_when_sampling():
     states = [seq(min_tokens=1, stop_token_ids=[5]) for _ in range(1000)]
     out = Sampler(V, (EOS, 6), 0, "cpu").sample(logits, states)
     assert not {5, 6, EOS} & set(out.token_ids)
+
+
+def bitmask(allowed: list[int]) -> torch.Tensor:
+    """One structured-output mask row (int32 words) allowing these tokens of V."""
+    return torch.tensor([[sum(1 << t for t in allowed)]], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("draw", [dict(temperature=0), dict(temperature=1.0, seed=3),
+                                  dict(temperature=0.7, top_k=2, top_p=0.5)])
+def test_a_row_its_constraints_leave_no_token_draws_eos(draw):
+    """allowed_token_ids of end tokens only, below min_tokens; a grammar none of whose tokens
+    allowed_token_ids lets through: EOS (the output ends) where all -inf would draw token 0."""
+    row = torch.tensor([[3.0, 2.0, 1.0, 0.0, 0.0, 0.0, 0.0, -1.0]])
+    only_ends = seq(allowed_token_ids=[EOS, 5], stop_token_ids=[5], min_tokens=3, **draw)
+    assert sampler().sample(row.clone(), [only_ends]).token_ids == [EOS]
+    json = StructuredOutputs(regex="a")
+    disjoint = seq(allowed_token_ids=[1, 2], structured_outputs=json, **draw)
+    mask = (bitmask([3, 4]), torch.tensor([0]))
+    assert sampler().sample_tensors(row.clone(), [disjoint], mask).output().token_ids == [EOS]
+    # with a token left, the same request draws it
+    some = seq(allowed_token_ids=[1, 3], structured_outputs=json, **draw)
+    assert sampler().sample_tensors(row.clone(), [some], mask).output().token_ids == [3]
+    assert sampler().sample(row.clone(), [seq(allowed_token_ids=[EOS, 4], min_tokens=3,
+                                              **draw)]).token_ids == [4]
 
 
 def run_steps(sampler_seed: int, batch: list[SeqSamplingState], logits: torch.Tensor,

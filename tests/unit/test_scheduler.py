@@ -240,6 +240,11 @@ def test_stop_token_ids_and_min_tokens(depth):
     # 8 (eos) and 9 (stop id) are the 3rd and 4th tokens, before min_tokens; the next 8 ends it.
     assert out["min_skips"].tokens == [6, 7, 8, 9, 0, 1, 2, 3, 4, 5, 6, 7, 8]
     assert out["min_skips"].finish_reason == "stop"
+    # the sampler draws an end token below min_tokens only where allowed_token_ids (or a
+    # grammar) leave nothing else: that one ends the request
+    h = Harness(eos=(8,), next_token=plus_one, depth=depth)
+    h.add("dead_end", [6], max_tokens=10, min_tokens=5, allowed_token_ids=[8])
+    assert h.run()["dead_end"].tokens == [7, 8]
 
 
 @DEPTHS
