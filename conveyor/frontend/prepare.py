@@ -79,12 +79,17 @@ class RequestPreparer:
         so = params.structured_outputs
         if so is not None and so.start_after is not None:
             check_token_ids(so.start_after, self.vocab_size, "structured_outputs.start_after")
+            if so.thought_open is not None:
+                check_token_ids(so.thought_open, self.vocab_size,
+                                "structured_outputs.thought_open")
         elif so is not None and self.reasoning is not None and req.messages is not None:
             # a reasoning model thinks freely; the constraint holds its answer, after the thought
             start = self.reasoning.constraint_start(self.tokenizer, token_ids, so)
             if start is not None:
-                params = msgspec.structs.replace(
-                    params, structured_outputs=msgspec.structs.replace(so, start_after=start))
+                so = msgspec.structs.replace(so, start_after=start,
+                                             thought_open=self.reasoning.thought_open(
+                                                 self.tokenizer))
+                params = msgspec.structs.replace(params, structured_outputs=so)
         if fit_context:
             room = self.max_model_len - len(token_ids)
             if room < 1:

@@ -129,23 +129,52 @@ class SeqGrammar:
     them (`GrammarCompiler.fill_bitmask`, on the engine's fill thread): the step loop only
     appends. A resumed sequence replays its output so far through `accept`. With `start_after`
     the sequence is `free` (no mask, the matcher does not move) until those token ids have been
-    accepted in a row; the grammar applies from the next token."""
+    accepted in a row; the grammar applies from the next token. With `thought_open` too, the
+    sequence is `opening` until its output either begins with those ids (then free, a thought)
+    or leaves them (no thought: the grammar holds from the first token, as its masks did)."""
 
-    def __init__(self, compiled: Future, tokens: list[int], start_after: list[int] | None = None):
+    def __init__(self, compiled: Future, tokens: list[int], start_after: list[int] | None = None,
+                 thought_open: list[int] | None = None):
         self._compiled = compiled
         self.pending: list[int] = []
         self.matcher = None
         self._start = list(start_after) if start_after else None
         self._tail: list[int] = []           # the last len(start_after) tokens, while free
+        self._open = list(thought_open) if self._start and thought_open else None
+        self.opened = 0                      # how many of thought_open's ids came, while opening
         for t in tokens:
             self.accept(t)
 
     @property
     def free(self) -> bool:
         """The constraint has not started yet: every token is allowed."""
-        return self._start is not None
+        return self._start is not None and self._open is None
+
+    @property
+    def opening(self) -> list[int] | None:
+        """thought_open while the output is a prefix of it (its mask: the grammar's after that
+        prefix, if the grammar takes it, and the next id of thought_open), else None."""
+        return self._open
+
+    def forked(self) -> SeqGrammar:
+        """A copy of the phase (no matcher) to walk guesses through."""
+        fork = copy.copy(self)
+        fork.matcher, fork._compiled = None, None
+        fork.pending, fork._tail = [], list(self._tail)
+        fork._start = self._start and list(self._start)
+        fork._open = self._open and list(self._open)
+        return fork
 
     def accept(self, token: int) -> None:
+        if self._open is not None:
+            if token == self._open[self.opened]:
+                self.opened += 1
+                if self.opened == len(self._open):
+                    self._open = None        # a thought: free until start_after
+                return
+            self.pending += self._open[:self.opened] + [token]
+            self._open = self._start = None  # no thought: constrained from the first token
+            return
         if self._start is not None:
             self._tail.append(token)
             if len(self._tail) > len(self._start):
@@ -249,15 +278,16 @@ class GrammarCompiler:
     def start(self, so: StructuredOutputs, tokens: list[int]) -> SeqGrammar:
         """A matcher for a sequence whose output so far is `tokens` (compiled now, also when the
         constraint starts later: it is then ready when needed)."""
-        return SeqGrammar(self.compile(so), tokens, so.start_after)
+        return SeqGrammar(self.compile(so), tokens, so.start_after, so.thought_open)
 
     def fill_bitmask(self, grammars: list[SeqGrammar], bitmask: np.ndarray,
                      guesses: list[list[int]] | None = None) -> None:
-        """Row i of bitmask [>= len(grammars), ceil(V / 32)] int32 gets grammars[i]'s mask
-        (none of them `free`: those rows take no mask), after each grammar consumes its accepted
-        tokens. A decode step's one token each is consumed by one parallel call, which like the
-        fill runs without the GIL, so on the engine's fill thread neither holds up the step
-        loop (64 matchers advanced one at a time took 0.3 ms of it a step).
+        """Row i of bitmask [>= len(grammars), ceil(V / 32)] int32 gets grammars[i]'s mask,
+        after each grammar consumes its accepted tokens (a `free` one, a thought, comes only
+        with guesses, which may end it: its rows allow everything until then). A decode step's
+        one token each is consumed by one parallel call, which like the fill runs without the
+        GIL, so on the engine's fill thread neither holds up the step loop (64 matchers
+        advanced one at a time took 0.3 ms of it a step).
 
         With `guesses` (speculative decoding) grammars[i] takes len(guesses[i]) + 1 rows, back
         to back: its mask, then the mask after each of its guesses in turn (the matcher steps
@@ -268,14 +298,17 @@ class GrammarCompiler:
 
         first = (list(itertools.accumulate((len(g) + 1 for g in guesses[:-1]), initial=0))
                  if guesses else range(len(grammars)))
-        matchers, singles, guessed = [], [], []
+        matchers, singles, guessed, walks = [], [], [], []
         for i, g in enumerate(grammars):
             m = g.compiled()
+            guess = guesses[i] if guesses else []
+            if g.opening is not None or g.free:  # a thought's start, or guesses that may end it
+                walks.append((g, first[i], guess))
+                continue
             if m is not None and len(g.pending) == 1 and _live(m):
                 singles.append((m, g.pending.pop()))
             else:
                 m = g.ready()                # a replayed output one by one, or nothing
-            guess = guesses[i] if guesses else []
             if m is None:
                 bitmask[first[i]:first[i] + len(guess) + 1] = self._eos_row
             else:
@@ -290,6 +323,49 @@ class GrammarCompiler:
             fill_next_token_bitmask_par(self.executor, matchers, bitmask)
         if guessed:
             self._fill_guessed(guessed, bitmask)
+        for g, row, guess in walks:
+            self._fill_walk(g, row, guess, bitmask)
+
+    def _fill_walk(self, g: SeqGrammar, row: int, guess: list[int], bitmask: np.ndarray) -> None:
+        """The rows of a grammar whose phase may change within this step (its output a prefix
+        of a thought's opening, or a thought its guesses may end), one at a time: each row the
+        mask after the guesses before it, as the sequence would take them. Rare: the first few
+        tokens of a request, or guesses of a thought."""
+        from llguidance.numpy import fill_next_token_bitmask
+
+        m = g.ready()
+        walk = g.forked()
+        consumed = 0
+        for d in range(len(guess) + 1):
+            r = row + d
+            if walk.free:
+                bitmask[r] = -1
+            elif m is None:
+                bitmask[r:row + len(guess) + 1] = self._eos_row
+                break
+            elif walk.opening is not None:
+                ids, n = walk.opening, walk.opened
+                bitmask[r] = 0
+                if not n:
+                    fill_next_token_bitmask(m, bitmask, r)
+                elif _live(m) and m.validate_tokens(ids[:n]) == n:  # the constraint held so far
+                    m.consume_tokens(ids[:n])
+                    fill_next_token_bitmask(m, bitmask, r)
+                    m.rollback(n)
+                bitmask.view(np.uint32)[r, ids[n] // 32] |= np.uint32(1 << (ids[n] % 32))
+            else:
+                todo, walk.pending = walk.pending, []
+                if todo and not (_live(m) and m.validate_tokens(todo) == len(todo)):
+                    bitmask[r:row + len(guess) + 1] = self._eos_row   # past a refused guess
+                    break
+                if todo:
+                    m.consume_tokens(todo)
+                    consumed += len(todo)
+                fill_next_token_bitmask(m, bitmask, r)
+            if d < len(guess):
+                walk.accept(guess[d])
+        if consumed:
+            m.rollback(consumed)
 
     def _fill_guessed(self, rows: list, bitmask: np.ndarray) -> None:
         """The rows after each (matcher, first row, guesses)'s first: one parallel fill per

@@ -1,7 +1,9 @@
 """A request's output constraint (docs/STRUCTURED_OUTPUTS.md): a JSON schema, any JSON object, a
 regex, a choice of strings or a grammar (Lark or GBNF/EBNF). Exactly one is set. `start_after`
 (token ids) delays the constraint until those tokens have been generated: a reasoning model's
-`</think>`, so that its thought is free and the answer is constrained.
+`</think>`, so that its thought is free and the answer is constrained. With `thought_open`
+(`<think>`'s ids) as well, the thought is optional: an output that does not begin with those
+ids has none, and the constraint holds from its first token.
 
 It travels inside SamplingParams, so it needs nothing but msgspec: the grammar library is used
 only where grammars are checked (the frontend) and run (worker rank 0): `shared/grammar.py`.
@@ -25,6 +27,8 @@ class StructuredOutputs(msgspec.Struct, omit_defaults=True, kw_only=True,
     # the constraint applies from the token after the first appearance of these token ids in the
     # output (None: from the first token); the frontend sets the end of a reasoning model's thought
     start_after: list[int] | None = None
+    # with start_after: the ids that open the thought; an output beginning otherwise has none
+    thought_open: list[int] | None = None
 
     def __post_init__(self) -> None:
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -42,10 +46,13 @@ class StructuredOutputs(msgspec.Struct, omit_defaults=True, kw_only=True,
                 isinstance(c, str) and c for c in self.choice)):
             raise ValueError("structured_outputs.choice must be a non-empty list of non-empty "
                              "strings")
-        if self.start_after is not None and (not self.start_after or not all(
-                type(t) is int and t >= 0 for t in self.start_after)):
-            raise ValueError("structured_outputs.start_after must be a non-empty list of token "
-                             "ids")
+        for name in ("start_after", "thought_open"):
+            ids = getattr(self, name)
+            if ids is not None and (not ids or not all(type(t) is int and t >= 0 for t in ids)):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty list of token "
+                                 "ids")
+        if self.thought_open is not None and self.start_after is None:
+            raise ValueError("structured_outputs.thought_open needs start_after")
         for name in ("regex", "grammar"):
             if getattr(self, name) == "":
                 raise ValueError(f"structured_outputs.{name} must not be empty")
@@ -56,7 +63,8 @@ class StructuredOutputs(msgspec.Struct, omit_defaults=True, kw_only=True,
 
     def key(self) -> tuple[str, str]:
         """What identifies the compiled grammar (the cache key): (kind, canonical text).
-        `start_after` is not part of it: it changes when the grammar starts, not the grammar."""
+        `start_after` and `thought_open` are not part of it: they change when the grammar
+        starts, not the grammar."""
         kind = self.kind
         value = getattr(self, kind)
         if kind == "json":

@@ -19,7 +19,7 @@ from conveyor.worker.layers.parallel import broadcast_tensor, tp_rank
 from conveyor.worker.sampler import LogprobTensors, SampledTensors, Sampler, SeqSamplingState
 from conveyor.worker.spec import ModelProposer, Proposer
 from conveyor.worker.spec.verify import verify
-from conveyor.worker.structured import PendingMasks, StructuredOutputMasks, masked
+from conveyor.worker.structured import PendingMasks, StructuredOutputMasks
 
 
 @dataclass
@@ -97,13 +97,9 @@ class StepDraw:
             # proposes is never overlapped with the next (the scheduler plans none meanwhile)
             self.read(st)
             t0 = time.perf_counter()
-            # NOTE: no guesses for a constrained output whose rows take no mask now (a thought:
-            # a guess could end it and start the grammar inside the run; or a rank other than
-            # the sampling one, whose guesses are not used)
-            st.proposals = [[] if state.params.structured_outputs is not None
-                            and not masked(state) else guess
-                            for state, guess in zip(
-                                st.states, self.proposer.propose(st.sample_slots, st.states))]
+            # NOTE: a thought's guesses may end it; the rows after its end are masked
+            # (GrammarCompiler.fill_bitmask walks them)
+            st.proposals = self.proposer.propose(st.sample_slots, st.states)
             st.propose_time_s = time.perf_counter() - t0
 
     def _verify(self, st: Launched, rank0: bool) -> int:

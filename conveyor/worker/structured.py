@@ -77,7 +77,9 @@ class StructuredOutputMasks:
         `PendingMasks.get()` waits for it and gives masks()'s value. With `drafts` (a step
         verifying guesses) states[i] has len(drafts[i]) + 1 rows from row_of[i], each masked
         after the guesses before it (`GrammarCompiler.fill_bitmask`)."""
-        rows = [i for i, s in enumerate(states) if masked(s)]
+        # a thought's guesses may end it: its rows are masked from there (fill_bitmask)
+        rows = [i for i, s in enumerate(states)
+                if masked(s) or (drafts and drafts[i] and s.grammar is not None)]
         if not rows:
             return PendingMasks(None, None, None, self.device)
         guesses = [drafts[i] for i in rows] if drafts else None
@@ -113,7 +115,8 @@ class StructuredOutputMasks:
 
 def masked(state: SeqSamplingState) -> bool:
     """Whether `state`'s rows take a mask now: it holds a matcher (the sampling rank does) and
-    its constraint has started (not a thought, `SeqGrammar.free`)."""
+    its constraint has started or may start at this token (not in a thought,
+    `SeqGrammar.free`)."""
     return state.grammar is not None and not state.grammar.free
 
 

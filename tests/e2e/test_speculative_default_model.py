@@ -1,6 +1,9 @@
 """Speculative decoding on the default model (SmolLM2-135M-Instruct, GGUF): greedy outputs and
 logprobs are those without it, alone and batched; several tokens of one step reach the
 frontend at once, and those after a stop string are dropped."""
+import re
+
+import msgspec
 import pytest
 import torch
 
@@ -106,8 +109,9 @@ def test_a_constrained_request_among_speculating_ones_keeps_its_grammar(llm):
 def test_constrained_requests_speculate_and_keep_their_greedy_outputs(llm, default_llm):
     """A JSON request that copies JSON from its prompt verifies n-gram guesses (each guessed
     row masked after the guesses before it) and gives the tokens it gives without speculation;
-    so do a regex one, whose guesses the grammar refuses part-way, and one whose constraint
-    starts after a token sequence (no guesses before it)."""
+    so do a regex one, whose guesses the grammar refuses part-way, and ones whose constraint
+    starts after a token sequence (a thought: its guesses may cross the start), that sequence
+    perhaps after an optional opening (taken, or left: held from the first token)."""
     from conveyor.shared.structured_outputs import StructuredOutputs
 
     schema = {"type": "object", "properties": {
@@ -124,8 +128,15 @@ def test_constrained_requests_speculate_and_keep_their_greedy_outputs(llm, defau
     # tokens first, copied from the prompt, then the grammar
     after = llm.tokenizer.encode(" budget.", add_special_tokens=False)
     later = StructuredOutputs(regex=r" [0-9]+ [a-z]+\.", start_after=after)
-    prompts.append(prompts[1])
-    params.append(SamplingParams(temperature=0, max_tokens=30, structured_outputs=later))
+    opened = msgspec.structs.replace(
+        later, thought_open=llm.tokenizer.encode("The committee", add_special_tokens=False))
+    # "The" is the opening's and the grammar's: the copy leaves the opening at " committee"
+    left = StructuredOutputs(regex=r"The [a-z ]+\.", start_after=after,
+                             thought_open=llm.tokenizer.encode("The meeting",
+                                                               add_special_tokens=False))
+    for so in (later, opened, left):
+        prompts.append(prompts[1])
+        params.append(SamplingParams(temperature=0, max_tokens=30, structured_outputs=so))
     want = default_llm.generate(prompts, params, use_tqdm=False)
     got = llm.generate(prompts, params, use_tqdm=False)
     for a, b in zip(want, got):
@@ -134,6 +145,11 @@ def test_constrained_requests_speculate_and_keep_their_greedy_outputs(llm, defau
     assert got[0].metrics.num_accepted_tokens > 5
     assert got[1].metrics.num_draft_tokens > 0
     assert " budget." in got[2].outputs[0].text
+    thought = got[3].outputs[0].text
+    assert thought.startswith("The committee") and " budget." in thought
+    assert got[2].metrics.num_draft_tokens > 0 and got[3].metrics.num_draft_tokens > 0
+    held = got[4].outputs[0].text
+    assert held.startswith("The committee") and re.fullmatch(r"The [a-z ]+\.", held), held
     llm.engine.scheduler.check_integrity()
 
 

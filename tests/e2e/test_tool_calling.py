@@ -201,7 +201,7 @@ def test_bad_tool_requests_are_400(server, body, needle):
                                     {"type": "function", "function": {"name": "get_weather"}}])
 def test_required_and_named_calls_always_parse(oai, choice):
     """Thinking off (the prompt closes the thought): the call is constrained from the first
-    token; with thinking on it would wait for a `</think>` this model never writes. One call
+    token; with thinking on this model may open a thought it never closes. One call
     (parallel_tool_calls off) of a bounded schema (no other properties, a city of at most 40
     characters) ends inside max_tokens whatever is drawn: with WEATHER's open schema and calls
     in parallel a draw at temperature 1 could go on until max_tokens cut the call short, as one
@@ -243,6 +243,26 @@ def test_a_constraint_holds_the_answer_after_a_free_thought(oai):
     message = oai.chat.completions.create(**kw).choices[0].message
     assert message.model_extra["reasoning_content"] is None
     assert re.fullmatch("[0-9]{1,4}", message.content), message.content
+
+
+def test_an_output_that_does_not_think_is_held_from_its_first_token(oai, tok):
+    """qwen3's thought is optional: thinking on, an output that does not open with `<think>`
+    (its first token pushed away here) is held by the constraint from the first token; it
+    waited for a `</think>` this model never writes, and came out unconstrained. The same
+    call with `<` pushed up thinks first (the free thought); its answer is still held."""
+    lt = tok.encode("<", add_special_tokens=False)[0]
+    kw = {"model": "x", "max_tokens": 40, "temperature": 0,
+          "messages": [{"role": "user", "content": "Tell me about Paris."}]}
+    for bias in (-100, 100):
+        r = oai.chat.completions.create(**kw, extra_body={
+            "guided_regex": "[0-9]{1,4}", "logit_bias": {str(lt): bias}})
+        message = r.choices[0].message
+        if bias < 0:
+            assert message.model_extra.get("reasoning_content") is None
+            assert re.fullmatch("[0-9]{1,4}", message.content), message.content
+        else:
+            assert message.model_extra["reasoning_content"]
+            assert message.content is None or re.fullmatch("[0-9]{1,4}", message.content)
 
 
 # --- the Responses API (POST /v1/responses): the same requests as Responses items -------------

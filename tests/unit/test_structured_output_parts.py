@@ -357,6 +357,98 @@ def test_the_grammar_starts_after_the_start_sequence(vocab):
     assert compiler.start(so, thought + end[:-1]).free           # replayed, still thinking
 
 
+def test_thought_open_is_checked_and_needs_start_after():
+    with pytest.raises(ValueError, match="thought_open needs start_after"):
+        StructuredOutputs(regex="a", thought_open=[5])
+    with pytest.raises(ValueError, match="thought_open"):
+        StructuredOutputs(regex="a", start_after=[5], thought_open=[])
+    so = StructuredOutputs(regex="a", start_after=[5], thought_open=[4])
+    assert so.key() == StructuredOutputs(regex="a").key()
+
+
+def _ids(row: np.ndarray) -> set[int]:
+    return set(np.nonzero(row)[0].tolist())
+
+
+@needs_model
+def test_an_optional_thought(vocab):
+    """With `thought_open` (qwen3's `<think>`, three tokens of this vocabulary) the first
+    tokens' masks allow the grammar's tokens and the opening's next one: an output that takes
+    the opening thinks freely until `</think>`; one that leaves it (at its first token or
+    later, where the grammar takes the opening's prefix) is held from its first token."""
+    hf, compiler, config = vocab
+    enc = lambda text: hf.encode(text, add_special_tokens=False)   # noqa: E731
+    start, end = enc("<think>"), enc("</think>")
+    assert len(start) == 3
+    digits = StructuredOutputs(regex="[0-9]+", start_after=end, thought_open=start)
+    plain = _allowed(compiler, [compiler.start(StructuredOutputs(regex="[0-9]+"), [])])[0]
+    g = compiler.start(digits, [])
+    assert g.opening == start and not g.free
+    assert _ids(_allowed(compiler, [g])[0]) == _ids(plain) | {start[0]}
+    for t in start[:2]:
+        g.accept(t)                          # "<", "think": the regex takes neither
+        assert _ids(_allowed(compiler, [g])[0]) == {start[g.opened]}
+    g.accept(start[2])
+    assert g.free and g.opening is None
+    for t in enc("\nhm\n") + end:
+        g.accept(t)
+    assert not g.free
+    assert np.array_equal(_allowed(compiler, [g])[0], plain)        # held after the thought
+    no_thought = compiler.start(digits, enc("7"))
+    assert not no_thought.free and no_thought.opening is None and no_thought.pending == enc("7")
+    # a grammar that takes the opening's prefix: leaving the opening after it keeps that prefix
+    lt = enc("<")
+    any_text = StructuredOutputs(regex="<[a-z]*", start_after=end, thought_open=start)
+    g = compiler.start(any_text, lt)
+    assert g.opening == start and g.opened == 1
+    after_lt = compiler.start(StructuredOutputs(regex="<[a-z]*"), lt)
+    assert _ids(_allowed(compiler, [g])[0]) == _ids(_allowed(compiler, [after_lt])[0]) | {
+        start[1]}
+    x = enc("<x")[-1]
+    g.accept(x)
+    assert g.opening is None and not g.free and g.pending == lt + [x]
+
+
+@needs_model
+def test_guesses_walk_through_an_opening_thought_and_its_end(vocab):
+    """Guesses of a sequence whose phase changes inside them (an opening taken, a thought ended
+    by `</think>`, an opening left): each row is the mask the sequence has after the guesses
+    before it, as taking them one by one and filling gives."""
+    hf, compiler, config = vocab
+    enc = lambda text: hf.encode(text, add_special_tokens=False)   # noqa: E731
+    start, end = enc("<think>"), enc("</think>")
+    so = StructuredOutputs(regex="[0-9]+", start_after=end, thought_open=start)
+    cases = [([], start + enc("ok") + end + enc("12")),             # opening, thought, digits
+             ([], enc("34") + enc("a") + enc("5")),                 # no thought; "a" refused
+             (start + enc("hm"), enc(" x") + end + enc("5"))]       # a thought that ends
+    width = bitmask_width(config.vocab_size)
+    grammars = [compiler.start(so, done) for done, _ in cases]
+    guesses = [guess for _, guess in cases]
+    got = np.zeros((sum(len(x) + 1 for x in guesses), width), dtype=np.int32)
+    compiler.fill_bitmask(grammars, got, guesses)
+    row = 0
+    eos_only = set(config.eos_token_ids)
+    for done, guess in cases:
+        one = compiler.start(so, done)
+        refused = False
+        for j in range(len(guess) + 1):
+            want = eos_only if refused else (
+                set(range(config.vocab_size)) if one.free else _ids(_allowed(compiler, [one])[0]))
+            assert _ids(_allowed_row(got[row + j], config)) == want, (row, j)
+            if j < len(guess):
+                refused = refused or guess[j] not in want
+                one.accept(guess[j])
+        row += len(guess) + 1
+    again = _allowed(compiler, grammars)      # the matchers stepped back
+    assert all(_ids(a) == _ids(_allowed(compiler, [compiler.start(so, done)])[0])
+               for a, (done, _) in zip(again, cases))
+
+
+def _allowed_row(row: np.ndarray, config) -> np.ndarray:
+    bits = np.unpackbits(row.view(np.uint8), bitorder="little").astype(bool)
+    return bits[:config.vocab_size]
+
+
 @needs_model
 def test_a_fill_on_the_thread_equals_one_here_and_lowers_the_switch_interval(vocab):
     """`fill(later=True)` gives the same rows and bits as the inline fill, and the first one

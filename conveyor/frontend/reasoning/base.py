@@ -1,6 +1,7 @@
 """What every reasoning parser shares: `feed` and `finish` return (reasoning, content) pieces of
 the output as it streams; `parse` runs the same machine over a whole output, so a stream and a
-whole reply agree. `constraint_start` says where a structured-output constraint starts.
+whole reply agree. `constraint_start` says where a structured-output constraint starts
+(`thought_open`: unless the output begins otherwise).
 """
 from __future__ import annotations
 
@@ -32,3 +33,9 @@ class ReasoningParser:
         """The token ids after which the structured-output constraint `so` starts (None: from
         the first generated token)."""
         raise NotImplementedError
+
+    @classmethod
+    def thought_open(cls, tokenizer) -> list[int] | None:
+        """The token ids that open a thought the output may leave out (then the constraint
+        holds from the first token); None: the output always thinks first."""
+        return None

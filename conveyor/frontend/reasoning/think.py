@@ -5,7 +5,7 @@ template turned thinking off with `enable_thinking: false`, and wrote an empty t
 prompt). deepseek_r1: the template opens the thought in the prompt, so the output starts inside
 it, with or without its own `<think>`; an output that never closes it is all thought. The answer's
 leading whitespace after `</think>` is dropped. A structured-output constraint starts after
-`</think>`.
+`</think>` (qwen3: or at the first token, for an output that does not begin with `<think>`).
 """
 from __future__ import annotations
 
@@ -58,6 +58,12 @@ class ThinkParser(ReasoningParser):
         if tail.endswith(END):
             return None
         return tokenizer.encode(END, add_special_tokens=False)
+
+    @classmethod
+    def thought_open(cls, tokenizer) -> list[int] | None:
+        """qwen3's thought is `<think>` first in the output; an output without it has none,
+        and the constraint holds it all (a model that does not think stays held)."""
+        return None if cls.opened_in_prompt else tokenizer.encode(START, add_special_tokens=False)
 
 
 class Qwen3ReasoningParser(ThinkParser):
