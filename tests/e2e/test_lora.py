@@ -112,6 +112,30 @@ def test_mixed_batch_matches_peft(models, expected, max_loras, async_scheduling,
     assert len(manager.resident) <= max_loras and len(manager.host) <= max_loras
 
 
+def test_speculation_under_adapters_matches_peft(models, expected):
+    """Each prompt under another adapter (or the base) with speculative decoding: the guesses
+    (from peft's own outputs, every third one wrong) are verified by the adapted model, several
+    query tokens a sequence, so the tokens are still peft's."""
+    from types import SimpleNamespace
+
+    from test_speculative import NGRAM, OracleProposer
+
+    base, adapters = models
+    loras = [None, *lora_requests(adapters).values()]
+    pairs = [(p, lora) for p, lora in zip(PROMPTS, loras)]
+    want = [expected[None if lora is None else lora.lora_name][i]
+            for i, (_, lora) in enumerate(pairs)]
+    llm = make_llm(base, max_loras=2, speculative_config=NGRAM)
+    llm.runner.draw.proposer = OracleProposer([SimpleNamespace(
+        prompt_token_ids=p, outputs=[SimpleNamespace(token_ids=w)])
+        for (p, _), w in zip(pairs, want)])
+    outs = llm.generate([p for p, _ in pairs], GREEDY, use_tqdm=False,
+                        lora_request=[lora for _, lora in pairs])
+    assert [o.outputs[0].token_ids for o in outs] == want
+    stats = llm.engine.scheduler.stats()
+    assert stats.spec_num_draft_tokens > stats.spec_num_accepted_tokens >= 8
+
+
 def test_prefix_cache_is_per_adapter(models, expected):
     """The same prompt under two adapters and the base, one after the other with the prefix
     cache on: each run computes its own KV (a shared block would change the tokens)."""
