@@ -4,7 +4,7 @@
 it without a tokenizer, so a bad schema, regex or grammar is a 400 before anything reaches the
 engine. `GrammarCompiler` is worker rank 0's: it compiles grammars for the model's vocabulary on
 a thread pool (off the step loop; llguidance drops the GIL), caches them by key, and gives each
-sequence a `SeqGrammar` that follows its tokens. `fill_bitmask` fills a batch's token bitmask
+sequence a `SeqGrammar` (shared/seq_grammar.py) that follows its tokens. `fill_bitmask` fills a batch's token bitmask
 (bit t of row r set: token t is allowed) on llguidance's threads. No torch here.
 """
 from __future__ import annotations
@@ -20,6 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
+from conveyor.shared.seq_grammar import SeqGrammar, broken, live
 from conveyor.shared.structured_outputs import StructuredOutputs
 
 log = logging.getLogger(__name__)
@@ -124,105 +125,6 @@ def build_tokenizer(hf_tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...
     return view
 
 
-class SeqGrammar:
-    """One sequence's matcher. Accepted tokens wait in `pending` until the next fill consumes
-    them (`GrammarCompiler.fill_bitmask`, on the engine's fill thread): the step loop only
-    appends. A resumed sequence replays its output so far through `accept`. With `start_after`
-    the sequence is `free` (no mask, the matcher does not move) until those token ids have been
-    accepted in a row; the grammar applies from the next token. With `thought_open` too, the
-    sequence is `opening` until its output either begins with those ids (then free, a thought)
-    or leaves them (no thought: the grammar holds from the first token, as its masks did)."""
-
-    def __init__(self, compiled: Future, tokens: list[int], start_after: list[int] | None = None,
-                 thought_open: list[int] | None = None):
-        self._compiled = compiled
-        self.pending: list[int] = []
-        self.matcher = None
-        self._start = list(start_after) if start_after else None
-        self._tail: list[int] = []           # the last len(start_after) tokens, while free
-        self._open = list(thought_open) if self._start and thought_open else None
-        self.opened = 0                      # how many of thought_open's ids came, while opening
-        for t in tokens:
-            self.accept(t)
-
-    @property
-    def free(self) -> bool:
-        """The constraint has not started yet: every token is allowed."""
-        return self._start is not None and self._open is None
-
-    @property
-    def opening(self) -> list[int] | None:
-        """thought_open while the output is a prefix of it (its mask: the grammar's after that
-        prefix, if the grammar takes it, and the next id of thought_open), else None."""
-        return self._open
-
-    def forked(self) -> SeqGrammar:
-        """A copy of the phase (no matcher) to walk guesses through."""
-        fork = copy.copy(self)
-        fork.matcher, fork._compiled = None, None
-        fork.pending, fork._tail = [], list(self._tail)
-        fork._start = self._start and list(self._start)
-        fork._open = self._open and list(self._open)
-        return fork
-
-    def accept(self, token: int) -> None:
-        if self._open is not None:
-            if token == self._open[self.opened]:
-                self.opened += 1
-                if self.opened == len(self._open):
-                    self._open = None        # a thought: free until start_after
-                return
-            self.pending += self._open[:self.opened] + [token]
-            self._open = self._start = None  # no thought: constrained from the first token
-            return
-        if self._start is not None:
-            self._tail.append(token)
-            if len(self._tail) > len(self._start):
-                del self._tail[0]
-            if self._tail == self._start:
-                self._start, self._tail = None, []
-        else:
-            self.pending.append(token)
-
-    def compiled(self):
-        """The sequence's own matcher (waits for the compile; `pending` not consumed); None if
-        the compile failed (then the sequence may only end)."""
-        if self.matcher is None and self._compiled is not None:
-            try:
-                self.matcher = self._compiled.result().deep_copy()
-            except Exception:
-                log.exception("a grammar could not be compiled; its sequence gets EOS only")
-                self._compiled = None
-        return self.matcher
-
-    def ready(self):
-        """compiled(), with every accepted token consumed."""
-        m = self.compiled()
-        if m is not None:
-            for t in self.pending:
-                _consume(m, t)
-        self.pending = []
-        return m
-
-
-def _live(m) -> bool:
-    """Whether the matcher takes tokens: not past its end (e.g. the token planned after EOS,
-    which the scheduler drops) nor broken."""
-    return not (m.is_stopped() or m.is_error())
-
-
-def _consume(m, token: int) -> None:
-    if _live(m) and not m.consume_token(token):
-        _broken(m, token)
-
-
-def _broken(m, token: int) -> None:
-    # NOTE: only a row its constraints leave no token draws outside the mask (EOS, which ends
-    # it: worker/logit_edits.py); from here on it allows only EOS.
-    log.warning("a sampled token %d broke its grammar: %s", token,
-                m.get_error().splitlines()[0] if m.get_error() else "")
-
-
 # NOTE: one fill thread. On the H200's 16-core host, beside the engine's step loop, llguidance's
 # parallel fill got slower with each thread added: 64 rows of the typical schema 1.00 ms on 1
 # thread, 1.09 on 2, 1.10 on 4, 1.38 on 8 (bounded strings 3.85 against 5.66 ms; 256 rows 3.26
@@ -305,7 +207,7 @@ class GrammarCompiler:
             if g.opening is not None or g.free:  # a thought's start, or guesses that may end it
                 walks.append((g, first[i], guess))
                 continue
-            if m is not None and len(g.pending) == 1 and _live(m):
+            if m is not None and len(g.pending) == 1 and live(m):
                 singles.append((m, g.pending.pop()))
             else:
                 m = g.ready()                # a replayed output one by one, or nothing
@@ -318,7 +220,7 @@ class GrammarCompiler:
         if singles:
             for (m, token), ok in zip(singles, self.executor.consume_token_par(singles)):
                 if not ok:
-                    _broken(m, token)
+                    broken(m, token)
         if matchers:
             fill_next_token_bitmask_par(self.executor, matchers, bitmask)
         if guessed:
@@ -348,14 +250,14 @@ class GrammarCompiler:
                 bitmask[r] = 0
                 if not n:
                     fill_next_token_bitmask(m, bitmask, r)
-                elif _live(m) and m.validate_tokens(ids[:n]) == n:  # the constraint held so far
+                elif live(m) and m.validate_tokens(ids[:n]) == n:  # the constraint held so far
                     m.consume_tokens(ids[:n])
                     fill_next_token_bitmask(m, bitmask, r)
                     m.rollback(n)
                 bitmask.view(np.uint32)[r, ids[n] // 32] |= np.uint32(1 << (ids[n] % 32))
             else:
                 todo, walk.pending = walk.pending, []
-                if todo and not (_live(m) and m.validate_tokens(todo) == len(todo)):
+                if todo and not (live(m) and m.validate_tokens(todo) == len(todo)):
                     bitmask[r:row + len(guess) + 1] = self._eos_row   # past a refused guess
                     break
                 if todo:
@@ -374,7 +276,7 @@ class GrammarCompiler:
 
         valid = []
         for m, row, guess in rows:
-            v = m.validate_tokens(guess) if _live(m) else 0
+            v = m.validate_tokens(guess) if live(m) else 0
             bitmask[row + v + 1:row + len(guess) + 1] = self._eos_row
             valid.append(v)
         # NOTE: a matcher that stopped (its grammar complete) takes no more tokens, EOS
@@ -384,7 +286,7 @@ class GrammarCompiler:
             level = []
             for i, ((m, row, guess), v) in enumerate(zip(rows, valid)):
                 if v >= depth:
-                    if _live(m):
+                    if live(m):
                         m.consume_token(guess[depth - 1])
                         consumed[i] += 1
                     level.append((m, row + depth))

@@ -249,7 +249,7 @@ def test_guessed_rows_hold_the_mask_after_each_guess_and_the_matcher_steps_back(
 def test_a_failed_compile_allows_only_eos(vocab):
     from concurrent.futures import Future
 
-    from conveyor.shared.grammar import SeqGrammar
+    from conveyor.shared.seq_grammar import SeqGrammar
 
     _, compiler, config = vocab
     failed = Future()
