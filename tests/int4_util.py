@@ -91,3 +91,71 @@ def write_int4(src: Path, dst: Path, ref: Path, fmt: str, group: int, act_order:
         {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": act_order,
          "sym": False, "checkpoint_format": "gptq"})
     (dst / "config.json").write_text(json.dumps(config))
+
+
+def write_w4a16(src: Path, dst: Path, ref: Path, group: int, symmetric: bool,
+                act_order: bool = False, seed: int = 0) -> None:
+    """src: a float32 HF folder -> dst: its compressed-tensors pack-quantized (W4A16)
+    checkpoint as llm-compressor saves one, packed by compressed-tensors itself (group 0: one
+    scale a row, the channel strategy; zero points packed along the outputs, as vLLM reads
+    them); ref: the dequantized float model. transformers runs a symmetric dst through
+    compressed-tensors (whose current version refuses act-order's g_idx, and sizes zero points
+    unpacked)."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    gen = torch.Generator().manual_seed(seed)
+    tensors = load_file(src / "model.safetensors")
+    out, perms, deq_all = {}, {}, dict(tensors)
+    for name, w in tensors.items():
+        if not (name.endswith(".weight") and name.split(".")[-2] in _LINEAR):
+            out[name] = w
+            continue
+        n, k = w.shape
+        size = group or k
+        proj = name.split(".")[-2]
+        shared_input = name.rsplit(".", 2)[0] + {"k_proj": ".q_proj", "v_proj": ".q_proj",
+                                                   "up_proj": ".gate_proj"}.get(proj, "." + proj)
+        if shared_input not in perms:
+            perms[shared_input] = (torch.randperm(k, generator=gen) if act_order
+                                   else torch.arange(k))
+        perm = perms[shared_input]
+        if symmetric:
+            groups = perm.view(-1, size)
+            wg = w.float()[:, groups]                                        # [N, G, size]
+            scale = (wg.abs().amax(-1) / 7.5).clamp(min=1e-6)
+            qg = (wg / scale[..., None]).round().clamp(-8, 7)
+            q = torch.empty(n, k)
+            q[:, groups] = qg
+            deq_all[name] = torch.empty(n, k)
+            deq_all[name][:, groups] = qg * scale[..., None]
+        else:
+            q_u, zero, scale, deq_all[name] = quantize(w.float(), size, perm)
+            q, scale = q_u - 8, scale.float()
+            out[name.removesuffix(".weight") + ".weight_zero_point"] = pack_to_int32(
+                (zero - 8).to(torch.int8), 4, packed_dim=0)                   # [N / 8, G]
+        prefix = name.removesuffix(".weight")
+        out[f"{prefix}.weight_packed"] = pack_to_int32(q.to(torch.int8), 4)    # [N, K / 8]
+        out[f"{prefix}.weight_scale"] = scale.float().contiguous()             # [N, G]
+        out[f"{prefix}.weight_shape"] = torch.tensor([n, k])
+        if act_order:
+            g_idx = torch.empty(k, dtype=torch.int32)
+            g_idx[perm] = (torch.arange(k) // size).int()
+            out[f"{prefix}.weight_g_idx"] = g_idx
+    for folder, data in ((dst, out), (ref, deq_all)):
+        folder.mkdir(parents=True, exist_ok=True)
+        for f in src.iterdir():
+            if f.name != "model.safetensors":
+                shutil.copy(f, folder / f.name)
+        save_file({k: v.contiguous() for k, v in data.items()}, folder / "model.safetensors",
+                  metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    weights = {"num_bits": 4, "type": "int", "symmetric": symmetric,
+               "strategy": "group" if group else "channel", "group_size": group or None,
+               "dynamic": False, "actorder": "group" if act_order else None,
+               "observer": "minmax"}
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "pack-quantized",
+        "quantization_status": "compressed", "ignore": ["lm_head"],
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                      "input_activations": None, "output_activations": None}}}
+    (dst / "config.json").write_text(json.dumps(config))

@@ -4,8 +4,9 @@
 it without a tokenizer, so a bad schema, regex or grammar is a 400 before anything reaches the
 engine. `GrammarCompiler` is worker rank 0's: it compiles grammars for the model's vocabulary on
 a thread pool (off the step loop; llguidance drops the GIL), caches them by key, and gives each
-sequence a `SeqGrammar` (shared/seq_grammar.py) that follows its tokens. `fill_bitmask` fills a batch's token bitmask
-(bit t of row r set: token t is allowed) on llguidance's threads. No torch here.
+sequence a `SeqGrammar` (shared/seq_grammar.py) that follows its tokens. `fill_bitmask` fills
+a batch's token bitmask (bit t of row r set: token t is allowed) on llguidance's threads. No
+torch here.
 """
 from __future__ import annotations
 

@@ -5,6 +5,7 @@ bad values raise ValueError.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +32,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     initializer_range: float = 0.02          # std of random (load_format="dummy") weights
     # "fp8" / "int8": the checkpoint stores its linear weights in float8 e4m3 / int8 with scales;
-    # "awq" / "gptq": 4-bit; "mxfp4": gpt-oss's experts in MXFP4 (config.json's
+    # "awq" / "gptq" / "w4a16" (compressed-tensors' pack-quantized): 4-bit; "mxfp4": gpt-oss's
+    # experts in MXFP4 (config.json's
     # quantization_config; checkpoint_quantization below); None: full precision
     quantization: str | None = None
     # per layer: how many keys (the query's own included) its attention sees; 0 = all of them
@@ -107,6 +109,10 @@ def layer_windows(cfg: dict[str, Any], arch: str) -> tuple[int, ...]:
     return tuple(int(window) if t == "sliding_attention" else 0 for t in types)
 
 
+# checkpoints of 4-bit linear weights, loaded into the W4A16 kernels' layout
+INT4_FORMATS = ("awq", "gptq", "w4a16")
+
+
 def checkpoint_quantization(qc: dict[str, Any] | None) -> str | None:
     """The quantization a checkpoint's config.json declares, where conveyor loads it as it is:
     1-byte weights with per-tensor, per-channel or (fp8) square block scales, and 4-bit AWQ and
@@ -130,6 +136,9 @@ def checkpoint_quantization(qc: dict[str, Any] | None) -> str | None:
         groups = list((qc.get("config_groups") or {}).values())
         weights = [g.get("weights") or {} for g in groups]
         kinds = {w.get("type") for w in weights}
+        if _format(qc) == "pack-quantized":
+            int4_format(qc)
+            return "w4a16"
         if (len(kinds) == 1 and all(w.get("num_bits") == 8 and w.get("symmetric", True)
                                     and w.get("strategy") in ("tensor", "channel", "block")
                                     for w in weights)
@@ -140,7 +149,8 @@ def checkpoint_quantization(qc: dict[str, Any] | None) -> str | None:
             return "fp8" if kinds == {"float"} else "int8"
         raise ValueError("of compressed-tensors checkpoints, conveyor loads 8-bit weights with "
                          "tensor, channel or (float, square) block scales only: float, or "
-                         "symmetric int stored as int8 (format int-quantized)")
+                         "symmetric int stored as int8 (format int-quantized); and 4-bit int "
+                         "weights packed in int32 (format pack-quantized, W4A16)")
     if method in ("awq", "gptq"):
         int4_format(qc)
         return method
@@ -149,11 +159,20 @@ def checkpoint_quantization(qc: dict[str, Any] | None) -> str | None:
                      f"full-precision ones with --quantization)")
 
 
+def _format(qc: dict[str, Any]) -> str | None:
+    """A compressed-tensors config's format: the top level's, else its groups' (one)."""
+    formats = {g.get("format") for g in (qc.get("config_groups") or {}).values()} - {None}
+    return qc.get("format") or (formats.pop() if len(formats) == 1 else None)
+
+
 def int4_format(qc: dict[str, Any]) -> tuple[int, int, bool]:
-    """An AWQ or GPTQ quantization_config -> (group size, 0 for the whole row; the zero offset,
-    1 for GPTQ's "gptq" format, which stores zero - 1; act-order). Refuses what conveyor does
-    not load: other bit widths, AWQ other than its GEMM layout with zero points."""
+    """An AWQ, GPTQ or compressed-tensors pack-quantized quantization_config -> (group size, 0
+    for the whole row; the zero offset, 1 for GPTQ's "gptq" format, which stores zero - 1;
+    act-order). Refuses what conveyor does not load: other bit widths, AWQ other than its GEMM
+    layout with zero points, compressed-tensors' other schemes."""
     method = qc.get("quant_method")
+    if method == "compressed-tensors":
+        return _pack_quantized(qc)
     bits = qc.get("bits", qc.get("w_bit"))
     if bits != 4:
         raise ValueError(f"{method} checkpoints load with 4-bit weights only, got bits {bits}")
@@ -166,3 +185,29 @@ def int4_format(qc: dict[str, Any]) -> tuple[int, int, bool]:
         return (0 if group == -1 else group), 0, False
     offset = 0 if qc.get("checkpoint_format") == "gptq_v2" else 1
     return (0 if group == -1 else group), offset, bool(qc.get("desc_act"))
+
+
+def _pack_quantized(qc: dict[str, Any]) -> tuple[int, int, bool]:
+    """compressed-tensors' pack-quantized W4A16 (llm-compressor's GPTQ and AWQ output, as the
+    "quantized.w4a16" releases): 4-bit int weights, one scheme for every quantized layer, by
+    group or channel, symmetric or not, act-order "group" (a g_idx) or "weight" (none), no
+    activation quantization. Stored values are q + 8, so the zero offset is 0: a symmetric
+    layer's zero is 8 (worker/int4_checkpoint.py)."""
+    groups = list((qc.get("config_groups") or {}).values())
+    schemes = {json.dumps(g.get("weights"), sort_keys=True) for g in groups}
+    w = (groups[0].get("weights") or {}) if groups else {}
+    problems = [text for bad, text in (
+        (len(schemes) != 1, f"one weight scheme (got {len(schemes)})"),
+        (w.get("type") != "int" or w.get("num_bits") != 4,
+         f"4-bit int weights (got {w.get('num_bits')}-bit {w.get('type')})"),
+        (w.get("strategy") not in ("group", "channel"),
+         f"group or channel scales (got {w.get('strategy')})"),
+        (bool(w.get("dynamic")), "static weight scales"),
+        (any(g.get("input_activations") for g in groups), "no activation quantization (W4A16)"),
+        (w.get("actorder") not in (None, "group", "weight", "static"),
+         f"act-order group or weight (got {w.get('actorder')})")) if bad]
+    if problems:
+        raise ValueError("compressed-tensors pack-quantized checkpoints load with "
+                         + "; ".join(problems))
+    group = (w.get("group_size") or 0) if w.get("strategy") == "group" else 0
+    return group, 0, w.get("actorder") == "group"

@@ -1,4 +1,5 @@
-"""4-bit checkpoints as published: AutoAWQ's GEMM format and GPTQ, read into the one layout the
+"""4-bit checkpoints as published: AutoAWQ's GEMM format, GPTQ and compressed-tensors'
+pack-quantized ("w4a16"), read into the one layout the
 W4A16 kernels take (kernels/w4a16_gemm.py: qweight [N, K / 8] packed along K, float32 scale and
 zero [N, G], and for GPTQ act-order the column order `perm`).
 
@@ -11,6 +12,11 @@ The formats, per linear layer `P` (K inputs, N outputs, groups of g inputs, G = 
   "gptq"; "gptq_v2" stores the zero itself); P.scales [G, N]; P.g_idx int32 [K], the group of
   each input (act-order, desc_act, permutes them). The columns are sorted by group here, so the
   kernel reads contiguous groups, and the layer gathers its input the same way (x[:, perm]).
+- w4a16 (compressed-tensors' pack-quantized): P.weight_packed int32 [N, K / 8] packed along K,
+  nibble i of word w holding input 8w + i as q + 8 (the kernels' own layout); P.weight_scale
+  [N, G]; P.weight_zero_point int32 [N / 8, G] packed along N, zero + 8 (asymmetric only: a
+  symmetric layer's zero is 8); P.weight_g_idx int32 [K] (act-order "group", as GPTQ's g_idx);
+  P.weight_shape [N, K].
 """
 from __future__ import annotations
 
@@ -19,7 +25,10 @@ import torch
 from conveyor.kernels.w4a16_gemm import pack_int4
 
 _AWQ_REVERSE = torch.tensor([0, 4, 1, 5, 2, 6, 3, 7])
-_PARTS = ("qweight", "qzeros", "scales", "g_idx")
+# each format's parts: words, zero points, scales, then act-order's group index (and others)
+_PARTS = {"awq": ("qweight", "qzeros", "scales"), "gptq": ("qweight", "qzeros", "scales", "g_idx"),
+          "w4a16": ("weight_packed", "weight_zero_point", "weight_scale", "weight_g_idx",
+                    "weight_shape")}
 
 
 def _nibbles(packed: torch.Tensor) -> torch.Tensor:
@@ -37,12 +46,14 @@ def _awq_columns(packed: torch.Tensor) -> torch.Tensor:
 
 def convert_layer(fmt: str, tensors: dict[str, torch.Tensor], zero_offset: int,
                   device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    """One layer's checkpoint tensors (qweight, qzeros, scales, and g_idx for GPTQ) -> weight
-    [N, K / 8] int32, weight_scale and weight_zero [N, G] float32, and for GPTQ weight_perm
-    [K] int64 (identity without act-order), on `device`. zero_offset: 1 for GPTQ's "gptq"
-    format. The unpacking and repacking make a few int64 passes over every weight: on a GPU
-    they take a second for an 8B model, on the host most of a minute."""
+    """One layer's checkpoint tensors (the format's parts above) -> weight [N, K / 8] int32,
+    weight_scale and weight_zero [N, G] float32, and for GPTQ and w4a16 weight_perm [K] int64
+    (identity without act-order), on `device`. zero_offset: 1 for GPTQ's "gptq" format. The
+    unpacking and repacking make a few int64 passes over every weight: on a GPU they take a
+    second for an 8B model, on the host most of a minute."""
     tensors = {name: t.to(device) for name, t in tensors.items()}
+    if fmt == "w4a16":
+        return _convert_packed(tensors)
     scales = tensors["scales"].float()                         # [G, N]
     g, n = scales.shape
     if fmt == "awq":
@@ -54,12 +65,7 @@ def convert_layer(fmt: str, tensors: dict[str, torch.Tensor], zero_offset: int,
         q = _nibbles(packed.t().contiguous()).t()              # [K, N]
         zeros = _nibbles(tensors["qzeros"])                    # [G, N]
         k = q.shape[0]
-        g_idx = tensors.get("g_idx")
-        groups = torch.arange(k, device=device) // (k // g)
-        g_idx = groups if g_idx is None else g_idx.long()
-        perm = torch.sort(g_idx, stable=True).indices
-        if not torch.equal(g_idx[perm], groups):
-            raise ValueError(f"g_idx does not make {g} groups of {k // g} inputs")
+        perm = _group_order(tensors.get("g_idx"), k, g)
         q = q[perm]
         out = {"weight_perm": perm}
     k = q.shape[0]
@@ -71,17 +77,53 @@ def convert_layer(fmt: str, tensors: dict[str, torch.Tensor], zero_offset: int,
     return out
 
 
+def _group_order(g_idx: torch.Tensor | None, k: int, g: int) -> torch.Tensor:
+    """The input order that makes g_idx's groups (act-order's scattered inputs) contiguous,
+    [K] int64 (the identity without g_idx)."""
+    groups = torch.arange(k, device=g_idx.device if g_idx is not None else "cpu") // (k // g)
+    g_idx = groups if g_idx is None else g_idx.long()
+    perm = torch.sort(g_idx, stable=True).indices
+    if not torch.equal(g_idx[perm], groups):
+        raise ValueError(f"g_idx does not make {g} groups of {k // g} inputs")
+    return perm
+
+
+def _convert_packed(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """compressed-tensors' pack-quantized layer: its words are the kernels' layout already,
+    but for act-order (the columns sorted by group, as GPTQ's)."""
+    words, scales = tensors["weight_packed"], tensors["weight_scale"].float()    # [N, G]
+    n, g = scales.shape
+    k = words.shape[1] * 8
+    if words.shape[0] != n or k % g:
+        raise ValueError(f"w4a16 tensors do not agree: weight_packed {tuple(words.shape)}, "
+                         f"weight_scale {tuple(scales.shape)}")
+    zp = tensors.get("weight_zero_point")
+    zeros = (torch.full_like(scales, 8.0) if zp is None
+             else _nibbles(zp.t().contiguous()).t()[:n].float())                  # [N, G]
+    out = {"weight_scale": scales.contiguous(), "weight_zero": zeros.contiguous()}
+    if "weight_g_idx" in tensors:
+        perm = _group_order(tensors["weight_g_idx"], k, g)
+        words = pack_int4(_nibbles(words)[:, perm].contiguous())
+        out["weight_perm"] = perm
+    out["weight"] = words.contiguous()
+    return out
+
+
 def int4_weights(weights, fmt: str, zero_offset: int, has_g_idx: bool,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", has_zero: bool = True):
     """Checkpoint tensors with every 4-bit layer's parts (buffered until all have come) turned
     into `convert_layer`'s tensors under that layer's name, converted on `device`; other
     tensors pass unchanged."""
     pending: dict[str, dict[str, torch.Tensor]] = {}
-    want = {"qweight", "qzeros", "scales"} | ({"g_idx"} if has_g_idx else set())
+    words, zeros, scales = _PARTS[fmt][:3]
+    want = {words, scales} | ({zeros} if has_zero else set())
+    want |= {_PARTS[fmt][3]} if has_g_idx else set()
     for name, tensor in weights:
         prefix, _, part = name.rpartition(".")
-        if part not in _PARTS:
+        if part not in _PARTS[fmt]:
             yield name, tensor
+            continue
+        if part == "weight_shape":           # [N, K]: what weight_packed and the model say
             continue
         layer = pending.setdefault(prefix, {})
         layer[part] = tensor

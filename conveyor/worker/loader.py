@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from conveyor.shared.model_config import ModelConfig
+from conveyor.shared.model_config import INT4_FORMATS, ModelConfig
 from conveyor.shared.model_files import ModelFiles
 from conveyor.worker.gguf_tensors import expert_names, gguf_to_hf_name, gguf_weights
 from conveyor.worker.layers.linear import LinearBase, default_weight_loader
@@ -68,7 +68,7 @@ def load_model(config: ModelConfig, files: ModelFiles, dtype: torch.dtype,
     if load_format == "dummy":
         from conveyor.worker.dummy_weights import dummy_weights
 
-        if config.quantization in ("awq", "gptq"):
+        if config.quantization in INT4_FORMATS:
             raise ValueError(f"load_format dummy cannot stand in for a 4-bit {config.quantization} "
                              f"checkpoint (its layers take 4-bit words drawn from no checkpoint"
                              f"); a random 4-bit model comes from benchmarks.models."
@@ -82,7 +82,7 @@ def load_model(config: ModelConfig, files: ModelFiles, dtype: torch.dtype,
         reader = open_gguf(files.path)
         int8_names = _keep_q8_0(model, reader, keep) if quantization == "int8" else set()
         fill(gguf_weights(reader, int8_names, mxfp4))
-    elif config.quantization in ("awq", "gptq"):
+    elif config.quantization in INT4_FORMATS:
         fill(_take_int4(model, files.path, config, device))
     elif config.quantization == "mxfp4":
         fill(safetensors_weights(files.path))       # models/gpt_oss.py converts the experts
@@ -156,9 +156,9 @@ def _take_quantized(model: nn.Module, folder: Path, mode: str | None, block: int
 
 def _take_int4(model: nn.Module, folder: Path, config: ModelConfig,
                device: torch.device | str) -> Weights:
-    """For an AWQ or GPTQ checkpoint: make the linear layers with a `qweight` take 4-bit
-    weights (LinearBase.make_int4), and return the checkpoint's tensors with those layers'
-    parts converted to the W4A16 layout on `device` (worker/int4_checkpoint.py)."""
+    """For an AWQ, GPTQ or compressed-tensors W4A16 checkpoint: make the linear layers with
+    4-bit words take them (LinearBase.make_int4), and return the checkpoint's tensors with
+    those layers' parts converted to the W4A16 layout on `device` (worker/int4_checkpoint.py)."""
     from safetensors import safe_open
 
     from conveyor.shared.model_config import int4_format
@@ -169,9 +169,10 @@ def _take_int4(model: nn.Module, folder: Path, config: ModelConfig,
     for file in sorted(Path(folder).glob("*.safetensors")):
         with safe_open(file, framework="pt") as f:
             names += list(f.keys())
-    has_g_idx = any(n.endswith(".g_idx") for n in names)
-    layers = {n.removesuffix(".qweight") + ".weight": True for n in names
-              if n.endswith(".qweight")}
+    words, g_idx = ((".weight_packed", ".weight_g_idx") if config.quantization == "w4a16"
+                    else (".qweight", ".g_idx"))
+    has_g_idx = any(n.endswith(g_idx) for n in names)
+    layers = {n.removesuffix(words) + ".weight": True for n in names if n.endswith(words)}
     for module_name, (module, _) in _by_module(model, layers).items():
         if isinstance(module, FusedMoE):
             module.make_int4(group, act_order)
@@ -182,7 +183,8 @@ def _take_int4(model: nn.Module, folder: Path, config: ModelConfig,
         k = module.weight.shape[1]
         module.make_int4(k // group if group else 1, act_order)
     weights = int4_weights(safetensors_weights(folder), config.quantization, zero_offset,
-                           has_g_idx, device)
+                           has_g_idx, device, has_zero=config.quantization != "w4a16" or any(
+                               n.endswith(".weight_zero_point") for n in names))
     if not act_order:      # GPTQ's g_idx then only repeats the groups: no column order
         weights = ((n, t) for n, t in weights if not n.endswith(".weight_perm"))
     return weights

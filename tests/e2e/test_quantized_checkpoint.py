@@ -234,8 +234,14 @@ def test_bad_fp8_checkpoints_are_refused_clearly(tiny, tmp_path):
                       ({"quant_method": "bitsandbytes"}, "'bitsandbytes' is not supported"),
                       ({"quant_method": "gptq", "bits": 8}, "4-bit weights only"),
                       ({**quantization_config("compressed-tensors-int8", "channel"),
-                        "format": "pack-quantized"}, "int-quantized")):
-        bad = tmp_path / f"bad-{match[:5]}"
+                        "format": "pack-quantized"}, "4-bit int weights"),
+                      ({"quant_method": "compressed-tensors", "format": "pack-quantized",
+                        "config_groups": {"g": {
+                            "weights": {"num_bits": 4, "type": "int", "strategy": "group",
+                                        "group_size": 128},
+                            "input_activations": {"num_bits": 8, "type": "int"}}}},
+                       "no activation quantization")):
+        bad = tmp_path / f"bad-{match[:12]}"
         shutil.copytree(tmp_path / "fp8", bad)
         config = json.loads((bad / "config.json").read_text())
         (bad / "config.json").write_text(json.dumps({**config, "quantization_config": qc}))
@@ -303,6 +309,15 @@ def test_moe_awq_checkpoint_at_tp2_equals_tp1(tiny_moe, tmp_path):
 
     write_int4(tiny_moe, tmp_path / "awq", tmp_path / "ref", "awq", BLOCK)
     tp1_and_tp2(tmp_path / "awq")
+
+
+def test_moe_w4a16_checkpoint_at_tp2_equals_tp1(tiny_moe, tmp_path):
+    """compressed-tensors' W4A16 (zero points packed along the outputs) shards as AWQ does,
+    once converted: attention, the dense layer and the experts."""
+    from int4_util import write_w4a16
+
+    write_w4a16(tiny_moe, tmp_path / "w4a16", tmp_path / "ref", BLOCK, symmetric=False)
+    tp1_and_tp2(tmp_path / "w4a16")
 
 
 def test_moe_block_checkpoint_not_whole_blocks_is_refused(tiny_moe, tmp_path):

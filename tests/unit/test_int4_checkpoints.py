@@ -3,7 +3,7 @@
 tokens and logits on the dequantized weights (the CPU path: dequantize, then matmul)."""
 import pytest
 import torch
-from int4_util import write_int4
+from int4_util import write_int4, write_w4a16
 from models_util import make_tiny_model
 
 from conveyor.kernels.w4a16_gemm import dequantize_int4, pack_int4, unpack_int4, w4a16_ref
@@ -46,6 +46,32 @@ def test_int4_checkpoint_matches_transformers_on_dequantized_weights(tmp_path, f
     assert (qkv.weight_perm is not None) == act_order
     assert ours.quant_report.prequantized
     assert_matches_reference(ours, tmp_path / "ref", config.eos_token_ids[0])
+
+
+W4A16_CASES = [(32, True, False), (64, False, False), (32, True, True), (0, False, False)]
+
+
+@pytest.mark.parametrize("group,symmetric,act_order", W4A16_CASES)
+def test_compressed_tensors_w4a16_matches_transformers(tmp_path, group, symmetric, act_order):
+    """llm-compressor's W4A16 format (compressed-tensors pack-quantized; packed by
+    compressed-tensors itself), symmetric or with zero points, by group or channel, with
+    act-order's g_idx or not: logits and greedy tokens equal transformers running the same
+    checkpoint through compressed-tensors (symmetric, no g_idx: what it still reads), else
+    transformers on the dequantized weights."""
+    src = make_tiny_model("qwen3", tmp_path / "src", hidden_size=128, intermediate_size=256,
+                          head_dim=32)
+    write_w4a16(src, tmp_path / "q", tmp_path / "ref", group, symmetric, act_order)
+    files = resolve_model(str(tmp_path / "q"))
+    config = read_model_config(files)
+    assert config.quantization == "w4a16"
+    ours = load_model(config, files, torch.float32, "cpu", quantization="w4a16")
+    qkv = ours.model.layers[0].self_attn.qkv_proj
+    assert qkv.weight.dtype == torch.int32 and qkv.weight_scale.shape[1] == (
+        128 // group if group else 1)
+    assert (qkv.weight_perm is not None) == act_order
+    assert ours.quant_report.prequantized
+    reference = "q" if symmetric and not act_order else "ref"
+    assert_matches_reference(ours, tmp_path / reference, config.eos_token_ids[0])
 
 
 def test_pack_unpack_and_reference():
@@ -116,6 +142,20 @@ def test_moe_int4_checkpoint_matches_transformers(tmp_path, fmt, group):
     assert experts.w13_zero.shape == (6, 128, groups[0])
     assert experts.w2_scale.shape == (6, 128, groups[1])
     assert "model.layers.2.mlp.experts" in ours.quant_report.prequantized
+    assert_matches_reference(ours, tmp_path / "ref", config.eos_token_ids[0])
+
+
+def test_moe_w4a16_checkpoint_matches_transformers(tmp_path):
+    """Qwen3-MoE in compressed-tensors' W4A16 (as the "quantized.w4a16" MoE releases): the
+    experts keep their words; transformers on the dequantized weights gives the same tokens."""
+    src = make_tiny_model("qwen3-moe", tmp_path / "src", hidden_size=128, head_dim=32,
+                          moe_intermediate_size=64, intermediate_size=256)
+    write_w4a16(src, tmp_path / "q", tmp_path / "ref", 32, symmetric=False)
+    files = resolve_model(str(tmp_path / "q"))
+    config = read_model_config(files)
+    ours = load_model(config, files, torch.float32, "cpu")
+    experts = ours.model.layers[0].mlp.experts
+    assert experts.w13.dtype == torch.int32 and experts.w13_zero.shape == (6, 128, 4)
     assert_matches_reference(ours, tmp_path / "ref", config.eos_token_ids[0])
 
 
