@@ -159,3 +159,44 @@ def write_w4a16(src: Path, dst: Path, ref: Path, group: int, symmetric: bool,
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
                                       "input_activations": None, "output_activations": None}}}
     (dst / "config.json").write_text(json.dumps(config))
+
+
+def write_gptq8(src: Path, dst: Path, ref: Path, group: int) -> None:
+    """src: a float32 HF folder -> dst: its 8-bit GPTQ checkpoint (symmetric, in order: the
+    layout of Qwen's GPTQ-Int8 releases, 4 values an int32 along K, zero points 128 stored
+    as 127); ref: the dequantized float model."""
+    tensors = load_file(src / "model.safetensors")
+    out, deq_all = {}, dict(tensors)
+
+    def pack8(values: torch.Tensor) -> torch.Tensor:      # [R, 4 C] bytes -> int32 [R, C]
+        v = values.long().view(values.shape[0], -1, 4)
+        words = sum(v[:, :, i] << (8 * i) for i in range(4))
+        return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+
+    for name, w in tensors.items():
+        if not (name.endswith(".weight") and name.split(".")[-2] in _LINEAR):
+            out[name] = w
+            continue
+        n, k = w.shape
+        size = group or k
+        wg = w.float().view(n, k // size, size)
+        scale = (wg.abs().amax(-1) / 127).clamp(min=1e-6).half()           # [N, G]
+        q = ((wg / scale.float()[..., None]).round().clamp(-128, 127) + 128).view(n, k)
+        deq_all[name] = ((q.view(n, k // size, size) - 128) * scale.float()[..., None]).view(n, k)
+        prefix = name.removesuffix(".weight")
+        out[f"{prefix}.qweight"] = pack8(q.contiguous()).t().contiguous()     # [K / 4, N]
+        out[f"{prefix}.qzeros"] = pack8(torch.full((k // size, n), 127))     # [G, N / 4]
+        out[f"{prefix}.scales"] = scale.t().contiguous()                     # [G, N]
+        out[f"{prefix}.g_idx"] = (torch.arange(k) // size).int()
+    for folder, data in ((dst, out), (ref, deq_all)):
+        folder.mkdir(parents=True, exist_ok=True)
+        for f in src.iterdir():
+            if f.name != "model.safetensors":
+                shutil.copy(f, folder / f.name)
+        save_file({k: v.contiguous() for k, v in data.items()}, folder / "model.safetensors",
+                  metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 8, "group_size": group or -1,
+                                     "desc_act": False, "sym": True,
+                                     "checkpoint_format": "gptq"}
+    (dst / "config.json").write_text(json.dumps(config))

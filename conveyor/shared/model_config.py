@@ -168,14 +168,20 @@ def _format(qc: dict[str, Any]) -> str | None:
 def int4_format(qc: dict[str, Any]) -> tuple[int, int, bool]:
     """An AWQ, GPTQ or compressed-tensors pack-quantized quantization_config -> (group size, 0
     for the whole row; the zero offset, 1 for GPTQ's "gptq" format, which stores zero - 1;
-    act-order). Refuses what conveyor does not load: other bit widths, AWQ other than its GEMM
-    layout with zero points, compressed-tensors' other schemes."""
+    act-order). Refuses what conveyor does not load: other bit widths (8-bit GPTQ loads,
+    symmetric and in order: `gptq_bits`), AWQ other than its GEMM layout with zero points,
+    compressed-tensors' other schemes."""
     method = qc.get("quant_method")
     if method == "compressed-tensors":
         return _pack_quantized(qc)
     bits = qc.get("bits", qc.get("w_bit"))
-    if bits != 4:
-        raise ValueError(f"{method} checkpoints load with 4-bit weights only, got bits {bits}")
+    if bits != 4 and not (method == "gptq" and bits == 8):
+        raise ValueError(f"{method} checkpoints load with 4-bit weights (GPTQ: or 8-bit), got "
+                         f"bits {bits}")
+    if bits == 8 and (qc.get("desc_act") or not qc.get("sym", True)):
+        raise ValueError("8-bit GPTQ checkpoints load symmetric (sym) without act-order "
+                         "(desc_act) only: their layers run as int8 with one scale a group, no "
+                         "zero point nor column order")
     group = qc.get("group_size", qc.get("q_group_size", 128))
     if method == "awq":
         if str(qc.get("version", "gemm")).lower() != "gemm" or not qc.get("zero_point", True):
@@ -211,3 +217,9 @@ def _pack_quantized(qc: dict[str, Any]) -> tuple[int, int, bool]:
                          + "; ".join(problems))
     group = (w.get("group_size") or 0) if w.get("strategy") == "group" else 0
     return group, 0, w.get("actorder") == "group"
+
+
+def gptq_bits(qc: dict[str, Any]) -> int:
+    """The width of a 4-bit format's values: 8 for an 8-bit GPTQ checkpoint (Qwen's
+    GPTQ-Int8 releases), which loads as int8 weights with group scales; else 4."""
+    return 8 if qc.get("quant_method") == "gptq" and qc.get("bits") == 8 else 4

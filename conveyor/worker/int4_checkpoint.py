@@ -12,6 +12,10 @@ The formats, per linear layer `P` (K inputs, N outputs, groups of g inputs, G = 
   "gptq"; "gptq_v2" stores the zero itself); P.scales [G, N]; P.g_idx int32 [K], the group of
   each input (act-order, desc_act, permutes them). The columns are sorted by group here, so the
   kernel reads contiguous groups, and the layer gathers its input the same way (x[:, perm]).
+- GPTQ in 8 bits (symmetric, in order: Qwen's GPTQ-Int8): P.qweight int32 [K / 4, N], byte i
+  of word r holding input 4r + i; P.qzeros [G, N / 4] the same along N (128, less the offset);
+  P.scales [G, N]. They become int8 weights q - 128 [N, K] and scales [N, G] (`convert_gptq8`),
+  which the int8 path runs as GGUF's Q8_0 (one scale a group).
 - w4a16 (compressed-tensors' pack-quantized): P.weight_packed int32 [N, K / 8] packed along K,
   nibble i of word w holding input 8w + i as q + 8 (the kernels' own layout); P.weight_scale
   [N, G]; P.weight_zero_point int32 [N / 8, G] packed along N, zero + 8 (asymmetric only: a
@@ -27,6 +31,7 @@ from conveyor.kernels.w4a16_gemm import pack_int4
 _AWQ_REVERSE = torch.tensor([0, 4, 1, 5, 2, 6, 3, 7])
 # each format's parts: words, zero points, scales, then act-order's group index (and others)
 _PARTS = {"awq": ("qweight", "qzeros", "scales"), "gptq": ("qweight", "qzeros", "scales", "g_idx"),
+          "gptq8": ("qweight", "qzeros", "scales", "g_idx"),
           "w4a16": ("weight_packed", "weight_zero_point", "weight_scale", "weight_g_idx",
                     "weight_shape")}
 
@@ -54,6 +59,8 @@ def convert_layer(fmt: str, tensors: dict[str, torch.Tensor], zero_offset: int,
     tensors = {name: t.to(device) for name, t in tensors.items()}
     if fmt == "w4a16":
         return _convert_packed(tensors)
+    if fmt == "gptq8":
+        return convert_gptq8(tensors, zero_offset)
     scales = tensors["scales"].float()                         # [G, N]
     g, n = scales.shape
     if fmt == "awq":
@@ -75,6 +82,30 @@ def convert_layer(fmt: str, tensors: dict[str, torch.Tensor], zero_offset: int,
     out.update(weight=pack_int4(q.t().contiguous()), weight_scale=scales.t().contiguous(),
                weight_zero=(zeros.float() + zero_offset).t().contiguous())
     return out
+
+
+def convert_gptq8(tensors: dict[str, torch.Tensor], zero_offset: int
+                  ) -> dict[str, torch.Tensor]:
+    """One 8-bit GPTQ layer -> int8 weight [N, K] (q - 128) and float32 weight_scale [N, G].
+    Its zero points must all be 128 (symmetric) and its g_idx, if any, in order."""
+    shifts = torch.arange(0, 32, 8, dtype=torch.int32, device=tensors["qweight"].device)
+
+    def unpack(words: torch.Tensor) -> torch.Tensor:     # [R, C] -> [R, 4 C], byte i at 4c + i
+        return ((words[:, :, None] >> shifts) & 255).reshape(words.shape[0], -1)
+
+    scales = tensors["scales"].float()                                       # [G, N]
+    g, n = scales.shape
+    q = unpack(tensors["qweight"].t().contiguous())                          # [N, K]
+    zeros = unpack(tensors["qzeros"]) + zero_offset                          # [G, N]
+    k = q.shape[1]
+    if q.shape[0] != n or zeros.shape != (g, n) or k % g:
+        raise ValueError(f"gptq 8-bit tensors do not agree: qweight gives {tuple(q.shape)}, "
+                         f"scales {tuple(scales.shape)}, qzeros {tuple(zeros.shape)}")
+    if (zeros != 128).any():
+        raise ValueError("8-bit GPTQ zero points other than 128 (asymmetric) are not supported")
+    if not torch.equal(_group_order(tensors.get("g_idx"), k, g).cpu(), torch.arange(k)):
+        raise ValueError("8-bit GPTQ act-order (a g_idx out of order) is not supported")
+    return {"weight": (q - 128).to(torch.int8), "weight_scale": scales.t().contiguous()}
 
 
 def _group_order(g_idx: torch.Tensor | None, k: int, g: int) -> torch.Tensor:

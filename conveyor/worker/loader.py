@@ -161,10 +161,12 @@ def _take_int4(model: nn.Module, folder: Path, config: ModelConfig,
     those layers' parts converted to the W4A16 layout on `device` (worker/int4_checkpoint.py)."""
     from safetensors import safe_open
 
-    from conveyor.shared.model_config import int4_format
+    from conveyor.shared.model_config import gptq_bits, int4_format
     from conveyor.worker.int4_checkpoint import int4_weights
 
-    group, zero_offset, act_order = int4_format(config.extra["quantization_config"])
+    qc = config.extra["quantization_config"]
+    group, zero_offset, act_order = int4_format(qc)
+    int8 = gptq_bits(qc) == 8               # 8-bit GPTQ: int8 weights, one scale a group
     names = []
     for file in sorted(Path(folder).glob("*.safetensors")):
         with safe_open(file, framework="pt") as f:
@@ -175,14 +177,16 @@ def _take_int4(model: nn.Module, folder: Path, config: ModelConfig,
     layers = {n.removesuffix(words) + ".weight": True for n in names if n.endswith(words)}
     for module_name, (module, _) in _by_module(model, layers).items():
         if isinstance(module, FusedMoE):
-            module.make_int4(group, act_order)
+            (module.make_quantized(torch.int8, group) if int8
+             else module.make_int4(group, act_order))
             continue
         if not isinstance(module, LinearBase):
             raise ValueError(f"{module_name}: 4-bit checkpoint weights load only into linear "
                              f"layers and experts")
-        k = module.weight.shape[1]
-        module.make_int4(k // group if group else 1, act_order)
-    weights = int4_weights(safetensors_weights(folder), config.quantization, zero_offset,
+        groups = module.weight.shape[1] // group if group else 1
+        module.make_quantized(torch.int8, groups) if int8 else module.make_int4(groups, act_order)
+    fmt = "gptq8" if int8 else config.quantization
+    weights = int4_weights(safetensors_weights(folder), fmt, zero_offset,
                            has_g_idx, device, has_zero=config.quantization != "w4a16" or any(
                                n.endswith(".weight_zero_point") for n in names))
     if not act_order:      # GPTQ's g_idx then only repeats the groups: no column order

@@ -232,7 +232,7 @@ def test_bad_fp8_checkpoints_are_refused_clearly(tiny, tmp_path):
         LLM(model=str(tmp_path / "partial"), **ENGINE)
     for qc, match in (({"quant_method": "fp8", "weight_block_size": [128, 64]}, "square"),
                       ({"quant_method": "bitsandbytes"}, "'bitsandbytes' is not supported"),
-                      ({"quant_method": "gptq", "bits": 8}, "4-bit weights only"),
+                      ({"quant_method": "gptq", "bits": 3}, "4-bit weights .GPTQ: or 8-bit."),
                       ({**quantization_config("compressed-tensors-int8", "channel"),
                         "format": "pack-quantized"}, "4-bit int weights"),
                       ({"quant_method": "compressed-tensors", "format": "pack-quantized",
@@ -336,9 +336,28 @@ def test_moe_block_checkpoint_on_the_gpu_stays_close_to_the_cpu(tiny_moe, tmp_pa
     """The fused-MoE kernels scaling each K step's weight tile by its block (CUDA graphs, bf16
     activations): the top-5 rule against the float32 CPU run."""
     make_checkpoint(tiny_moe, tmp_path / "q", "fp8", "block")
+    gpu_close_to_cpu(tmp_path / "q")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fmt", ["gptq8", "w4a16"])
+def test_gptq8_and_w4a16_checkpoints_on_the_gpu_stay_close_to_the_cpu(tiny_moe, tmp_path, fmt):
+    """8-bit GPTQ (int8 with a scale a group of 32, dense layers and experts) and
+    compressed-tensors W4A16 through the GPU kernels: the top-5 rule against the CPU run."""
+    from int4_util import write_gptq8, write_w4a16
+
+    if fmt == "gptq8":
+        write_gptq8(tiny_moe, tmp_path / "q", tmp_path / "ref", BLOCK)
+    else:
+        write_w4a16(tiny_moe, tmp_path / "q", tmp_path / "ref", BLOCK, symmetric=False)
+    gpu_close_to_cpu(tmp_path / "q")
+
+
+def gpu_close_to_cpu(folder) -> None:
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
-    cpu = LLM(model=str(tmp_path / "q"), device="cpu", **ENGINE)
-    gpu = LLM(model=str(tmp_path / "q"), device="cuda", gpu_memory_utilization=0.3, **ENGINE)
+    cpu = LLM(model=str(folder), device="cpu", **ENGINE)
+    gpu = LLM(model=str(folder), device="cuda", gpu_memory_utilization=0.3, **ENGINE)
     for prompts in (PROMPTS, PROMPTS[:1]):
         reference = [o.outputs[0] for o in cpu.generate(prompts, params, use_tqdm=False)]
         ours = [o.outputs[0] for o in gpu.generate(prompts, params, use_tqdm=False)]

@@ -3,7 +3,7 @@
 tokens and logits on the dequantized weights (the CPU path: dequantize, then matmul)."""
 import pytest
 import torch
-from int4_util import write_int4, write_w4a16
+from int4_util import write_gptq8, write_int4, write_w4a16
 from models_util import make_tiny_model
 
 from conveyor.kernels.w4a16_gemm import dequantize_int4, pack_int4, unpack_int4, w4a16_ref
@@ -72,6 +72,38 @@ def test_compressed_tensors_w4a16_matches_transformers(tmp_path, group, symmetri
     assert ours.quant_report.prequantized
     reference = "q" if symmetric and not act_order else "ref"
     assert_matches_reference(ours, tmp_path / reference, config.eos_token_ids[0])
+
+
+@pytest.mark.parametrize("group", [128, 0])
+def test_gptq_8_bit_checkpoint_matches_transformers(tmp_path, group):
+    """8-bit GPTQ (Qwen's GPTQ-Int8 layout: symmetric, in order) loads as int8 weights with one
+    scale a group (the Q8_0 path): transformers' tokens on the dequantized weights, dense
+    layers and experts; asymmetric zero points and act-order are refused by name."""
+    import json
+
+    for arch, extra in (("qwen3", {}), ("qwen3-moe", {"moe_intermediate_size": 128})):
+        src = make_tiny_model(arch, tmp_path / arch / "src", hidden_size=128,
+                              intermediate_size=256, head_dim=32, **extra)
+        write_gptq8(src, tmp_path / arch / "q", tmp_path / arch / "ref", group)
+        files = resolve_model(str(tmp_path / arch / "q"))
+        config = read_model_config(files)
+        assert config.quantization == "gptq"
+        ours = load_model(config, files, torch.float32, "cpu")
+        qkv = ours.model.layers[0].self_attn.qkv_proj
+        assert qkv.weight.dtype == torch.int8 and qkv.weight_zero is None
+        assert qkv.weight_scale.shape[1] == (128 // group if group else 1)
+        assert_matches_reference(ours, tmp_path / arch / "ref", config.eos_token_ids[0])
+    moe = ours.model.layers[0].mlp.experts
+    assert moe.w13.dtype == torch.int8 and moe.w13_scale.shape[-1] == (128 // group
+                                                                        if group else 1)
+    q = tmp_path / "qwen3" / "q"
+    config = json.loads((q / "config.json").read_text())
+    for change, words in (({"desc_act": True}, "act-order"), ({"sym": False}, "symmetric")):
+        (q / "config.json").write_text(json.dumps(
+            {**config, "quantization_config": {**config["quantization_config"], **change}}))
+        files = resolve_model(str(q))
+        with pytest.raises(ValueError, match=words):
+            load_model(read_model_config(files), files, torch.float32, "cpu")
 
 
 def test_pack_unpack_and_reference():
