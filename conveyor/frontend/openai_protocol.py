@@ -56,6 +56,7 @@ class _Common(_Strict, kw_only=True):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None      # vLLM's: only these may be drawn
+    bad_words: list[str] | None = None               # vLLM's: words never generated
     user: str | None = None
     # vLLM's extras
     top_k: int | None = None
@@ -175,7 +176,7 @@ def sampling_params(req: CompletionRequest | ChatRequest,
         "ignore_eos": req.ignore_eos, "stop": [req.stop] if isinstance(req.stop, str) else req.stop,
         "stop_token_ids": req.stop_token_ids, "logprobs": logprobs,
         "prompt_logprobs": prompt_logprobs, "logit_bias": _logit_bias(req.logit_bias),
-        "allowed_token_ids": req.allowed_token_ids,
+        "allowed_token_ids": req.allowed_token_ids, "bad_words": req.bad_words,
         "skip_special_tokens": req.skip_special_tokens,
         "include_stop_str_in_output": req.include_stop_str_in_output,
         "structured_outputs": structured_outputs(req),

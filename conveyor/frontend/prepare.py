@@ -58,6 +58,13 @@ class RequestPreparer:
                     raise ValueError(f"messages[{i}] needs a role and a content")
         if params.allowed_token_ids is not None:
             check_token_ids(params.allowed_token_ids, self.vocab_size, "allowed_token_ids")
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise ValueError("bad_words need the model's tokenizer, and this engine has none")
+            params = msgspec.structs.replace(params, bad_words_token_ids=[
+                *params.bad_words_token_ids, *bad_word_ids(self.tokenizer, params.bad_words)])
+        for ids in params.bad_words_token_ids:
+            check_token_ids(ids, self.vocab_size, "bad_words_token_ids")
         if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
             bad = sorted(t for t in params.logit_bias if t >= self.vocab_size)
             raise ValueError(f"logit_bias token ids out of the vocabulary [0, {self.vocab_size})"
@@ -127,3 +134,15 @@ def _max_prompt_chars(tokenizer, max_model_len: int) -> int:
         return 0
     longest = max(map(len, tokenizer.get_vocab()), default=0)
     return max_model_len * max(longest, MIN_CHARS_PER_TOKEN)
+
+
+def bad_word_ids(tokenizer, words: list[str]) -> list[list[int]]:
+    """The token ids each bad word may be generated as: alone (the start of a text) and after
+    a space. NOTE: vLLM keeps the spaced form only where it has as many tokens as the bare one
+    (in this vocabulary " paint" is one token, "paint" two, so it would not ban " paint")."""
+    out = []
+    for word in words:
+        bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        out += [bare] + ([spaced] if spaced != bare else [])
+    return out

@@ -33,6 +33,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None   # token id -> added to its logit, in [-100, 100]
     allowed_token_ids: list[int] | None = None   # only these may be drawn (vLLM's)
+    # words never generated (vLLM's): the frontend turns each into the token ids it may take
+    # (bad_words_token_ids); the last token of one is banned where its others were just drawn
+    bad_words: list[str] = []
+    bad_words_token_ids: list[list[int]] = []
     # the output must match a JSON schema, a regex, a choice or a grammar (structured_outputs.py)
     structured_outputs: StructuredOutputs | None = None
 
@@ -77,6 +81,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                 isinstance(t, int) and 0 <= t <= INT64_MAX for t in self.allowed_token_ids),
                 "allowed_token_ids", "must be a non-empty list of token ids",
                 self.allowed_token_ids[:5])
+        _check(all(isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words",
+               "must be non-empty words", self.bad_words[:5])
+        _check(all(ids and all(isinstance(t, int) and 0 <= t <= INT64_MAX for t in ids)
+                   for ids in self.bad_words_token_ids), "bad_words_token_ids",
+               "must be non-empty lists of token ids", self.bad_words_token_ids[:5])
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _check(value is None or 0 <= value <= MAX_LOGPROBS, name,

@@ -1,5 +1,6 @@
 """A request's own edits of its logits before any draw, in this order: penalties (repetition,
-frequency, presence), logit_bias, allowed_token_ids, and min_tokens' ban of the end tokens.
+frequency, presence), logit_bias, allowed_token_ids, bad words, and min_tokens' ban of the end
+tokens.
 
 One function for a plain draw (worker/sampler.py) and for verifying guesses (spec/verify.py), so
 a guess is judged by the distribution its request samples from.
@@ -19,7 +20,8 @@ if TYPE_CHECKING:
 def edits_logits(states: list[SeqSamplingState]) -> bool:
     """Whether `edit_logits` changes any of these rows."""
     return any(uses_penalty(s.params) or s.params.logit_bias or s.params.allowed_token_ids
-               or s.num_output_tokens < s.params.min_tokens for s in states)
+               or s.params.bad_words_token_ids or s.num_output_tokens < s.params.min_tokens
+               for s in states)
 
 
 def edit_logits(x: torch.Tensor, states: list[SeqSamplingState], vocab_size: int,
@@ -49,9 +51,29 @@ def edit_logits(x: torch.Tensor, states: list[SeqSamplingState], vocab_size: int
         kept = x[r, c]
         x[to_device(only, x.device)] = float("-inf")
         x[r, c] = kept
+    _ban_bad_words(x, states, vocab_size)
     _ban_early_ends(x, states, vocab_size, eos_token_ids)
     _end_dead_rows(x, states, eos_token_ids)
     return x
+
+
+def _ban_bad_words(x: torch.Tensor, states: list[SeqSamplingState], vocab_size: int) -> None:
+    """-inf at the last token of each bad word whose other tokens end the output so far (a
+    one-token word: always)."""
+    rows: list[int] = []
+    cols: list[int] = []
+    for i, s in enumerate(states):
+        if not s.params.bad_words_token_ids:
+            continue
+        output = s.token_ids[s.prompt_len:]
+        for ids in s.params.bad_words_token_ids:
+            n = len(ids) - 1
+            if ids[-1] < vocab_size and len(output) >= n and (
+                    not n or output[len(output) - n:] == ids[:-1]):
+                rows.append(i)
+                cols.append(ids[-1])
+    if rows:
+        x[to_device(rows, x.device), to_device(cols, x.device)] = float("-inf")
 
 
 def _ban_early_ends(x: torch.Tensor, states: list[SeqSamplingState], vocab_size: int,

@@ -104,6 +104,25 @@ def test_stop_strings_and_stop_token_ids(llm, PROMPT):
     assert stats.num_free_blocks == stats.num_total_blocks
 
 
+def test_bad_words_are_never_generated(llm, PROMPT):
+    """The greedy story names its robot; with bad_words ["robot", "AI"] neither word's tokens
+    (alone or after a space) appear, and the rest of the output is still the model's."""
+    from conveyor.frontend.prepare import bad_word_ids
+
+    p = dict(temperature=0, max_tokens=60)
+    free = llm.generate([PROMPT], SamplingParams(**p), use_tqdm=False)[0].outputs[0]
+    held = llm.generate([PROMPT], SamplingParams(**p, bad_words=["robot", "AI"]),
+                        use_tqdm=False)[0].outputs[0]
+    banned = bad_word_ids(llm.tokenizer, ["robot", "AI"])
+    assert any(_contains(free.token_ids, ids) for ids in banned)
+    assert not any(_contains(held.token_ids, ids) for ids in banned)
+    assert held.text[:6] == free.text[:6]
+
+
+def _contains(tokens: list[int], ids: list[int]) -> bool:
+    return any(tokens[i:i + len(ids)] == ids for i in range(len(tokens)))
+
+
 def test_penalties_change_greedy_output(llm, PROMPT):
     """One batch: the plain greedy row and one row per penalty."""
     fields = ("repetition_penalty", "presence_penalty", "frequency_penalty")

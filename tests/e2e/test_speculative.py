@@ -110,6 +110,23 @@ def test_greedy_outputs_and_logprobs_unchanged(tiny, scenario):
         assert_clean(llm)
 
 
+def test_bad_words_are_judged_with_the_guesses_before_them(tiny):
+    """Two-token bad words taken from the free greedy outputs (so they bite), and one-token
+    ones: a guess row after the first is banned as its guesses before it make the output, so
+    the tokens equal those without speculation."""
+    free = make_llm(tiny).generate(prompts(), GREEDY, use_tqdm=False)
+    pairs = [list(o.outputs[0].token_ids[i:i + 2]) for o in free for i in (2, 6, 10)]
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, logprobs=2,
+                            bad_words_token_ids=pairs + [[t] for t in range(5, 256, 31)])
+    reference = make_llm(tiny).generate(prompts(), params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in reference] != [o.outputs[0].token_ids for o in free]
+    llm = make_llm(tiny, speculative_config=NGRAM)
+    llm.runner.draw.proposer = OracleProposer(reference)
+    assert_same_outputs(reference, llm.generate(prompts(), params, use_tqdm=False), tol=1e-4)
+    assert llm.engine.scheduler.stats().spec_num_accepted_tokens >= 10
+    assert_clean(llm)
+
+
 def test_single_sequences_and_the_batch_size_cutoff(tiny):
     reference = make_llm(tiny).generate(prompts(), GREEDY, use_tqdm=False)
     # one at a time: each request speculates alone

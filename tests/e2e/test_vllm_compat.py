@@ -1,7 +1,7 @@
 """`conveyor serve MODEL` as a vLLM user drives it, on CPU with the default model: the model as a
 positional argument, --generation-config defaults, an inline --chat-template, several served
 names; the completions API as lm-eval and the OpenAI spec use it (echo + logprobs with the
-prompt's logprobs, max_tokens 0, prompt_logprobs, logit_bias, allowed_token_ids, refusals
+prompt's logprobs, max_tokens 0, prompt_logprobs, logit_bias, allowed_token_ids, bad_words, refusals
 naming the field)."""
 import json
 
@@ -134,6 +134,24 @@ def test_allowed_token_ids(server):
     for bad, needle in (([10 ** 7], "vocabulary"), ([], "allowed_token_ids")):
         r = post(server, "/v1/completions", {**base, "allowed_token_ids": bad})
         assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+
+
+def test_bad_words(server):
+    """vLLM's bad_words: the words the free chat answer writes first are never drawn (as
+    their tokens, alone or after a space), in completions and chat; an empty word is a 400."""
+    chat = {"messages": [{"role": "user", "content": "Name three colors."}], "max_tokens": 24,
+            "temperature": 0}
+    free = ok(server, "/v1/chat/completions", chat)["choices"][0]["message"]["content"]
+    words = [w.strip(".,:") for w in free.split()[:3] if w.strip(".,:")]
+    held = ok(server, "/v1/chat/completions", {**chat, "bad_words": words})
+    text = held["choices"][0]["message"]["content"]
+    assert text != free and not any(f" {w} " in f" {text} " for w in words), (words, text)
+    r = ok(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+                                        "bad_words": words})
+    assert not any(f" {w} " in f" {r['choices'][0]['text']} " for w in words)
+    r = post(server, "/v1/completions", {"prompt": "x", "bad_words": [" "]})
+    assert r.status_code == 400 and "bad_words" in r.json()["error"]["message"], r.text
+
 
 @pytest.mark.parametrize("body,field", [
     ({"prompt": "x", "suffix": "y"}, "suffix"),

@@ -206,6 +206,16 @@ def test_a_row_its_constraints_leave_no_token_draws_eos(draw):
                                               **draw)]).token_ids == [4]
 
 
+def test_bad_words_ban_their_last_token_after_the_rest():
+    """A one-token bad word is never drawn; a longer one's last token only right after its
+    other tokens (the output's, not the prompt's)."""
+    row = torch.tensor([[0.0, 5.0, 4.0, 3.0, 0.0, 0.0, 0.0, -9.0]])
+    words = [[1], [3, 2]]
+    assert greedy_token(row[0].tolist(), bad_words_token_ids=words) == 2
+    assert greedy_token(row[0].tolist(), output=(3,), bad_words_token_ids=words) == 3
+    assert greedy_token(row[0].tolist(), prompt=(3,), bad_words_token_ids=words) == 2
+
+
 def run_steps(sampler_seed: int, batch: list[SeqSamplingState], logits: torch.Tensor,
               steps: int = 10) -> list[list[int]]:
     """Samples `steps` times; returns the tokens of each row over the steps."""

@@ -105,8 +105,10 @@ def verify(sampler: Sampler, logits: torch.Tensor, states: list[SeqSamplingState
 
 
 def _extended(state: SeqSamplingState, guesses: list[int]) -> SeqSamplingState:
-    """The state as it would be with `guesses` appended (for penalties and min_tokens)."""
-    if not (uses_penalty(state.params) or state.params.min_tokens):
+    """The state as it would be with `guesses` appended (for penalties, bad words and
+    min_tokens)."""
+    if not (uses_penalty(state.params) or state.params.min_tokens
+            or state.params.bad_words_token_ids):
         return state                  # only its parameters and generator are read
     return SeqSamplingState(state.params, state.prompt_len, state.token_ids + guesses,
                             state.generator)
