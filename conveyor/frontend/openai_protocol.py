@@ -57,6 +57,7 @@ class _Common(_Strict, kw_only=True):
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None      # vLLM's: only these may be drawn
     bad_words: list[str] | None = None               # vLLM's: words never generated
+    truncate_prompt_tokens: int | None = None        # vLLM's: the prompt's last k tokens
     user: str | None = None
     # vLLM's extras
     top_k: int | None = None
@@ -164,6 +165,8 @@ def sampling_params(req: CompletionRequest | ChatRequest,
                 raise ValueError("max_tokens must be at least 1 (0 only with echo: the prompt "
                                  "alone)")
             max_tokens = 1                   # computed, then left out of the response
+        if req.echo and req.truncate_prompt_tokens is not None:
+            raise ValueError("echo is not supported with truncate_prompt_tokens")
         if req.echo and logprobs is not None:
             prompt_logprobs = max(logprobs, prompt_logprobs or 0)
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
@@ -177,6 +180,7 @@ def sampling_params(req: CompletionRequest | ChatRequest,
         "stop_token_ids": req.stop_token_ids, "logprobs": logprobs,
         "prompt_logprobs": prompt_logprobs, "logit_bias": _logit_bias(req.logit_bias),
         "allowed_token_ids": req.allowed_token_ids, "bad_words": req.bad_words,
+        "truncate_prompt_tokens": req.truncate_prompt_tokens,
         "skip_special_tokens": req.skip_special_tokens,
         "include_stop_str_in_output": req.include_stop_str_in_output,
         "structured_outputs": structured_outputs(req),

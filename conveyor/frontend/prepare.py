@@ -83,6 +83,11 @@ class RequestPreparer:
                                             **(req.chat_template_kwargs or {}))
         else:
             text, token_ids = req.prompt, self.tokenizer.encode(req.prompt)
+        keep = params.truncate_prompt_tokens
+        if keep == -1:
+            keep = self.max_model_len - (params.max_tokens or 1)
+        if keep is not None and len(token_ids) > keep:
+            text, token_ids = None, token_ids[len(token_ids) - max(keep, 1):]
         so = params.structured_outputs
         if so is not None and so.start_after is not None:
             check_token_ids(so.start_after, self.vocab_size, "structured_outputs.start_after")

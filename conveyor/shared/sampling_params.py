@@ -37,6 +37,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     # (bad_words_token_ids); the last token of one is banned where its others were just drawn
     bad_words: list[str] = []
     bad_words_token_ids: list[list[int]] = []
+    # the prompt's last k tokens only (vLLM's; -1: as many as leave room for max_tokens)
+    truncate_prompt_tokens: int | None = None
     # the output must match a JSON schema, a regex, a choice or a grammar (structured_outputs.py)
     structured_outputs: StructuredOutputs | None = None
 
@@ -86,6 +88,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         _check(all(ids and all(isinstance(t, int) and 0 <= t <= INT64_MAX for t in ids)
                    for ids in self.bad_words_token_ids), "bad_words_token_ids",
                "must be non-empty lists of token ids", self.bad_words_token_ids[:5])
+        _check(self.truncate_prompt_tokens is None or self.truncate_prompt_tokens == -1
+               or 1 <= self.truncate_prompt_tokens <= INT64_MAX, "truncate_prompt_tokens",
+               "must be -1 or at least 1", self.truncate_prompt_tokens)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _check(value is None or 0 <= value <= MAX_LOGPROBS, name,

@@ -153,6 +153,31 @@ def test_bad_words(server):
     assert r.status_code == 400 and "bad_words" in r.json()["error"]["message"], r.text
 
 
+def test_truncate_prompt_tokens(server):
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens only (the same completion as
+    sending those ids), in completions and chat; -1 keeps what leaves room for max_tokens, so a
+    prompt longer than the context is served; with echo, or 0, it is a 400."""
+    ids = ok(server, "/tokenize", {"prompt": "one two three four five six seven eight"})["tokens"]
+    base = {"max_tokens": 6, "temperature": 0, "return_token_ids": True}
+    cut = ok(server, "/v1/completions", {**base, "prompt": "one two three four five six seven "
+                                         "eight", "truncate_prompt_tokens": 3})
+    assert cut["usage"]["prompt_tokens"] == 3
+    alone = ok(server, "/v1/completions", {**base, "prompt": ids[-3:]})
+    assert cut["choices"][0]["token_ids"] == alone["choices"][0]["token_ids"]
+    chat = ok(server, "/v1/chat/completions", {**base, "truncate_prompt_tokens": 4,
+                                               "messages": [{"role": "user", "content": "hi"}]})
+    assert chat["usage"]["prompt_tokens"] <= 4
+    long = " ".join(["word"] * 600)                              # more than the 512 context
+    r = post(server, "/v1/completions", {**base, "prompt": long})
+    assert r.status_code == 400
+    r = ok(server, "/v1/completions", {**base, "prompt": long, "truncate_prompt_tokens": -1})
+    assert r["usage"]["prompt_tokens"] == 512 - 6
+    for extra, needle in (({"echo": True}, "echo"), ({}, "truncate_prompt_tokens")):
+        r = post(server, "/v1/completions", {"prompt": "x", "truncate_prompt_tokens":
+                                             3 if extra else 0, **extra})
+        assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+
+
 @pytest.mark.parametrize("body,field", [
     ({"prompt": "x", "suffix": "y"}, "suffix"),
     ({"prompt": "x", "best_of": 3}, "best_of"),
