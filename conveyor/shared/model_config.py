@@ -48,6 +48,9 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         archs = cfg.get("architectures") or ["LlamaForCausalLM"]
+        if archs[0] in TEXT_OF_MULTIMODAL:
+            cfg = text_part(cfg)
+            archs = cfg["architectures"]
         arch = archs[0]
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
@@ -83,6 +86,30 @@ class ModelConfig:
             layer_windows=layer_windows(cfg, arch),
             extra=dict(cfg),
         )
+
+
+# Multimodal checkpoints served for their text: the language model's architecture, and the
+# defaults of its config class (transformers fills what the hub's sparse text_config leaves
+# out: Gemma3TextConfig's for gemma-3-4b/12b/27b). The vision tower is not loaded; a request
+# with an image is refused (only text content parts are taken).
+_GEMMA3_TEXT = {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                "vocab_size": 262208, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+                "rope_local_base_freq": 1e4, "query_pre_attn_scalar": 256,
+                "max_position_embeddings": 131072, "sliding_window": 4096,
+                "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True,
+                "bos_token_id": 2, "eos_token_id": 1}
+TEXT_OF_MULTIMODAL = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", _GEMMA3_TEXT)}
+# what a multimodal config says at its top level for the whole model, the text part included
+_WHOLE_MODEL_KEYS = ("eos_token_id", "bos_token_id", "pad_token_id", "quantization_config",
+                     "tie_word_embeddings")
+
+
+def text_part(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal config.json -> the config of its language model (TEXT_OF_MULTIMODAL)."""
+    arch, defaults = TEXT_OF_MULTIMODAL[cfg["architectures"][0]]
+    return {**defaults, **(cfg.get("text_config") or {}),
+            **{k: cfg[k] for k in _WHOLE_MODEL_KEYS if k in cfg}, "architectures": [arch],
+            "text_of": cfg["architectures"][0]}
 
 
 # Sliding and full attention layers of the families that interleave them, for config.json files

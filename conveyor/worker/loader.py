@@ -61,8 +61,14 @@ def load_model(config: ModelConfig, files: ModelFiles, dtype: torch.dtype,
     model.checkpoint_kv_scales = None
 
     def fill(weights: Weights) -> None:
+        if config.extra.get("text_of"):
+            weights = _language_model(weights)
         load_weights(model, _below_layer(weights, config.num_hidden_layers)
                      if first_layers else weights)
+
+    if config.extra.get("text_of") and config.quantization:
+        raise ValueError(f"a quantized {config.extra['text_of']} checkpoint is not supported "
+                         f"(its full-precision one is, served for its text)")
 
     mxfp4 = config.quantization == "mxfp4" and _take_mxfp4(model)
     if load_format == "dummy":
@@ -318,6 +324,23 @@ def _packed_name(name: str, packed: dict) -> tuple[str, object]:
         if f".{part}." in name:
             return name.replace(f".{part}.", f".{fused}."), shard
     return name, None
+
+
+def _language_model(weights: Weights) -> Weights:
+    """A multimodal checkpoint's language model under the text model's names (its
+    `language_model.` prefix, or transformers' newer `model.language_model.`, taken off); the
+    vision tower and the projector left out."""
+    for name, tensor in weights:
+        if name.startswith("language_model."):
+            yield name.removeprefix("language_model."), tensor
+        elif name.startswith("model.language_model."):
+            yield "model." + name.removeprefix("model.language_model."), tensor
+        elif not name.startswith(_NOT_TEXT):
+            yield name, tensor
+
+
+_NOT_TEXT = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+             "model.multi_modal_projector.")
 
 
 def load_weights(model: nn.Module, weights: Weights) -> None:

@@ -151,6 +151,58 @@ def test_greedy_tokens_match_transformers(tiny_models, arch):
     assert got == hf_greedy(ref, prompts, 12)
 
 
+@pytest.mark.parametrize("layout", ["language_model.model", "model.language_model"])
+def test_gemma3_multimodal_checkpoint_serves_its_text(tmp_path, layout):
+    """Gemma3ForConditionalGeneration (gemma-3-4b/12b/27b's checkpoints), a tiny one made by
+    transformers: its language model loads (either name layout: transformers' older
+    `language_model.model.`, its newer `model.language_model.`), the vision tower is skipped,
+    a sparse text_config takes Gemma3TextConfig's defaults, and the greedy tokens and logits
+    of a text prompt are transformers' own model's."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, Gemma3ForConditionalGeneration
+
+    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                num_attention_heads=2, num_key_value_heads=1, head_dim=32, vocab_size=512,
+                sliding_window=8, sliding_window_pattern=3, query_pre_attn_scalar=16,
+                rope_scaling={"rope_type": "linear", "factor": 2.0})
+    cfg = AutoConfig.for_model(
+        "gemma3", text_config=text, mm_tokens_per_image=4, image_token_index=500,
+        boi_token_index=501, eoi_token_index=502,
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, image_size=28, patch_size=14))
+    torch.manual_seed(0)
+    ref = Gemma3ForConditionalGeneration(cfg).eval()
+    ref.save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    if layout == "model.language_model":
+        tensors = {(n.replace("language_model.model.", "model.language_model.", 1)
+                    .replace("vision_tower.", "model.vision_tower.", 1)): t
+                   for n, t in tensors.items()}
+    assert any(n.startswith(layout) for n in tensors)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    saved = json.loads((tmp_path / "config.json").read_text())
+    # the hub's text_config names only what differs from Gemma3TextConfig's defaults
+    sparse = {**{k: v for k, v in saved["text_config"].items()
+                 if k in text or k in ("model_type", "layer_types")},
+              "rope_scaling": text["rope_scaling"]}        # the hub's key for the global layers
+    (tmp_path / "config.json").write_text(json.dumps({**saved, "text_config": sparse}))
+    files = resolve_model(str(tmp_path))
+    config = read_model_config(files)
+    assert config.architecture == "Gemma3ForCausalLM" and config.tie_word_embeddings
+    ours = load_model(config, files, torch.float32, "cpu")
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 490, (21,), generator=gen).tolist() for _ in range(2)]
+    logits = run_step(ours, pool_for(ours), {0: prompts[0]}, [(0, 21)], 0)[0]
+    with torch.no_grad():
+        want = ref(input_ids=torch.tensor([prompts[0]])).logits[0]
+    torch.testing.assert_close(logits, want, atol=1e-4, rtol=1e-4)
+    eos = ours.config.eos_token_ids[0]
+    got = [t[:t.index(eos) + 1] if eos in t else t for t in greedy(ours, prompts, 10)]
+    assert got == hf_greedy(ref, prompts, 10)
+
+
 def greedy(model, prompts, new_tokens, chunk=16, block_size=4):
     """Greedy tokens through the paged path: prefills in chunks of `chunk` while the sequences
     already decoding take one token each (mixed steps)."""
