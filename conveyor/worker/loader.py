@@ -340,7 +340,7 @@ def _language_model(weights: Weights) -> Weights:
 
 
 _NOT_TEXT = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
-             "model.multi_modal_projector.")
+             "model.multi_modal_projector.", "visual.", "model.visual.")
 
 
 def load_weights(model: nn.Module, weights: Weights) -> None:

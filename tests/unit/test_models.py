@@ -203,6 +203,55 @@ def test_gemma3_multimodal_checkpoint_serves_its_text(tmp_path, layout):
     assert got == hf_greedy(ref, prompts, 10)
 
 
+@pytest.mark.parametrize("hub_layout", [False, True])
+def test_qwen2_5_vl_checkpoint_serves_its_text(tmp_path, hub_layout):
+    """Qwen2_5_VLForConditionalGeneration (Qwen2.5-VL-3B/7B/72B) for text: Qwen2 with M-RoPE,
+    which for text is the plain rotation; the vision tower is skipped. As transformers saves
+    it (a nested text_config, `model.layers`), and as the hub's configs have it (text keys at
+    the top level, rope_scaling {"type": "mrope"}) with transformers' newer names
+    (`model.language_model.`, `model.visual.`): transformers' own greedy tokens and logits."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
+
+    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                bos_token_id=1, eos_token_id=2,
+                rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]})
+    cfg = AutoConfig.for_model(
+        "qwen2_5_vl", text_config=text, image_token_id=500, video_token_id=501,
+        vision_start_token_id=502,
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                           out_hidden_size=64, fullatt_block_indexes=[0]))
+    torch.manual_seed(0)
+    ref = Qwen2_5_VLForConditionalGeneration(cfg).eval()
+    ref.save_pretrained(tmp_path)
+    if hub_layout:
+        tensors = {(n.replace("model.", "model.language_model.", 1) if n.startswith("model.")
+                    else n.replace("visual.", "model.visual.", 1)): t
+                   for n, t in load_file(tmp_path / "model.safetensors").items()}
+        save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+        saved = json.loads((tmp_path / "config.json").read_text())
+        top = {k: v for k, v in saved["text_config"].items() if k != "rope_parameters"}
+        (tmp_path / "config.json").write_text(json.dumps({
+            **{k: v for k, v in saved.items() if k != "text_config"}, **top,
+            "rope_theta": 1e6, "rope_scaling": text["rope_scaling"]}))
+    files = resolve_model(str(tmp_path))
+    config = read_model_config(files)
+    assert config.architecture == "Qwen2ForCausalLM" and config.rope_scaling is None
+    ours = load_model(config, files, torch.float32, "cpu")
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 490, (21,), generator=gen).tolist() for _ in range(2)]
+    logits = run_step(ours, pool_for(ours), {0: prompts[0]}, [(0, 21)], 0)[0]
+    with torch.no_grad():
+        want = ref(input_ids=torch.tensor([prompts[0]])).logits[0]
+    torch.testing.assert_close(logits, want, atol=1e-4, rtol=1e-4)
+    eos = ours.config.eos_token_ids[0]
+    got = [t[:t.index(eos) + 1] if eos in t else t for t in greedy(ours, prompts, 10)]
+    assert got == hf_greedy(ref, prompts, 10)
+
+
 def greedy(model, prompts, new_tokens, chunk=16, block_size=4):
     """Greedy tokens through the paged path: prefills in chunks of `chunk` while the sequences
     already decoding take one token each (mixed steps)."""
