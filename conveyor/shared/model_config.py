@@ -100,7 +100,9 @@ _GEMMA3_TEXT = {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 
                 "bos_token_id": 2, "eos_token_id": 1}
 TEXT_OF_MULTIMODAL = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", _GEMMA3_TEXT),
                       "Qwen2VLForConditionalGeneration": ("Qwen2ForCausalLM", {}),
-                      "Qwen2_5_VLForConditionalGeneration": ("Qwen2ForCausalLM", {})}
+                      "Qwen2_5_VLForConditionalGeneration": ("Qwen2ForCausalLM", {}),
+                      "Qwen3VLForConditionalGeneration": ("Qwen3ForCausalLM", {}),
+                      "Mistral3ForConditionalGeneration": ("MistralForCausalLM", {})}
 # what a multimodal config says at its top level for the whole model, the text part included
 _WHOLE_MODEL_KEYS = ("eos_token_id", "bos_token_id", "pad_token_id", "quantization_config",
                      "tie_word_embeddings")
@@ -109,15 +111,15 @@ _WHOLE_MODEL_KEYS = ("eos_token_id", "bos_token_id", "pad_token_id", "quantizati
 def text_part(cfg: dict[str, Any]) -> dict[str, Any]:
     """A multimodal config.json -> the config of its language model (TEXT_OF_MULTIMODAL): its
     text_config, over the top level's keys (Qwen2-VL's hub configs keep the text model's there)
-    and the class's defaults. Qwen2-VL's M-RoPE is the plain rotation for text: a text token
-    has one position in all three of its sections."""
+    and the class's defaults. Qwen2/3-VL's M-RoPE (interleaved or not) is the plain rotation
+    for text: a text token has one position in all three of its sections."""
     arch, defaults = TEXT_OF_MULTIMODAL[cfg["architectures"][0]]
     top = {k: v for k, v in cfg.items() if k not in ("text_config", "vision_config")}
     text = {**defaults, **top, **(cfg.get("text_config") or {}),
             **{k: cfg[k] for k in _WHOLE_MODEL_KEYS if k in cfg}, "architectures": [arch],
             "text_of": cfg["architectures"][0]}
-    mrope = lambda rope: isinstance(rope, dict) and "mrope" in (rope.get("type"),  # noqa: E731
-                                                                  rope.get("rope_type"))
+    mrope = lambda rope: isinstance(rope, dict) and (  # noqa: E731
+        "mrope" in (rope.get("type"), rope.get("rope_type")) or "mrope_section" in rope)
     if mrope(text.get("rope_scaling")):
         del text["rope_scaling"]
     if mrope(text.get("rope_parameters")):          # transformers >= 5: theta kept here

@@ -151,95 +151,95 @@ def test_greedy_tokens_match_transformers(tiny_models, arch):
     assert got == hf_greedy(ref, prompts, 12)
 
 
-@pytest.mark.parametrize("layout", ["language_model.model", "model.language_model"])
-def test_gemma3_multimodal_checkpoint_serves_its_text(tmp_path, layout):
-    """Gemma3ForConditionalGeneration (gemma-3-4b/12b/27b's checkpoints), a tiny one made by
-    transformers: its language model loads (either name layout: transformers' older
-    `language_model.model.`, its newer `model.language_model.`), the vision tower is skipped,
-    a sparse text_config takes Gemma3TextConfig's defaults, and the greedy tokens and logits
-    of a text prompt are transformers' own model's."""
+# tiny multimodal models by transformers: (model_type, text_config, vision_config, other keys,
+# the text architecture conveyor serves)
+MULTIMODAL = {
+    "gemma3": (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                    num_attention_heads=2, num_key_value_heads=1, head_dim=32, vocab_size=512,
+                    sliding_window=8, sliding_window_pattern=3, query_pre_attn_scalar=16,
+                    rope_scaling={"rope_type": "linear", "factor": 2.0}),
+               dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                    num_attention_heads=2, image_size=28, patch_size=14),
+               dict(mm_tokens_per_image=4, image_token_index=500, boi_token_index=501,
+                    eoi_token_index=502), "Gemma3ForCausalLM"),
+    "qwen2_5_vl": (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                        bos_token_id=1, eos_token_id=2,
+                        rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
+                   dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                        out_hidden_size=64, fullatt_block_indexes=[0]),
+                   dict(image_token_id=500, video_token_id=501, vision_start_token_id=502),
+                   "Qwen2ForCausalLM"),
+    "qwen3_vl": (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
+                      bos_token_id=1, eos_token_id=2,
+                      rope_scaling={"rope_type": "default", "mrope_section": [2, 3, 3],
+                                    "mrope_interleaved": True}),
+                 dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                      out_hidden_size=64, deepstack_visual_indexes=[]),
+                 dict(image_token_id=500, video_token_id=501, vision_start_token_id=502),
+                 "Qwen3ForCausalLM"),
+    "mistral3": (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
+                      bos_token_id=1, eos_token_id=2, sliding_window=8),
+                 dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, image_size=28, patch_size=14, head_dim=16),
+                 dict(image_token_index=500), "MistralForCausalLM"),
+}
+
+
+def _as_on_the_hub(kind: str, folder, text: dict) -> None:
+    """Rewrite a checkpoint transformers saved into the other layout published ones have:
+    transformers' newer weight names (`model.language_model.`) and the hub's config.json
+    (Gemma 3: a sparse text_config naming only what differs from the defaults; Qwen2.5-VL:
+    the text model's keys at the top level, rope_scaling {"type": "mrope"})."""
     import json
 
     from safetensors.torch import load_file, save_file
-    from transformers import AutoConfig, Gemma3ForConditionalGeneration
 
-    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                num_attention_heads=2, num_key_value_heads=1, head_dim=32, vocab_size=512,
-                sliding_window=8, sliding_window_pattern=3, query_pre_attn_scalar=16,
-                rope_scaling={"rope_type": "linear", "factor": 2.0})
-    cfg = AutoConfig.for_model(
-        "gemma3", text_config=text, mm_tokens_per_image=4, image_token_index=500,
-        boi_token_index=501, eoi_token_index=502,
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                           num_attention_heads=2, image_size=28, patch_size=14))
-    torch.manual_seed(0)
-    ref = Gemma3ForConditionalGeneration(cfg).eval()
-    ref.save_pretrained(tmp_path)
-    tensors = load_file(tmp_path / "model.safetensors")
-    if layout == "model.language_model":
+    tensors = load_file(folder / "model.safetensors")
+    if kind == "gemma3":
         tensors = {(n.replace("language_model.model.", "model.language_model.", 1)
                     .replace("vision_tower.", "model.vision_tower.", 1)): t
                    for n, t in tensors.items()}
-    assert any(n.startswith(layout) for n in tensors)
-    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    saved = json.loads((tmp_path / "config.json").read_text())
-    # the hub's text_config names only what differs from Gemma3TextConfig's defaults
-    sparse = {**{k: v for k, v in saved["text_config"].items()
-                 if k in text or k in ("model_type", "layer_types")},
-              "rope_scaling": text["rope_scaling"]}        # the hub's key for the global layers
-    (tmp_path / "config.json").write_text(json.dumps({**saved, "text_config": sparse}))
-    files = resolve_model(str(tmp_path))
-    config = read_model_config(files)
-    assert config.architecture == "Gemma3ForCausalLM" and config.tie_word_embeddings
-    ours = load_model(config, files, torch.float32, "cpu")
-    gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(3, 490, (21,), generator=gen).tolist() for _ in range(2)]
-    logits = run_step(ours, pool_for(ours), {0: prompts[0]}, [(0, 21)], 0)[0]
-    with torch.no_grad():
-        want = ref(input_ids=torch.tensor([prompts[0]])).logits[0]
-    torch.testing.assert_close(logits, want, atol=1e-4, rtol=1e-4)
-    eos = ours.config.eos_token_ids[0]
-    got = [t[:t.index(eos) + 1] if eos in t else t for t in greedy(ours, prompts, 10)]
-    assert got == hf_greedy(ref, prompts, 10)
-
-
-@pytest.mark.parametrize("hub_layout", [False, True])
-def test_qwen2_5_vl_checkpoint_serves_its_text(tmp_path, hub_layout):
-    """Qwen2_5_VLForConditionalGeneration (Qwen2.5-VL-3B/7B/72B) for text: Qwen2 with M-RoPE,
-    which for text is the plain rotation; the vision tower is skipped. As transformers saves
-    it (a nested text_config, `model.layers`), and as the hub's configs have it (text keys at
-    the top level, rope_scaling {"type": "mrope"}) with transformers' newer names
-    (`model.language_model.`, `model.visual.`): transformers' own greedy tokens and logits."""
-    import json
-
-    from safetensors.torch import load_file, save_file
-    from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
-
-    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
-                bos_token_id=1, eos_token_id=2,
-                rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]})
-    cfg = AutoConfig.for_model(
-        "qwen2_5_vl", text_config=text, image_token_id=500, video_token_id=501,
-        vision_start_token_id=502,
-        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
-                           out_hidden_size=64, fullatt_block_indexes=[0]))
-    torch.manual_seed(0)
-    ref = Qwen2_5_VLForConditionalGeneration(cfg).eval()
-    ref.save_pretrained(tmp_path)
-    if hub_layout:
+    else:
         tensors = {(n.replace("model.", "model.language_model.", 1) if n.startswith("model.")
                     else n.replace("visual.", "model.visual.", 1)): t
-                   for n, t in load_file(tmp_path / "model.safetensors").items()}
-        save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
-        saved = json.loads((tmp_path / "config.json").read_text())
-        top = {k: v for k, v in saved["text_config"].items() if k != "rope_parameters"}
-        (tmp_path / "config.json").write_text(json.dumps({
-            **{k: v for k, v in saved.items() if k != "text_config"}, **top,
-            "rope_theta": 1e6, "rope_scaling": text["rope_scaling"]}))
+                   for n, t in tensors.items()}
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    saved = json.loads((folder / "config.json").read_text())
+    if kind == "gemma3":
+        sparse = {k: v for k, v in saved["text_config"].items()
+                  if k in text or k in ("model_type", "layer_types")}
+        saved["text_config"] = {**sparse, "rope_scaling": text["rope_scaling"]}
+    else:
+        top = {k: v for k, v in saved.pop("text_config").items() if k != "rope_parameters"}
+        saved.update(top, rope_theta=1e6, rope_scaling=text["rope_scaling"])
+    (folder / "config.json").write_text(json.dumps(saved))
+
+
+@pytest.mark.parametrize("kind,hub", [("gemma3", False), ("gemma3", True), ("qwen2_5_vl", False),
+                                      ("qwen2_5_vl", True), ("qwen3_vl", False),
+                                      ("mistral3", False)])
+def test_multimodal_checkpoint_serves_its_text(tmp_path, kind, hub):
+    """gemma-3-4b/12b/27b, Qwen2.5-VL, Qwen3-VL and Mistral Small 3.x checkpoints, tiny ones
+    made by transformers, served for their text: the language model's config (Gemma's sparse
+    text_config takes Gemma3TextConfig's defaults; M-RoPE, interleaved or not, is the plain
+    rotation for text) and weights (transformers' older and newer names), the vision tower
+    skipped; a text prompt's logits and greedy tokens are transformers' own model's."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    text, vision, extra, arch = MULTIMODAL[kind]
+    cfg = AutoConfig.for_model(kind, text_config=text, vision_config=vision, **extra)
+    torch.manual_seed(0)
+    ref = AutoModelForImageTextToText.from_config(cfg).eval()
+    ref.save_pretrained(tmp_path)
+    if hub:
+        _as_on_the_hub(kind, tmp_path, text)
     files = resolve_model(str(tmp_path))
     config = read_model_config(files)
-    assert config.architecture == "Qwen2ForCausalLM" and config.rope_scaling is None
+    assert config.architecture == arch
+    assert kind == "gemma3" or config.rope_scaling is None        # no M-RoPE left
     ours = load_model(config, files, torch.float32, "cpu")
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 490, (21,), generator=gen).tolist() for _ in range(2)]
