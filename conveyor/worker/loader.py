@@ -134,7 +134,7 @@ def _take_quantized(model: nn.Module, folder: Path, mode: str | None, block: int
         return {}
     stored, dtype = _STORED[mode]
     rows, is_stored = {}, {}                 # checkpoint weight name -> rows, -> stored in mode
-    for file in sorted(Path(folder).glob("*.safetensors")):
+    for file in checkpoint_files(folder):
         with safe_open(file, framework="pt") as f:     # the header only: no tensor is read
             for name in f.keys():
                 if name.endswith(".weight"):
@@ -174,7 +174,7 @@ def _take_int4(model: nn.Module, folder: Path, config: ModelConfig,
     group, zero_offset, act_order = int4_format(qc)
     int8 = gptq_bits(qc) == 8               # 8-bit GPTQ: int8 weights, one scale a group
     names = []
-    for file in sorted(Path(folder).glob("*.safetensors")):
+    for file in checkpoint_files(folder):
         with safe_open(file, framework="pt") as f:
             names += list(f.keys())
     words, g_idx = ((".weight_packed", ".weight_g_idx") if config.quantization == "w4a16"
@@ -416,13 +416,29 @@ def _per_layer(kv_scales: dict[tuple[int, str], float], layers: int
     return [(kv_scales[i, "k"], kv_scales[i, "v"]) for i in range(layers)]
 
 
+def checkpoint_files(folder: Path) -> list[Path]:
+    """The folder's safetensors files of the Hugging Face checkpoint: those its
+    model.safetensors.index.json names, if it has one. Mistral's repositories also hold the
+    same weights in their own format (consolidated.safetensors), left out whenever another
+    file is there."""
+    import json
+
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return sorted(folder / f for f in set(json.loads(index.read_text())["weight_map"]
+                                              .values()))
+    files = sorted(folder.glob("*.safetensors"))
+    hf = [f for f in files if not f.name.startswith("consolidated")]
+    if not (hf or files):
+        raise FileNotFoundError(f"no *.safetensors files in {folder}")
+    return hf or files
+
+
 def safetensors_weights(folder: Path) -> Weights:
     from safetensors import safe_open
 
-    files = sorted(Path(folder).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {folder}")
-    for file in files:
+    for file in checkpoint_files(folder):
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)

@@ -252,6 +252,31 @@ def test_multimodal_checkpoint_serves_its_text(tmp_path, kind, hub):
     assert got == hf_greedy(ref, prompts, 10)
 
 
+def test_a_mistral_repository_loads_its_hugging_face_files_only(tmp_path):
+    """Mistral's repositories hold the weights twice: Hugging Face's files (with an index, or
+    one model.safetensors) and Mistral's consolidated.safetensors. Only the first are read
+    (consolidated's names would be unexpected, and its bytes read twice)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    path = make_tiny_model("mistral", tmp_path / "m")
+    tensors = load_file(path / "model.safetensors")
+    save_file({"layers.0.attention.wq.weight": torch.zeros(2, 2)},
+              path / "consolidated.safetensors")
+    files = resolve_model(str(path))
+    load_model(read_model_config(files), files, torch.float32, "cpu")
+    names = sorted(tensors)
+    (path / "model.safetensors").unlink()                       # sharded, with an index
+    for i, part in enumerate((names[:5], names[5:])):
+        save_file({n: tensors[n] for n in part}, path / f"model-0000{i + 1}-of-00002.safetensors")
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        n: f"model-0000{1 + (n not in names[:5])}-of-00002.safetensors" for n in names}}))
+    (path / "stale.safetensors").write_bytes((path / "consolidated.safetensors").read_bytes())
+    ours = load_model(read_model_config(files), files, torch.float32, "cpu")
+    assert torch.equal(ours.model.norm.weight, tensors["model.norm.weight"])
+
+
 def greedy(model, prompts, new_tokens, chunk=16, block_size=4):
     """Greedy tokens through the paged path: prefills in chunks of `chunk` while the sequences
     already decoding take one token each (mixed steps)."""
