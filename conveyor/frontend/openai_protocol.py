@@ -58,6 +58,7 @@ class _Common(_Strict, kw_only=True):
     allowed_token_ids: list[int] | None = None      # vLLM's: only these may be drawn
     bad_words: list[str] | None = None               # vLLM's: words never generated
     truncate_prompt_tokens: int | None = None        # vLLM's: the prompt's last k tokens
+    request_id: str | None = None                    # vLLM's: the response's id ("cmpl-ID")
     user: str | None = None
     # vLLM's extras
     top_k: int | None = None

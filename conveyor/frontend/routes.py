@@ -153,14 +153,14 @@ class Routes:
         gens = [GenerateRequest(id=str(i), sampling=params, stream=req.stream, options=options,
                                 **({"prompt": p} if isinstance(p, str) else
                                    {"prompt_token_ids": p})) for i, p in enumerate(prompts)]
-        shape = CompletionShape(f"cmpl-{uuid.uuid4().hex}", model, req, self.core.tokenizer)
+        shape = CompletionShape(f"cmpl-{_response_id(req)}", model, req, self.core.tokenizer)
         shape.token_ids = req.return_token_ids or self.core.tokenizer is None
         return await self._respond(request, gens, shape, req)
 
     async def chat_completions(self, request: Request):
         req, model = await self.parse(request, oai.ChatRequest)
         gen, reader = self._chat(request, req, model)
-        shape = ChatShape(f"chatcmpl-{uuid.uuid4().hex}", model, req.n,
+        shape = ChatShape(f"chatcmpl-{_response_id(req)}", model, req.n,
                           req.top_logprobs or 0, req.prompt_logprobs, reader)
         shape.token_ids = req.return_token_ids
         return await self._respond(request, [gen], shape, req)
@@ -341,3 +341,15 @@ def build_app(core: FrontendCore, model_names: tuple[str, ...], max_n: int,
         return error_response(500, "internal server error")
 
     return app
+
+
+def _response_id(req) -> str:
+    """The id a response carries after its "cmpl-" or "chatcmpl-": the request's own
+    request_id (vLLM's), else a fresh one. The engine's ids stay its own, so two requests
+    naming the same id do not meet there."""
+    rid = req.request_id
+    if rid is None:
+        return uuid.uuid4().hex
+    if not (0 < len(rid) <= 256 and rid.isprintable()):
+        raise ApiError(400, "request_id must be 1 to 256 printable characters")
+    return rid

@@ -178,6 +178,29 @@ def test_truncate_prompt_tokens(server):
         assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
 
 
+def test_request_id_names_the_response(server):
+    """vLLM's request_id: the response's id is cmpl-ID / chatcmpl-ID (whole and streamed);
+    two requests naming the same id both complete; an unprintable one is a 400."""
+    import concurrent.futures
+
+    body = {"prompt": PROMPT, "max_tokens": 3, "request_id": "mine-1"}
+    assert ok(server, "/v1/completions", body)["id"] == "cmpl-mine-1"
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        twice = list(pool.map(lambda _: ok(server, "/v1/completions", body), range(2)))
+    assert [r["id"] for r in twice] == ["cmpl-mine-1"] * 2
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
+            "request_id": "mine-2"}
+    assert ok(server, "/v1/chat/completions", chat)["id"] == "chatcmpl-mine-2"
+    with httpx.stream("POST", server.http + "/v1/chat/completions", timeout=60,
+                      json={**chat, "stream": True},
+                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+        ids = {json.loads(line[6:])["id"] for line in r.iter_lines()
+               if line.startswith("data: {")}
+    assert ids == {"chatcmpl-mine-2"}
+    r = post(server, "/v1/completions", {**body, "request_id": "a\nb"})
+    assert r.status_code == 400 and "request_id" in r.json()["error"]["message"]
+
+
 @pytest.mark.parametrize("body,field", [
     ({"prompt": "x", "suffix": "y"}, "suffix"),
     ({"prompt": "x", "best_of": 3}, "best_of"),
