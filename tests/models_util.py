@@ -24,6 +24,9 @@ PRESETS = {
     "qwen2": ("Qwen2Config", {"tie_word_embeddings": False, "rope_theta": 1e6}),
     "qwen3": ("Qwen3Config", {"tie_word_embeddings": True}),
     "mistral": ("MistralConfig", {"sliding_window": 8, "tie_word_embeddings": False}),
+    # layers 1 and 3 of 4 without rotary embedding (NoPE)
+    "smollm3": ("SmolLM3Config", {"num_hidden_layers": 4, "no_rope_layer_interval": 2,
+                                  "pad_token_id": 0, "tie_word_embeddings": True}),
     # every other layer slides (window 8); soft-capped attention and final logits
     "gemma2": ("Gemma2Config", {"sliding_window": 8, "query_pre_attn_scalar": 24,
                                 "attn_logit_softcapping": 3.0, "final_logit_softcapping": 5.0,

@@ -16,7 +16,7 @@ PROMPTS = [SHARED + [5, 100, 200, 31, 7, 99], SHARED + list(range(120, 141)), SH
 NEW_TOKENS, TOP = 16, 5
 
 
-@pytest.mark.parametrize("arch", ["mistral", "gemma2", "gemma3", "phi3", "qwen3-moe",
+@pytest.mark.parametrize("arch", ["mistral", "smollm3", "gemma2", "gemma3", "phi3", "qwen3-moe",
                                   "mixtral", "qwen2-moe", "granite", "gpt-oss"])
 def test_family_on_the_gpu_matches_transformers(arch, tmp_path):
     from conveyor import LLM, SamplingParams

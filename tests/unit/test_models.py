@@ -78,7 +78,7 @@ def run_step(model, pool, tokens, work, num_decodes):
     return {sid: logits[end - n:end] for (sid, n), end in zip(work, rows)}
 
 
-ARCHS = ["llama", "llama-tied", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3",
+ARCHS = ["llama", "llama-tied", "qwen2", "qwen3", "mistral", "smollm3", "gemma2", "gemma3", "phi3",
          "qwen3-moe", "qwen3-moe-unnormed", "mixtral", "qwen2-moe", "granite", "gpt-oss"]
 
 

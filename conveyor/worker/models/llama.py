@@ -1,5 +1,6 @@
-"""Llama, and Mistral (the same decoder with a sliding window, config.json's `sliding_window`,
-on every layer): the decoder the other models reuse. Qwen2 and Qwen3 subclass LlamaForCausalLM
+"""Llama, Mistral (the same decoder with a sliding window, config.json's `sliding_window`, on
+every layer) and SmolLM3 (with layers that skip the rotary embedding, `no_rope_layers`): the
+decoder the other models reuse. Qwen2 and Qwen3 subclass LlamaForCausalLM
 and change only `attention_options`; the MoE families change `make_mlp`, Granite `multipliers`.
 
 Module names follow Hugging Face's, except the fused qkv_proj and gate_up_proj, which the
@@ -155,6 +156,9 @@ class LlamaModel(nn.Module):
         self.held = slice(held.start, held.stop)
         self.norm = (RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if stage().last
                      else None)
+        # SmolLM3's no_rope_layers (0: no rotary embedding in that layer, "NoPE")
+        self.nope = {i for i, rope in enumerate(config.extra.get("no_rope_layers") or [])
+                     if not rope}
 
     def forward(self, input_ids, positions, ctx, intermediate=None):
         """intermediate: the previous pipeline stage's (hidden, residual), in place of the
@@ -166,8 +170,10 @@ class LlamaModel(nn.Module):
         else:
             x, residual = intermediate
         cos, sin = self.rotary_emb(positions)                # [T, head_dim / 2] each
-        for layer in self.layers[self.held]:
-            x, residual = layer(x, residual, cos, sin, ctx)
+        # a NoPE layer rotates by nothing: cos 1, sin 0 (the fused q/k kernels stay one path)
+        still = (torch.ones_like(cos), torch.zeros_like(sin)) if self.nope else None
+        for i, layer in enumerate(self.layers[self.held], start=self.held.start):
+            x, residual = layer(x, residual, *(still if i in self.nope else (cos, sin)), ctx)
         if self.norm is None:
             return x, residual
         return self.norm(x, residual, reduce=True)[0]
