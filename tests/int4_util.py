@@ -52,18 +52,9 @@ def write_int4(src: Path, dst: Path, ref: Path, fmt: str, group: int, act_order:
     tensors = load_file(src / "model.safetensors")
     out, deq_all = {}, dict(tensors)
     perms = {}    # act-order follows the input's statistics: q/k/v (gate/up) share one order
-    for name, w in tensors.items():
-        if not (name.endswith(".weight") and name.split(".")[-2] in _LINEAR):
-            out[name] = w
-            continue
+    for name, w in _linear(tensors, out):
         n, k = w.shape
-        proj = name.split(".")[-2]
-        shared_input = name.rsplit(".", 2)[0] + {"k_proj": ".q_proj", "v_proj": ".q_proj",
-                                                   "up_proj": ".gate_proj"}.get(proj, "." + proj)
-        if shared_input not in perms:
-            perms[shared_input] = (torch.randperm(k, generator=gen) if act_order
-                                   else torch.arange(k))
-        perm = perms[shared_input]
+        perm = _input_order(name, k, perms, act_order, gen)
         q, zero, scale, deq = quantize(w.float(), group, perm)
         deq_all[name] = deq
         prefix = name.removesuffix(".weight")
@@ -77,20 +68,11 @@ def write_int4(src: Path, dst: Path, ref: Path, fmt: str, group: int, act_order:
             g_idx[perm] = (torch.arange(k) // (group if group > 0 else k)).int()
             out[f"{prefix}.g_idx"] = g_idx
         out[f"{prefix}.scales"] = scale.t().contiguous()                       # [G, N]
-    for folder, data in ((dst, out), (ref, deq_all)):
-        folder.mkdir(parents=True, exist_ok=True)
-        for f in src.iterdir():
-            if f.name != "model.safetensors":
-                shutil.copy(f, folder / f.name)
-        save_file({k: v.contiguous() for k, v in data.items()}, folder / "model.safetensors",
-                  metadata={"format": "pt"})
-    config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = (
-        {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
-         "version": "gemm"} if fmt == "awq" else
-        {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": act_order,
-         "sym": False, "checkpoint_format": "gptq"})
-    (dst / "config.json").write_text(json.dumps(config))
+    _save(src, dst, ref, out, deq_all,
+          {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
+           "version": "gemm"} if fmt == "awq" else
+          {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": act_order,
+           "sym": False, "checkpoint_format": "gptq"})
 
 
 def write_w4a16(src: Path, dst: Path, ref: Path, group: int, symmetric: bool,
@@ -106,19 +88,10 @@ def write_w4a16(src: Path, dst: Path, ref: Path, group: int, symmetric: bool,
     gen = torch.Generator().manual_seed(seed)
     tensors = load_file(src / "model.safetensors")
     out, perms, deq_all = {}, {}, dict(tensors)
-    for name, w in tensors.items():
-        if not (name.endswith(".weight") and name.split(".")[-2] in _LINEAR):
-            out[name] = w
-            continue
+    for name, w in _linear(tensors, out):
         n, k = w.shape
         size = group or k
-        proj = name.split(".")[-2]
-        shared_input = name.rsplit(".", 2)[0] + {"k_proj": ".q_proj", "v_proj": ".q_proj",
-                                                   "up_proj": ".gate_proj"}.get(proj, "." + proj)
-        if shared_input not in perms:
-            perms[shared_input] = (torch.randperm(k, generator=gen) if act_order
-                                   else torch.arange(k))
-        perm = perms[shared_input]
+        perm = _input_order(name, k, perms, act_order, gen)
         if symmetric:
             groups = perm.view(-1, size)
             wg = w.float()[:, groups]                                        # [N, G, size]
@@ -141,24 +114,15 @@ def write_w4a16(src: Path, dst: Path, ref: Path, group: int, symmetric: bool,
             g_idx = torch.empty(k, dtype=torch.int32)
             g_idx[perm] = (torch.arange(k) // size).int()
             out[f"{prefix}.weight_g_idx"] = g_idx
-    for folder, data in ((dst, out), (ref, deq_all)):
-        folder.mkdir(parents=True, exist_ok=True)
-        for f in src.iterdir():
-            if f.name != "model.safetensors":
-                shutil.copy(f, folder / f.name)
-        save_file({k: v.contiguous() for k, v in data.items()}, folder / "model.safetensors",
-                  metadata={"format": "pt"})
-    config = json.loads((src / "config.json").read_text())
     weights = {"num_bits": 4, "type": "int", "symmetric": symmetric,
                "strategy": "group" if group else "channel", "group_size": group or None,
                "dynamic": False, "actorder": "group" if act_order else None,
                "observer": "minmax"}
-    config["quantization_config"] = {
+    _save(src, dst, ref, out, deq_all, {
         "quant_method": "compressed-tensors", "format": "pack-quantized",
         "quantization_status": "compressed", "ignore": ["lm_head"],
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
-                                      "input_activations": None, "output_activations": None}}}
-    (dst / "config.json").write_text(json.dumps(config))
+                                      "input_activations": None, "output_activations": None}}})
 
 
 def write_gptq8(src: Path, dst: Path, ref: Path, group: int) -> None:
@@ -173,10 +137,7 @@ def write_gptq8(src: Path, dst: Path, ref: Path, group: int) -> None:
         words = sum(v[:, :, i] << (8 * i) for i in range(4))
         return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
 
-    for name, w in tensors.items():
-        if not (name.endswith(".weight") and name.split(".")[-2] in _LINEAR):
-            out[name] = w
-            continue
+    for name, w in _linear(tensors, out):
         n, k = w.shape
         size = group or k
         wg = w.float().view(n, k // size, size)
@@ -188,6 +149,14 @@ def write_gptq8(src: Path, dst: Path, ref: Path, group: int) -> None:
         out[f"{prefix}.qzeros"] = pack8(torch.full((k // size, n), 127))     # [G, N / 4]
         out[f"{prefix}.scales"] = scale.t().contiguous()                     # [G, N]
         out[f"{prefix}.g_idx"] = (torch.arange(k) // size).int()
+    _save(src, dst, ref, out, deq_all, {"quant_method": "gptq", "bits": 8,
+                                        "group_size": group or -1, "desc_act": False,
+                                        "sym": True, "checkpoint_format": "gptq"})
+
+
+def _save(src: Path, dst: Path, ref: Path, out: dict, deq_all: dict, qc: dict) -> None:
+    """dst: src's files with the tensors `out` and quantization_config `qc`; ref: the same
+    with the dequantized tensors `deq_all` (a float model for transformers)."""
     for folder, data in ((dst, out), (ref, deq_all)):
         folder.mkdir(parents=True, exist_ok=True)
         for f in src.iterdir():
@@ -196,7 +165,24 @@ def write_gptq8(src: Path, dst: Path, ref: Path, group: int) -> None:
         save_file({k: v.contiguous() for k, v in data.items()}, folder / "model.safetensors",
                   metadata={"format": "pt"})
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "gptq", "bits": 8, "group_size": group or -1,
-                                     "desc_act": False, "sym": True,
-                                     "checkpoint_format": "gptq"}
-    (dst / "config.json").write_text(json.dumps(config))
+    (dst / "config.json").write_text(json.dumps({**config, "quantization_config": qc}))
+
+
+def _input_order(name: str, k: int, perms: dict, act_order: bool, gen) -> torch.Tensor:
+    """The order a layer's inputs were quantized in (act-order: random, shared by the layers
+    that read the same input: q/k/v, gate/up); else 0..k-1."""
+    proj = name.split(".")[-2]
+    shared_input = name.rsplit(".", 2)[0] + {"k_proj": ".q_proj", "v_proj": ".q_proj",
+                                               "up_proj": ".gate_proj"}.get(proj, "." + proj)
+    if shared_input not in perms:
+        perms[shared_input] = torch.randperm(k, generator=gen) if act_order else torch.arange(k)
+    return perms[shared_input]
+
+
+def _linear(tensors: dict, out: dict):
+    """The linear layers' (name, weight) of `tensors`; the other tensors go into `out`."""
+    for name, w in tensors.items():
+        if name.endswith(".weight") and name.split(".")[-2] in _LINEAR:
+            yield name, w
+        else:
+            out[name] = w
