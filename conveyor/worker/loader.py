@@ -430,7 +430,11 @@ def checkpoint_files(folder: Path) -> list[Path]:
                                               .values()))
     files = sorted(folder.glob("*.safetensors"))
     hf = [f for f in files if not f.name.startswith("consolidated")]
-    if not (hf or files):
+    if not files and any(folder.glob("pytorch_model*.bin")):
+        raise FileNotFoundError(f"{folder} holds its weights in pytorch_model*.bin files only: "
+                                f"conveyor reads safetensors (no pickle, docs/SECURITY.md); "
+                                f"transformers' save_pretrained writes them")
+    if not files:
         raise FileNotFoundError(f"no *.safetensors files in {folder}")
     return hf or files
 

@@ -275,6 +275,11 @@ def test_a_mistral_repository_loads_its_hugging_face_files_only(tmp_path):
     (path / "stale.safetensors").write_bytes((path / "consolidated.safetensors").read_bytes())
     ours = load_model(read_model_config(files), files, torch.float32, "cpu")
     assert torch.equal(ours.model.norm.weight, tensors["model.norm.weight"])
+    for f in path.glob("*.safetensors*"):      # an older checkpoint: pickled .bin files only
+        f.unlink()
+    (path / "pytorch_model.bin").write_bytes(b"not read")
+    with pytest.raises(FileNotFoundError, match="pytorch_model.*no pickle"):
+        load_model(read_model_config(files), files, torch.float32, "cpu")
 
 
 def greedy(model, prompts, new_tokens, chunk=16, block_size=4):
