@@ -124,6 +124,7 @@ class ChatRequest(_Common, kw_only=True):
     # vLLM's: a prompt that ends without the assistant's opening, or inside its last message
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    echo: bool = False                       # vLLM's: a last assistant message starts the reply
 
 
 def decode_request(body: bytes, kind: type):

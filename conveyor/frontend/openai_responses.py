@@ -214,9 +214,10 @@ class ChatShape(ResponseShape):
         self.top = top_logprobs
         self.new_reader = new_reader         # None: the text is the content, as it is
         self.readers: dict[int, ChatReader] = {}
+        self.echo = ""                       # vLLM's echo: the last assistant message's text
 
     def opening(self) -> list[dict]:
-        return [self.base([{"index": i, "delta": {"role": "assistant", "content": ""},
+        return [self.base([{"index": i, "delta": {"role": "assistant", "content": self.echo},
                             "logprobs": None, "finish_reason": None}], chunk=True)
                 for i in range(self.n)]
 
@@ -227,6 +228,8 @@ class ChatShape(ResponseShape):
             reader = self.readers.setdefault(index, self.new_reader())
             message = (reader.delta(c.text, final=c.finish_reason is not None) if delta
                        else reader.message(c.text))
+        if self.echo and not delta:
+            message["content"] = self.echo + (message["content"] or "")
         return {"delta" if delta else "message": message,
                 "logprobs": None if c.logprobs is None else chat_logprobs(c.logprobs, self.top)}
 

@@ -163,6 +163,9 @@ class Routes:
         shape = ChatShape(f"chatcmpl-{_response_id(req)}", model, req.n,
                           req.top_logprobs or 0, req.prompt_logprobs, reader)
         shape.token_ids = req.return_token_ids
+        last = gen.messages[-1]
+        if req.echo and last["role"] == "assistant":
+            shape.echo = last["content"]
         return await self._respond(request, [gen], shape, req)
 
     async def responses(self, request: Request):

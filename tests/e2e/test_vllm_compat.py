@@ -201,6 +201,30 @@ def test_request_id_names_the_response(server):
     assert r.status_code == 400 and "request_id" in r.json()["error"]["message"]
 
 
+def test_chat_echo_starts_the_reply_with_the_last_assistant_message(server):
+    """vLLM's chat echo: a last assistant message (continued) starts the reply's content,
+    whole and streamed alike; after a user message nothing is echoed."""
+    base = {"max_tokens": 5, "temperature": 0, "echo": True}
+    go_on = {**base, "add_generation_prompt": False, "continue_final_message": True,
+             "messages": [{"role": "user", "content": "Count"},
+                          {"role": "assistant", "content": "One, two,"}]}
+    whole = ok(server, "/v1/chat/completions", go_on)["choices"][0]["message"]["content"]
+    plain = ok(server, "/v1/chat/completions", {**go_on, "echo": False})
+    assert whole == "One, two," + plain["choices"][0]["message"]["content"]
+    with httpx.stream("POST", server.http + "/v1/chat/completions", timeout=60,
+                      json={**go_on, "stream": True},
+                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+        streamed = "".join(
+            (c["delta"].get("content") or "") for line in r.iter_lines()
+            if line.startswith("data: {") for c in json.loads(line[6:])["choices"])
+    assert streamed == whole
+    user_last = ok(server, "/v1/chat/completions", {
+        **base, "messages": [{"role": "user", "content": "Count"}]})
+    no_echo = ok(server, "/v1/chat/completions", {
+        **base, "echo": False, "messages": [{"role": "user", "content": "Count"}]})
+    assert user_last["choices"][0]["message"] == no_echo["choices"][0]["message"]
+
+
 @pytest.mark.parametrize("body,field", [
     ({"prompt": "x", "suffix": "y"}, "suffix"),
     ({"prompt": "x", "best_of": 3}, "best_of"),
