@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 import math
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -32,6 +31,12 @@ from torch import nn
 
 from conveyor.shared.model_config import INT4_FORMATS, ModelConfig
 from conveyor.shared.model_files import ModelFiles
+from conveyor.worker.checkpoint_files import (
+    Weights,
+    checkpoint_files,
+    language_model,
+    safetensors_weights,
+)
 from conveyor.worker.gguf_tensors import expert_names, gguf_to_hf_name, gguf_weights
 from conveyor.worker.layers.linear import LinearBase, default_weight_loader
 from conveyor.worker.layers.moe import EXPERT_PARTS, FusedMoE
@@ -39,7 +44,6 @@ from conveyor.worker.layers.pipeline import stage_weight_name
 from conveyor.worker.layers.quantization import Q8_0_GROUP, keep_matches, quantize_model
 from conveyor.worker.models import get_model_class
 
-Weights = Iterator[tuple[str, torch.Tensor]]
 log = logging.getLogger("conveyor.quantization")
 
 
@@ -62,7 +66,7 @@ def load_model(config: ModelConfig, files: ModelFiles, dtype: torch.dtype,
 
     def fill(weights: Weights) -> None:
         if config.extra.get("text_of"):
-            weights = _language_model(weights)
+            weights = language_model(weights)
         load_weights(model, _below_layer(weights, config.num_hidden_layers)
                      if first_layers else weights)
 
@@ -326,23 +330,6 @@ def _packed_name(name: str, packed: dict) -> tuple[str, object]:
     return name, None
 
 
-def _language_model(weights: Weights) -> Weights:
-    """A multimodal checkpoint's language model under the text model's names (its
-    `language_model.` prefix, or transformers' newer `model.language_model.`, taken off); the
-    vision tower and the projector left out."""
-    for name, tensor in weights:
-        if name.startswith("language_model."):
-            yield name.removeprefix("language_model."), tensor
-        elif name.startswith("model.language_model."):
-            yield "model." + name.removeprefix("model.language_model."), tensor
-        elif not name.startswith(_NOT_TEXT):
-            yield name, tensor
-
-
-_NOT_TEXT = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
-             "model.multi_modal_projector.", "visual.", "model.visual.")
-
-
 def load_weights(model: nn.Module, weights: Weights) -> None:
     """Fill the model from (checkpoint name, tensor) pairs; a model whose checkpoint lays
     tensors out otherwise (Phi-3's fused qkv) maps them first (`convert_weights`)."""
@@ -414,35 +401,3 @@ def _per_layer(kv_scales: dict[tuple[int, str], float], layers: int
         raise ValueError(f"the checkpoint's KV cache scales must be positive, one k and one v "
                          f"for each of the {layers} layers; got {len(kv_scales)}")
     return [(kv_scales[i, "k"], kv_scales[i, "v"]) for i in range(layers)]
-
-
-def checkpoint_files(folder: Path) -> list[Path]:
-    """The folder's safetensors files of the Hugging Face checkpoint: those its
-    model.safetensors.index.json names, if it has one. Mistral's repositories also hold the
-    same weights in their own format (consolidated.safetensors), left out whenever another
-    file is there."""
-    import json
-
-    folder = Path(folder)
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        return sorted(folder / f for f in set(json.loads(index.read_text())["weight_map"]
-                                              .values()))
-    files = sorted(folder.glob("*.safetensors"))
-    hf = [f for f in files if not f.name.startswith("consolidated")]
-    if not files and any(folder.glob("pytorch_model*.bin")):
-        raise FileNotFoundError(f"{folder} holds its weights in pytorch_model*.bin files only: "
-                                f"conveyor reads safetensors (no pickle, docs/SECURITY.md); "
-                                f"transformers' save_pretrained writes them")
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {folder}")
-    return hf or files
-
-
-def safetensors_weights(folder: Path) -> Weights:
-    from safetensors import safe_open
-
-    for file in checkpoint_files(folder):
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)

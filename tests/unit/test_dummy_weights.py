@@ -15,7 +15,7 @@ from conveyor.worker.loader import load_model
 def test_checkpoint_shapes_are_transformers_own(arch, tmp_path):
     """The names and shapes transformers saves (as the model's convert_weights reads them:
     Phi-3's fused qkv split, Mixtral's expert names mapped)."""
-    from conveyor.worker.loader import safetensors_weights
+    from conveyor.worker.checkpoint_files import safetensors_weights
     from conveyor.worker.models import get_model_class
 
     path = make_tiny_model(arch, tmp_path, num_hidden_layers=3)

@@ -1,0 +1,61 @@
+"""Where a Hugging Face checkpoint's tensors come from: its safetensors files (those its index
+names; Mistral's consolidated.safetensors beside them left out), read one tensor at a time;
+and, for a multimodal checkpoint served for its text, its language model's tensors under the
+text model's names.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+Weights = Iterator[tuple[str, torch.Tensor]]
+
+
+def checkpoint_files(folder: Path) -> list[Path]:
+    """The folder's safetensors files of the Hugging Face checkpoint: those its
+    model.safetensors.index.json names, if it has one. Mistral's repositories also hold the
+    same weights in their own format (consolidated.safetensors), left out whenever another
+    file is there."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return sorted(folder / f for f in set(json.loads(index.read_text())["weight_map"]
+                                              .values()))
+    files = sorted(folder.glob("*.safetensors"))
+    hf = [f for f in files if not f.name.startswith("consolidated")]
+    if not files and any(folder.glob("pytorch_model*.bin")):
+        raise FileNotFoundError(f"{folder} holds its weights in pytorch_model*.bin files only: "
+                                f"conveyor reads safetensors (no pickle, docs/SECURITY.md); "
+                                f"transformers' save_pretrained writes them")
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {folder}")
+    return hf or files
+
+
+def safetensors_weights(folder: Path) -> Weights:
+    from safetensors import safe_open
+
+    for file in checkpoint_files(folder):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def language_model(weights: Weights) -> Weights:
+    """A multimodal checkpoint's language model under the text model's names (its
+    `language_model.` prefix, or transformers' newer `model.language_model.`, taken off); the
+    vision tower and the projector left out."""
+    for name, tensor in weights:
+        if name.startswith("language_model."):
+            yield name.removeprefix("language_model."), tensor
+        elif name.startswith("model.language_model."):
+            yield "model." + name.removeprefix("model.language_model."), tensor
+        elif not name.startswith(_NOT_TEXT):
+            yield name, tensor
+
+
+_NOT_TEXT = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+             "model.multi_modal_projector.", "visual.", "model.visual.")
