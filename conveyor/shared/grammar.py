@@ -249,12 +249,12 @@ class GrammarCompiler:
             elif walk.opening is not None:
                 ids, n = walk.opening, walk.opened
                 bitmask[r] = 0
-                if not n:
+                if not n or (live(m) and m.validate_tokens(ids[:n]) == n):  # held so far
+                    if n:
+                        m.consume_tokens(ids[:n])
                     fill_next_token_bitmask(m, bitmask, r)
-                elif live(m) and m.validate_tokens(ids[:n]) == n:  # the constraint held so far
-                    m.consume_tokens(ids[:n])
-                    fill_next_token_bitmask(m, bitmask, r)
-                    m.rollback(n)
+                    if n:
+                        m.rollback(n)
                 bitmask.view(np.uint32)[r, ids[n] // 32] |= np.uint32(1 << (ids[n] % 32))
             else:
                 todo, walk.pending = walk.pending, []

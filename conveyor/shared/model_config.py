@@ -32,9 +32,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     initializer_range: float = 0.02          # std of random (load_format="dummy") weights
     # "fp8" / "int8": the checkpoint stores its linear weights in float8 e4m3 / int8 with scales;
-    # "awq" / "gptq" / "w4a16" (compressed-tensors' pack-quantized): 4-bit; "mxfp4": gpt-oss's
-    # experts in MXFP4 (config.json's
-    # quantization_config; checkpoint_quantization below); None: full precision
+    # "awq" / "gptq" / "w4a16" (compressed-tensors' pack-quantized): 4-bit (GPTQ also 8-bit);
+    # "mxfp4": gpt-oss's experts in MXFP4 (config.json's quantization_config;
+    # checkpoint_quantization below); None: full precision
     quantization: str | None = None
     # per layer: how many keys (the query's own included) its attention sees; 0 = all of them
     # (Mistral's sliding_window on every layer; Gemma's on the "sliding_attention" layers)
@@ -118,15 +118,18 @@ def text_part(cfg: dict[str, Any]) -> dict[str, Any]:
     text = {**defaults, **top, **(cfg.get("text_config") or {}),
             **{k: cfg[k] for k in _WHOLE_MODEL_KEYS if k in cfg}, "architectures": [arch],
             "text_of": cfg["architectures"][0]}
-    mrope = lambda rope: isinstance(rope, dict) and (  # noqa: E731
-        "mrope" in (rope.get("type"), rope.get("rope_type")) or "mrope_section" in rope)
-    if mrope(text.get("rope_scaling")):
+    if _mrope(text.get("rope_scaling")):
         del text["rope_scaling"]
-    if mrope(text.get("rope_parameters")):          # transformers >= 5: theta kept here
+    if _mrope(text.get("rope_parameters")):         # transformers >= 5: theta kept here
         text["rope_parameters"] = {"rope_type": "default",
                                    **{k: v for k, v in text["rope_parameters"].items()
                                       if k == "rope_theta"}}
     return text
+
+
+def _mrope(rope: Any) -> bool:
+    return isinstance(rope, dict) and ("mrope" in (rope.get("type"), rope.get("rope_type"))
+                                       or "mrope_section" in rope)
 
 
 # Sliding and full attention layers of the families that interleave them, for config.json files

@@ -140,6 +140,18 @@ def _convert_packed(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     return out
 
 
+def packed_layers(fmt: str, names: list[str]) -> tuple[list[str], bool, bool]:
+    """Of a checkpoint's tensor names: the packed layers (as `P.weight`), and whether they
+    carry act-order's group index and zero points (a symmetric w4a16 one has none)."""
+    words, zeros, _, g_idx = (_PARTS[fmt] + (None,))[:4]
+    layers = [n.removesuffix(words) + "weight" for n in names if n.endswith("." + words)]
+
+    def has(part: str | None) -> bool:
+        return part is not None and any(n.endswith("." + part) for n in names)
+
+    return layers, has(g_idx), has(zeros)
+
+
 def int4_weights(weights, fmt: str, zero_offset: int, has_g_idx: bool,
                  device: torch.device | str = "cpu", has_zero: bool = True):
     """Checkpoint tensors with every 4-bit layer's parts (buffered until all have come) turned

@@ -172,7 +172,7 @@ def _take_int4(model: nn.Module, folder: Path, config: ModelConfig,
     from safetensors import safe_open
 
     from conveyor.shared.model_config import gptq_bits, int4_format
-    from conveyor.worker.int4_checkpoint import int4_weights
+    from conveyor.worker.int4_checkpoint import int4_weights, packed_layers
 
     qc = config.extra["quantization_config"]
     group, zero_offset, act_order = int4_format(qc)
@@ -181,10 +181,9 @@ def _take_int4(model: nn.Module, folder: Path, config: ModelConfig,
     for file in checkpoint_files(folder):
         with safe_open(file, framework="pt") as f:
             names += list(f.keys())
-    words, g_idx = ((".weight_packed", ".weight_g_idx") if config.quantization == "w4a16"
-                    else (".qweight", ".g_idx"))
-    has_g_idx = any(n.endswith(g_idx) for n in names)
-    layers = {n.removesuffix(words) + ".weight": True for n in names if n.endswith(words)}
+    fmt = "gptq8" if int8 else config.quantization
+    packed, has_g_idx, has_zero = packed_layers(fmt, names)
+    layers = dict.fromkeys(packed, True)
     for module_name, (module, _) in _by_module(model, layers).items():
         if isinstance(module, FusedMoE):
             (module.make_quantized(torch.int8, group) if int8
@@ -195,10 +194,8 @@ def _take_int4(model: nn.Module, folder: Path, config: ModelConfig,
                              f"layers and experts")
         groups = module.weight.shape[1] // group if group else 1
         module.make_quantized(torch.int8, groups) if int8 else module.make_int4(groups, act_order)
-    fmt = "gptq8" if int8 else config.quantization
-    weights = int4_weights(safetensors_weights(folder), fmt, zero_offset,
-                           has_g_idx, device, has_zero=config.quantization != "w4a16" or any(
-                               n.endswith(".weight_zero_point") for n in names))
+    weights = int4_weights(safetensors_weights(folder), fmt, zero_offset, has_g_idx, device,
+                           has_zero)
     if not act_order:      # GPTQ's g_idx then only repeats the groups: no column order
         weights = ((n, t) for n, t in weights if not n.endswith(".weight_perm"))
     return weights

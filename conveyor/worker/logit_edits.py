@@ -97,12 +97,12 @@ def _end_dead_rows(x: torch.Tensor, states: list[SeqSamplingState],
                    eos_token_ids: tuple[int, ...]) -> None:
     """A row whose constraints leave no token draws EOS: the output ends there (and
     scheduler/stop.py ends it, min_tokens or not) where a row of -inf would draw a token nothing
-    allows. Only hard constraints can leave none: a grammar whose one way on is EOS (or an end
-    the request's allowed_token_ids leave out), allowed_token_ids of end tokens below
-    min_tokens; so only rows with a grammar or allowed_token_ids are looked at, on the device
-    (no wait for it)."""
-    rows = [i for i, s in enumerate(states)
-            if s.params.allowed_token_ids or s.params.structured_outputs is not None]
+    allows. Only bans can meet a mask or each other there: allowed_token_ids (beside a grammar,
+    or of end tokens below min_tokens), and a grammar's row with min_tokens' end bans or bad
+    words; only those rows are looked at, on the device (no wait for it)."""
+    rows = [i for i, s in enumerate(states) if s.params.allowed_token_ids or (
+        s.params.structured_outputs is not None
+        and (s.num_output_tokens < s.params.min_tokens or s.params.bad_words_token_ids))]
     if not rows or not eos_token_ids:
         return
     r = to_device(rows, x.device)
