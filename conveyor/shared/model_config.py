@@ -102,6 +102,9 @@ TEXT_OF_MULTIMODAL = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", _G
                       "Qwen2VLForConditionalGeneration": ("Qwen2ForCausalLM", {}),
                       "Qwen2_5_VLForConditionalGeneration": ("Qwen2ForCausalLM", {}),
                       "Qwen3VLForConditionalGeneration": ("Qwen3ForCausalLM", {}),
+                      # transformers' Qwen3-VL-MoE always renormalizes its top-k weights
+                      "Qwen3VLMoeForConditionalGeneration": ("Qwen3MoeForCausalLM",
+                                                             {"norm_topk_prob": True}),
                       "Mistral3ForConditionalGeneration": ("MistralForCausalLM", {})}
 # what a multimodal config says at its top level for the whole model, the text part included
 _WHOLE_MODEL_KEYS = ("eos_token_id", "bos_token_id", "pad_token_id", "quantization_config",

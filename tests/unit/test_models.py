@@ -179,6 +179,16 @@ MULTIMODAL = {
                       out_hidden_size=64, deepstack_visual_indexes=[]),
                  dict(image_token_id=500, video_token_id=501, vision_start_token_id=502),
                  "Qwen3ForCausalLM"),
+    "qwen3_vl_moe": (dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=48,
+                          num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1],
+                          num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=16, vocab_size=512, bos_token_id=1, eos_token_id=2,
+                          rope_scaling={"rope_type": "default", "mrope_section": [2, 3, 3],
+                                        "mrope_interleaved": True}),
+                     dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                          out_hidden_size=64, deepstack_visual_indexes=[]),
+                     dict(image_token_id=500, video_token_id=501, vision_start_token_id=502),
+                     "Qwen3MoeForCausalLM"),
     "mistral3": (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
                       bos_token_id=1, eos_token_id=2, sliding_window=8),
@@ -192,13 +202,17 @@ def _as_on_the_hub(kind: str, folder, text: dict) -> None:
     """Rewrite a checkpoint transformers saved into the other layout published ones have:
     transformers' newer weight names (`model.language_model.`) and the hub's config.json
     (Gemma 3: a sparse text_config naming only what differs from the defaults; Qwen2.5-VL:
-    the text model's keys at the top level, rope_scaling {"type": "mrope"})."""
+    the text model's keys at the top level, rope_scaling {"type": "mrope"}); Qwen3-VL-MoE's
+    published experts are [E, inputs, outputs], and its config says num_experts."""
     import json
 
     from safetensors.torch import load_file, save_file
 
     tensors = load_file(folder / "model.safetensors")
-    if kind == "gemma3":
+    if kind == "qwen3_vl_moe":
+        tensors = {n: t.transpose(1, 2).contiguous() if ".mlp.experts." in n else t
+                   for n, t in tensors.items()}
+    elif kind == "gemma3":
         tensors = {(n.replace("language_model.model.", "model.language_model.", 1)
                     .replace("vision_tower.", "model.vision_tower.", 1)): t
                    for n, t in tensors.items()}
@@ -208,7 +222,9 @@ def _as_on_the_hub(kind: str, folder, text: dict) -> None:
                    for n, t in tensors.items()}
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     saved = json.loads((folder / "config.json").read_text())
-    if kind == "gemma3":
+    if kind == "qwen3_vl_moe":
+        saved["text_config"]["num_experts"] = saved["text_config"].pop("num_local_experts")
+    elif kind == "gemma3":
         sparse = {k: v for k, v in saved["text_config"].items()
                   if k in text or k in ("model_type", "layer_types")}
         saved["text_config"] = {**sparse, "rope_scaling": text["rope_scaling"]}
@@ -220,13 +236,15 @@ def _as_on_the_hub(kind: str, folder, text: dict) -> None:
 
 @pytest.mark.parametrize("kind,hub", [("gemma3", False), ("gemma3", True), ("qwen2_5_vl", False),
                                       ("qwen2_5_vl", True), ("qwen3_vl", False),
+                                      ("qwen3_vl_moe", False), ("qwen3_vl_moe", True),
                                       ("mistral3", False)])
 def test_multimodal_checkpoint_serves_its_text(tmp_path, kind, hub):
-    """gemma-3-4b/12b/27b, Qwen2.5-VL, Qwen3-VL and Mistral Small 3.x checkpoints, tiny ones
-    made by transformers, served for their text: the language model's config (Gemma's sparse
-    text_config takes Gemma3TextConfig's defaults; M-RoPE, interleaved or not, is the plain
-    rotation for text) and weights (transformers' older and newer names), the vision tower
-    skipped; a text prompt's logits and greedy tokens are transformers' own model's."""
+    """gemma-3-4b/12b/27b, Qwen2.5-VL, Qwen3-VL (dense and MoE) and Mistral Small 3.x
+    checkpoints, tiny ones made by transformers, served for their text: the language model's
+    config (Gemma's sparse text_config takes Gemma3TextConfig's defaults; M-RoPE, interleaved
+    or not, is the plain rotation for text) and weights (transformers' older and newer names;
+    MoE experts stacked either way round), the vision tower skipped; a text prompt's logits
+    and greedy tokens are transformers' own model's."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     text, vision, extra, arch = MULTIMODAL[kind]

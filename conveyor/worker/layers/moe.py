@@ -34,6 +34,23 @@ from conveyor.worker.layers.parallel import divide, tp_rank, tp_size
 EXPERT_PARTS = {"gate_proj": 0, "up_proj": 1, "down_proj": 2}
 
 
+def per_expert(name: str, stacked: torch.Tensor, kind: str = "weight", first: int = 0,
+               interleaved: bool = False):
+    """A checkpoint's stacked experts `...experts.gate_up_proj` or `down_proj` [E, rows, ...]
+    (rows: gate and up, interleaved or gate's then up's; or the outputs of down) -> each
+    expert's `experts.{e}.gate_proj.{kind}`, `up_proj`, or `down_proj` (numbered from
+    `first`), the names FusedMoE loads."""
+    prefix, proj = name.rsplit(".", 1)
+    for i, w in enumerate(stacked):
+        e = first + i
+        if proj == "gate_up_proj":
+            gate, up = (w[0::2], w[1::2]) if interleaved else w.chunk(2)
+            yield f"{prefix}.{e}.gate_proj.{kind}", gate
+            yield f"{prefix}.{e}.up_proj.{kind}", up
+        else:
+            yield f"{prefix}.{e}.down_proj.{kind}", w
+
+
 class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  renormalize: bool, dtype: torch.dtype, bias: bool = False,

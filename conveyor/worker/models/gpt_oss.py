@@ -15,16 +15,20 @@ Qwen3-MoE's per-expert names (gate and up de-interleaved), and `mlp.router` is l
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
 from conveyor.shared.model_config import ModelConfig
-from conveyor.worker.layers.moe import FusedMoE, SparseMoeBlock
+from conveyor.worker.layers.moe import FusedMoE, SparseMoeBlock, per_expert
 from conveyor.worker.layers.pipeline import stage_weight_name
 from conveyor.worker.models.llama import LlamaForCausalLM
 from conveyor.worker.mxfp4_checkpoint import dequantize_mxfp4, mxfp4_words
 
 _PROJECTIONS = (".experts.gate_up_proj", ".experts.down_proj")
+# the stacked experts split per expert, gate and up interleaved along their rows
+_gpt_oss_experts = functools.partial(per_expert, interleaved=True)
 
 
 class GptOssForCausalLM(LlamaForCausalLM):
@@ -62,9 +66,9 @@ class GptOssForCausalLM(LlamaForCausalLM):
                     if stage_weight_name(proj, self.config.num_hidden_layers, False):
                         yield from self._mxfp4_experts(proj, parts["blocks"], parts["scales"])
             elif name.endswith(_PROJECTIONS):                # [E, inputs, rows]
-                yield from _per_expert(name, tensor.transpose(1, 2))
+                yield from _gpt_oss_experts(name, tensor.transpose(1, 2))
             elif name.endswith(tuple(p + "_bias" for p in _PROJECTIONS)):
-                yield from _per_expert(name.removesuffix("_bias"), tensor, "bias")
+                yield from _gpt_oss_experts(name.removesuffix("_bias"), tensor, "bias")
             else:
                 yield name, tensor
         if mxfp4:
@@ -77,25 +81,11 @@ class GptOssForCausalLM(LlamaForCausalLM):
         experts = next((m for m in self.modules() if isinstance(m, FusedMoE)), None)
         if experts is not None and experts.fp4:
             words, scales = mxfp4_words(blocks, scales)
-            yield from _per_expert(proj, words)
-            yield from _per_expert(proj, scales, "weight_scale")
+            yield from _gpt_oss_experts(proj, words)
+            yield from _gpt_oss_experts(proj, scales, "weight_scale")
             return
         device = experts.w13.device if experts is not None else torch.device("cpu")
         dtype = experts.w13.dtype if experts is not None else torch.float32
         for e in range(blocks.shape[0]):
             w = dequantize_mxfp4(blocks[e].to(device), scales[e].to(device), dtype)
-            yield from _per_expert(proj, w[None], first=e)
-
-
-def _per_expert(name: str, stacked: torch.Tensor, kind: str = "weight", first: int = 0):
-    """`...experts.gate_up_proj` or `down_proj` stacked [E, rows, ...] (rows: gate and up
-    interleaved, or the outputs of down) -> each expert's `experts.{e}.gate_proj.{kind}`,
-    `up_proj`, or `down_proj` (experts numbered from `first`)."""
-    prefix, proj = name.rsplit(".", 1)
-    for i, w in enumerate(stacked):
-        e = first + i
-        if proj == "gate_up_proj":
-            yield f"{prefix}.{e}.gate_proj.{kind}", w[0::2]
-            yield f"{prefix}.{e}.up_proj.{kind}", w[1::2]
-        else:
-            yield f"{prefix}.{e}.down_proj.{kind}", w
+            yield from _gpt_oss_experts(proj, w[None], first=e)

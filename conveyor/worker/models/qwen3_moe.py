@@ -2,6 +2,10 @@
 mixture of `num_experts` experts of width moe_intermediate_size, `num_experts_per_tok` of them a
 token, their router weights renormalised to sum to 1 when norm_topk_prob. Layers listed in
 mlp_only_layers, or off the decoder_sparse_step rhythm, keep a dense MLP of intermediate_size.
+
+Qwen3-VL-MoE's language model (Qwen3-VL-30B-A3B, served for its text) is this model with each
+layer's experts stacked: `mlp.experts.gate_up_proj` (gate's rows, then up's) and `down_proj`,
+[E, inputs, outputs] as published, [E, outputs, inputs] as transformers >= 5 saves them.
 """
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ import torch
 from torch import nn
 
 from conveyor.shared.model_config import ModelConfig
-from conveyor.worker.layers.moe import SparseMoeBlock
+from conveyor.worker.layers.moe import SparseMoeBlock, per_expert
 from conveyor.worker.models.llama import LlamaMLP
 from conveyor.worker.models.qwen3 import Qwen3ForCausalLM
 
@@ -25,3 +29,17 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
             return LlamaMLP(config, dtype)
         return SparseMoeBlock(experts, e["num_experts_per_tok"], config.hidden_size,
                               e["moe_intermediate_size"], bool(e.get("norm_topk_prob")), dtype)
+
+    def convert_weights(self, weights):
+        """Stacked experts split per expert (in either orientation); the rest as it is."""
+        e = self.config.extra
+        inter, hidden = e.get("moe_intermediate_size"), self.config.hidden_size
+        for name, tensor in weights:
+            if name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
+                rows = 2 * inter if name.endswith("gate_up_proj") else hidden
+                # NOTE: a square shape is taken as [E, outputs, inputs], as transformers does
+                if tensor.shape[1] != rows:
+                    tensor = tensor.transpose(1, 2)
+                yield from per_expert(name, tensor)
+            else:
+                yield name, tensor
