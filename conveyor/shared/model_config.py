@@ -169,8 +169,9 @@ def checkpoint_quantization(qc: dict[str, Any] | None) -> str | None:
     GPTQ weights (int4_format), in the formats vLLM calls "fp8"
     (AutoFP8, `quant_method: fp8`) and "compressed-tensors" (llm-compressor's float 8-bit
     weights, or symmetric int 8-bit ones stored as int8: its "int-quantized" W8A8 models, run
-    here as W8A16), and gpt-oss's "mxfp4" experts (kept in 4 bits, models/gpt_oss.py). Other
-    formats raise ValueError."""
+    here as W8A16), gpt-oss's "mxfp4" experts (kept in 4 bits, models/gpt_oss.py), and
+    bitsandbytes' (8-bit: int8; 4-bit: None, dequantized as it loads). Other formats raise
+    ValueError."""
     if not qc:
         return None
     method = qc.get("quant_method")
@@ -204,9 +205,11 @@ def checkpoint_quantization(qc: dict[str, Any] | None) -> str | None:
     if method in ("awq", "gptq"):
         int4_format(qc)
         return method
+    if method == "bitsandbytes":        # worker/bnb_checkpoint.py: 4-bit is dequantized at load
+        return "int8" if qc.get("load_in_8bit") else None
     raise ValueError(f"checkpoint quantization {method!r} is not supported (conveyor loads fp8, "
-                     f"int8, AWQ, GPTQ and gpt-oss's mxfp4 checkpoints, and quantizes "
-                     f"full-precision ones with --quantization)")
+                     f"int8, AWQ, GPTQ, bitsandbytes and gpt-oss's mxfp4 checkpoints, and "
+                     f"quantizes full-precision ones with --quantization)")
 
 
 def _format(qc: dict[str, Any]) -> str | None:

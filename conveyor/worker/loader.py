@@ -31,6 +31,7 @@ from torch import nn
 
 from conveyor.shared.model_config import INT4_FORMATS, ModelConfig
 from conveyor.shared.model_files import ModelFiles
+from conveyor.worker.bnb_checkpoint import bnb_weights, is_bitsandbytes
 from conveyor.worker.checkpoint_files import (
     Weights,
     checkpoint_files,
@@ -100,7 +101,10 @@ def load_model(config: ModelConfig, files: ModelFiles, dtype: torch.dtype,
         block = _block_size(config)
         rows = _take_quantized(model, files.path, config.quantization, block)
         kv_scales: dict[tuple[int, str], float] = {}
-        fill(_with_scales(safetensors_weights(files.path), rows, kv_scales, block))
+        weights = (bnb_weights(files.path)
+                   if is_bitsandbytes(config.extra.get("quantization_config"))
+                   else safetensors_weights(files.path))
+        fill(_with_scales(weights, rows, kv_scales, block))
         model.checkpoint_kv_scales = _per_layer(kv_scales, config.num_hidden_layers)
     # dummy weights are drawn in full precision and quantized in the checkpoint's mode, but
     # MXFP4's experts are drawn as bytes (dummy_weights.py), the rest kept as the checkpoint's
