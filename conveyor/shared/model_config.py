@@ -206,7 +206,10 @@ def checkpoint_quantization(qc: dict[str, Any] | None) -> str | None:
         int4_format(qc)
         return method
     if method == "bitsandbytes":        # worker/bnb_checkpoint.py: 4-bit is dequantized at load
-        return "int8" if qc.get("load_in_8bit") else None
+        if qc.get("load_in_8bit") or qc.get("load_in_4bit"):
+            return "int8" if qc.get("load_in_8bit") else None
+        raise ValueError("a bitsandbytes checkpoint's quantization_config says neither "
+                         "load_in_8bit nor load_in_4bit")
     raise ValueError(f"checkpoint quantization {method!r} is not supported (conveyor loads fp8, "
                      f"int8, AWQ, GPTQ, bitsandbytes and gpt-oss's mxfp4 checkpoints, and "
                      f"quantizes full-precision ones with --quantization)")

@@ -231,7 +231,8 @@ def test_bad_fp8_checkpoints_are_refused_clearly(tiny, tmp_path):
     with pytest.raises(ValueError, match="KV cache scales"):
         LLM(model=str(tmp_path / "partial"), **ENGINE)
     for qc, match in (({"quant_method": "fp8", "weight_block_size": [128, 64]}, "square"),
-                      ({"quant_method": "bitsandbytes"}, "'bitsandbytes' is not supported"),
+                      ({"quant_method": "hqq"}, "'hqq' is not supported"),
+                      ({"quant_method": "bitsandbytes"}, "neither load_in_8bit nor"),
                       ({"quant_method": "gptq", "bits": 3}, "4-bit weights .GPTQ: or 8-bit."),
                       ({**quantization_config("compressed-tensors-int8", "channel"),
                         "format": "pack-quantized"}, "4-bit int weights"),
