@@ -20,12 +20,11 @@ quantized again with --quantization). bitsandbytes itself is not needed.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from conveyor.worker.checkpoint_files import Weights, checkpoint_files, safetensors_weights
+from conveyor.worker.checkpoint_files import Checkpoint, Weights
 
 _STATE = ".quant_state.bitsandbytes__"
 _PARTS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
@@ -35,17 +34,13 @@ def is_bitsandbytes(qc: dict[str, Any] | None) -> bool:
     return bool(qc) and qc.get("quant_method") == "bitsandbytes"
 
 
-def bnb_weights(folder: Path) -> Weights:
+def bnb_weights(checkpoint: Checkpoint) -> Weights:
     """A bitsandbytes checkpoint's tensors as load_weights takes them: 8-bit weights with their
     scales as `weight_scale` [N], 4-bit ones dequantized; the rest unchanged."""
-    from safetensors import safe_open
-
-    four_bit = set()                 # the 4-bit weights: those with a quant_state beside them
-    for file in checkpoint_files(folder):
-        with safe_open(file, framework="pt") as f:     # the header only: no tensor is read
-            four_bit.update(_owner(n) for n in f.keys() if _STATE in n)
+    # the 4-bit weights: those with a quant_state beside them
+    four_bit = {_owner(n) for n in checkpoint.names() if _STATE in n}
     pending: dict[str, dict[str, Any]] = {}       # 4-bit weight name -> its parts so far
-    for name, tensor in safetensors_weights(folder):
+    for name, tensor in checkpoint.weights():
         if name.endswith(".SCB"):
             yield name.removesuffix("SCB") + "weight_scale", tensor.float() / 127.0
         elif name.endswith(".weight_format"):

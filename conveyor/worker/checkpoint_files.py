@@ -1,13 +1,15 @@
 """Where a Hugging Face checkpoint's tensors come from: its safetensors files (those its index
 names; Mistral's consolidated.safetensors beside them left out), read one tensor at a time;
 and, for a multimodal checkpoint served for its text, its language model's tensors under the
-text model's names.
+text model's names (`Checkpoint`).
 """
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -35,26 +37,46 @@ def checkpoint_files(folder: Path) -> list[Path]:
     return hf or files
 
 
-def safetensors_weights(folder: Path) -> Weights:
-    from safetensors import safe_open
+@dataclass(frozen=True)
+class Checkpoint:
+    """A Hugging Face checkpoint's tensors as the engine reads them, one at a time; with
+    text_only (a multimodal checkpoint served for its text) its language model's only, under
+    the text model's names (its `language_model.` prefix, or transformers' newer
+    `model.language_model.`, taken off; the vision tower and the projector left out)."""
+    folder: Path
+    text_only: bool = False
 
-    for file in checkpoint_files(folder):
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+    def headers(self) -> Iterator[tuple[str, Any]]:
+        """(name, its safetensors slice: shape and dtype without reading the tensor), valid
+        until the next is drawn."""
+        from safetensors import safe_open
 
+        for file in checkpoint_files(self.folder):
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    if (ours := self._name(name)) is not None:
+                        yield ours, f.get_slice(name)
 
-def language_model(weights: Weights) -> Weights:
-    """A multimodal checkpoint's language model under the text model's names (its
-    `language_model.` prefix, or transformers' newer `model.language_model.`, taken off); the
-    vision tower and the projector left out."""
-    for name, tensor in weights:
+    def names(self) -> list[str]:
+        return [name for name, _ in self.headers()]
+
+    def weights(self) -> Weights:
+        from safetensors import safe_open
+
+        for file in checkpoint_files(self.folder):
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    if (ours := self._name(name)) is not None:
+                        yield ours, f.get_tensor(name)
+
+    def _name(self, name: str) -> str | None:
+        if not self.text_only:
+            return name
         if name.startswith("language_model."):
-            yield name.removeprefix("language_model."), tensor
-        elif name.startswith("model.language_model."):
-            yield "model." + name.removeprefix("model.language_model."), tensor
-        elif not name.startswith(_NOT_TEXT):
-            yield name, tensor
+            return name.removeprefix("language_model.")
+        if name.startswith("model.language_model."):
+            return "model." + name.removeprefix("model.language_model.")
+        return None if name.startswith(_NOT_TEXT) else name
 
 
 _NOT_TEXT = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",

@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 import math
 import re
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -32,12 +31,7 @@ from torch import nn
 from conveyor.shared.model_config import INT4_FORMATS, ModelConfig
 from conveyor.shared.model_files import ModelFiles
 from conveyor.worker.bnb_checkpoint import bnb_weights, is_bitsandbytes
-from conveyor.worker.checkpoint_files import (
-    Weights,
-    checkpoint_files,
-    language_model,
-    safetensors_weights,
-)
+from conveyor.worker.checkpoint_files import Checkpoint, Weights
 from conveyor.worker.gguf_tensors import expert_names, gguf_to_hf_name, gguf_weights
 from conveyor.worker.layers.linear import LinearBase, default_weight_loader
 from conveyor.worker.layers.moe import EXPERT_PARTS, FusedMoE
@@ -66,16 +60,11 @@ def load_model(config: ModelConfig, files: ModelFiles, dtype: torch.dtype,
     model.checkpoint_kv_scales = None
 
     def fill(weights: Weights) -> None:
-        if config.extra.get("text_of"):
-            weights = language_model(weights)
         load_weights(model, _below_layer(weights, config.num_hidden_layers)
                      if first_layers else weights)
 
-    if config.extra.get("text_of") and config.quantization:
-        raise ValueError(f"a quantized {config.extra['text_of']} checkpoint is not supported "
-                         f"(its full-precision one is, served for its text)")
-
     mxfp4 = config.quantization == "mxfp4" and _take_mxfp4(model)
+    checkpoint = Checkpoint(files.path, text_only=bool(config.extra.get("text_of")))
     if load_format == "dummy":
         from conveyor.worker.dummy_weights import dummy_weights
 
@@ -94,16 +83,16 @@ def load_model(config: ModelConfig, files: ModelFiles, dtype: torch.dtype,
         int8_names = _keep_q8_0(model, reader, keep) if quantization == "int8" else set()
         fill(gguf_weights(reader, int8_names, mxfp4))
     elif config.quantization in INT4_FORMATS:
-        fill(_take_int4(model, files.path, config, device))
+        fill(_take_int4(model, checkpoint, config, device))
     elif config.quantization == "mxfp4":
-        fill(safetensors_weights(files.path))       # models/gpt_oss.py converts the experts
+        fill(checkpoint.weights())                  # models/gpt_oss.py converts the experts
     else:
         block = _block_size(config)
-        rows = _take_quantized(model, files.path, config.quantization, block)
+        rows = _take_quantized(model, checkpoint, config.quantization, block)
         kv_scales: dict[tuple[int, str], float] = {}
-        weights = (bnb_weights(files.path)
+        weights = (bnb_weights(checkpoint)
                    if is_bitsandbytes(config.extra.get("quantization_config"))
-                   else safetensors_weights(files.path))
+                   else checkpoint.weights())
         fill(_with_scales(weights, rows, kv_scales, block))
         model.checkpoint_kv_scales = _per_layer(kv_scales, config.num_hidden_layers)
     # dummy weights are drawn in full precision and quantized in the checkpoint's mode, but
@@ -130,24 +119,19 @@ def _block_size(config: ModelConfig) -> int:
     return 0
 
 
-def _take_quantized(model: nn.Module, folder: Path, mode: str | None, block: int = 0
-                    ) -> dict[str, int]:
+def _take_quantized(model: nn.Module, checkpoint: Checkpoint, mode: str | None,
+                    block: int = 0) -> dict[str, int]:
     """For a checkpoint quantized in `mode` ("fp8" or "int8"): make the linear layers whose
     checkpoint weights are stored in it take 1-byte weights and one scale per row (with
     `block`-square scales: one per row and block of columns); returns {checkpoint weight name:
     its rows} of those weights ({} for other checkpoints)."""
-    from safetensors import safe_open
-
     if mode is None:
         return {}
     stored, dtype = _STORED[mode]
     rows, is_stored = {}, {}                 # checkpoint weight name -> rows, -> stored in mode
-    for file in checkpoint_files(folder):
-        with safe_open(file, framework="pt") as f:     # the header only: no tensor is read
-            for name in f.keys():
-                if name.endswith(".weight"):
-                    t = f.get_slice(name)
-                    rows[name], is_stored[name] = t.get_shape()[0], t.get_dtype() == stored
+    for name, t in checkpoint.headers():     # no tensor is read
+        if name.endswith(".weight"):
+            rows[name], is_stored[name] = t.get_shape()[0], t.get_dtype() == stored
     taken = {}
     for module_name, (module, parts) in _by_module(model, is_stored).items():
         if not any(parts.values()):
@@ -168,25 +152,19 @@ def _take_quantized(model: nn.Module, folder: Path, mode: str | None, block: int
     return taken
 
 
-def _take_int4(model: nn.Module, folder: Path, config: ModelConfig,
+def _take_int4(model: nn.Module, checkpoint: Checkpoint, config: ModelConfig,
                device: torch.device | str) -> Weights:
     """For an AWQ, GPTQ or compressed-tensors W4A16 checkpoint: make the linear layers with
     4-bit words take them (LinearBase.make_int4), and return the checkpoint's tensors with
     those layers' parts converted to the W4A16 layout on `device` (worker/int4_checkpoint.py)."""
-    from safetensors import safe_open
-
     from conveyor.shared.model_config import gptq_bits, int4_format
     from conveyor.worker.int4_checkpoint import int4_weights, packed_layers
 
     qc = config.extra["quantization_config"]
     group, zero_offset, act_order = int4_format(qc)
     int8 = gptq_bits(qc) == 8               # 8-bit GPTQ: int8 weights, one scale a group
-    names = []
-    for file in checkpoint_files(folder):
-        with safe_open(file, framework="pt") as f:
-            names += list(f.keys())
     fmt = "gptq8" if int8 else config.quantization
-    packed, has_g_idx, has_zero = packed_layers(fmt, names)
+    packed, has_g_idx, has_zero = packed_layers(fmt, checkpoint.names())
     layers = dict.fromkeys(packed, True)
     for module_name, (module, _) in _by_module(model, layers).items():
         if isinstance(module, FusedMoE):
@@ -198,7 +176,7 @@ def _take_int4(model: nn.Module, folder: Path, config: ModelConfig,
                              f"layers and experts")
         groups = module.weight.shape[1] // group if group else 1
         module.make_quantized(torch.int8, groups) if int8 else module.make_int4(groups, act_order)
-    weights = int4_weights(safetensors_weights(folder), fmt, zero_offset, has_g_idx, device,
+    weights = int4_weights(checkpoint.weights(), fmt, zero_offset, has_g_idx, device,
                            has_zero)
     if not act_order:      # GPTQ's g_idx then only repeats the groups: no column order
         weights = ((n, t) for n, t in weights if not n.endswith(".weight_perm"))

@@ -15,14 +15,14 @@ from conveyor.worker.loader import load_model
 def test_checkpoint_shapes_are_transformers_own(arch, tmp_path):
     """The names and shapes transformers saves (as the model's convert_weights reads them:
     Phi-3's fused qkv split, Mixtral's expert names mapped)."""
-    from conveyor.worker.checkpoint_files import safetensors_weights
+    from conveyor.worker.checkpoint_files import Checkpoint
     from conveyor.worker.models import get_model_class
 
     path = make_tiny_model(arch, tmp_path, num_hidden_layers=3)
     config = read_model_config(resolve_model(str(path)))
     with torch.device("meta"):
         model = get_model_class(config.architecture)(config)
-    saved = safetensors_weights(path)
+    saved = Checkpoint(path).weights()
     if hasattr(model, "convert_weights"):
         saved = model.convert_weights(saved)
     expected = {name: tuple(t.shape) for name, t in saved}

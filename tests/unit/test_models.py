@@ -270,6 +270,35 @@ def test_multimodal_checkpoint_serves_its_text(tmp_path, kind, hub):
     assert got == hf_greedy(ref, prompts, 10)
 
 
+@pytest.mark.parametrize("kind,fmt", [("qwen2_5_vl", "awq"), ("gemma3", "gptq"),
+                                      ("mistral3", "w4a16")])
+def test_quantized_multimodal_checkpoint_serves_its_text(tmp_path, kind, fmt):
+    """A 4-bit multimodal checkpoint (as Qwen2.5-VL-7B-Instruct-AWQ; the vision tower quantized
+    too here, and left out): the language model's layers take its words, and its text greedy
+    tokens are transformers' on the dequantized weights."""
+    from int4_util import write_int4, write_w4a16
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    text, vision, extra, _ = MULTIMODAL[kind]
+    cfg = AutoConfig.for_model(kind, text_config=text, vision_config=vision, **extra)
+    torch.manual_seed(0)
+    AutoModelForImageTextToText.from_config(cfg).save_pretrained(tmp_path / "src")
+    if fmt == "w4a16":
+        write_w4a16(tmp_path / "src", tmp_path / "q", tmp_path / "ref", 32, symmetric=True)
+    else:
+        write_int4(tmp_path / "src", tmp_path / "q", tmp_path / "ref", fmt, 32)
+    files = resolve_model(str(tmp_path / "q"))
+    config = read_model_config(files)
+    ours = load_model(config, files, torch.float32, "cpu")
+    assert ours.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.int32   # 4-bit words
+    ref = AutoModelForImageTextToText.from_pretrained(tmp_path / "ref").eval()
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 490, (21,), generator=gen).tolist() for _ in range(2)]
+    eos = ours.config.eos_token_ids[0]
+    got = [t[:t.index(eos) + 1] if eos in t else t for t in greedy(ours, prompts, 10)]
+    assert got == hf_greedy(ref, prompts, 10)
+
+
 def test_a_mistral_repository_loads_its_hugging_face_files_only(tmp_path):
     """Mistral's repositories hold the weights twice: Hugging Face's files (with an index, or
     one model.safetensors) and Mistral's consolidated.safetensors. Only the first are read
