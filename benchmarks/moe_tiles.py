@@ -30,8 +30,9 @@ import torch
 
 from benchmarks.kernel_timings import graph_us
 from conveyor.kernels import fused_moe as moe
-from conveyor.kernels.fused_moe import _tiles, fused_moe, route
+from conveyor.kernels.fused_moe import _tiles, fused_moe
 from conveyor.kernels.silu_and_mul import silu_and_mul
+from conveyor.worker.layers.router import route
 
 SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "mixtral-8x7b": (8, 2, 4096, 14336)}
 # per shape: layers, bf16 bytes a step of the weights besides the experts (attention, router, LM

@@ -59,6 +59,14 @@ PRESETS = {
                                      "shared_expert_intermediate_size": 40,
                                      "norm_topk_prob": False, "num_hidden_layers": 3,
                                      "mlp_only_layers": [1], "tie_word_embeddings": False}),
+    # 8 experts of width 24 in 4 groups, the best 2 groups eligible, 3 experts a token, scaled
+    # by 2.5; 2 shared experts; layer 0 of 3 dense; q/k norms, rotary over half of each head
+    "glm4-moe": ("Glm4MoeConfig", {"n_routed_experts": 8, "num_experts_per_tok": 3,
+                                   "n_group": 4, "topk_group": 2, "moe_intermediate_size": 24,
+                                   "n_shared_experts": 2, "first_k_dense_replace": 1,
+                                   "routed_scaling_factor": 2.5, "num_hidden_layers": 3,
+                                   "attention_bias": True, "use_qk_norm": True,
+                                   "tie_word_embeddings": False}),
     # Granite's four multipliers, each far from 1 (and the embedding tied to the head)
     "granite": ("GraniteConfig", {"embedding_multiplier": 12.0, "residual_multiplier": 0.22,
                                   "attention_multiplier": 0.0156, "logits_scaling": 8.0,
@@ -105,6 +113,9 @@ def make_tiny_model(arch: str, path, seed: int = 0, weights: bool = True, **over
                 p.add_(torch.randn_like(p) * 0.1)
             if name.endswith("sinks"):       # gpt-oss's: large enough to take a share
                 p.copy_(torch.randn_like(p) + 1.5)
+        for name, b in model.named_buffers():   # GLM's router bias: big enough to sway it
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b) * 0.5)
     path = Path(path)
     model.save_pretrained(path)
     return path

@@ -2,14 +2,14 @@
 projection, SiLU-and-mul, and down projection, weighted by the router and summed per token.
 
 w13 [E, 2I, H] holds each expert's gate rows then up rows, w2 [E, H, I]; x [T, H]; topk_ids
-and topk_weights [T, K] come from `route`. The pairs are sorted by expert and each expert's run
-padded to whole BLOCK_M tiles (`align`, a counting sort on the device without a host sync, so
-it runs inside a CUDA graph; the grid is sized for the worst case, and tiles past the padded
-total return at once); then one grouped-GEMM launch computes gate/up for all experts (each
-tile reads its expert's weights and gathers its tokens' rows of x), one SiLU-and-mul, and one
-launch the down projection, which multiplies each row by its router weight. The K rows of a
-token are summed last. `fused_moe_ref` is the torch reference (and the CPU path): one expert
-at a time.
+and topk_weights [T, K] come from the router (worker/layers/router.py). The pairs are sorted by
+expert and each expert's run padded to whole BLOCK_M tiles (`align`, a counting sort on the
+device without a host sync, so it runs inside a CUDA graph; the grid is sized for the worst
+case, and tiles past the padded total return at once); then one grouped-GEMM launch computes
+gate/up for all experts (each tile reads its expert's weights and gathers its tokens' rows of
+x), one SiLU-and-mul, and one launch the down projection, which multiplies each row by its
+router weight. The K rows of a token are summed last. `fused_moe_ref` is the torch reference
+(and the CPU path): one expert at a time.
 
 gpt-oss's experts have biases, [E, 2I] and [E, H], which the GEMM tiles add to their
 expert's rows (before the router weight), and its own activation in place of SiLU-and-mul:
@@ -38,23 +38,6 @@ import torch.nn.functional as F
 
 from conveyor.kernels._triton import jit, require_triton, tl
 from conveyor.kernels._util import E2M1, check
-
-
-def route(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype,
-          softmax_after_topk: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [T, E] -> (weights [T, K] in dtype, expert ids [T, K] int32): softmax in
-    float32, the top K, renormalised to sum to 1 where the model does (Mixtral; Qwen3-MoE's
-    norm_topk_prob); or with softmax_after_topk (gpt-oss) the top K logits, then a softmax
-    over those alone (the renormalised weights in exact arithmetic, computed as the model
-    does)."""
-    if softmax_after_topk:
-        values, ids = torch.topk(logits, top_k, dim=-1)
-        return torch.softmax(values.float(), dim=-1).to(dtype), ids.to(torch.int32)
-    probs = torch.softmax(logits.float(), dim=-1)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(dtype), ids.to(torch.int32)
 
 
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

@@ -18,13 +18,14 @@ from conveyor.worker.models import get_model_class
 
 def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """name -> shape of each tensor in a Hugging Face checkpoint of this (Llama-family) model:
-    a mixture-of-experts layer has a router and each expert's projections (and a shared
-    expert's, with its gate, where it has one) in place of the MLP (the model class's make_mlp,
+    a mixture-of-experts layer has a router (with GLM's correction bias) and each expert's
+    projections (and shared experts', with Qwen2-MoE's gate, where it has them) in place of the
+    MLP (the model class's make_mlp,
     built on the meta device, says which layers; with the biases of the router and experts
     where it has them, gpt-oss's), and a family's extra tensors come from its
     `extra_layer_shapes` (Gemma's feed-forward norms) or its attention options (gpt-oss's
     sinks). Stacked experts appear as the model's convert_weights gives them, one a name."""
-    from conveyor.worker.layers.moe import SparseMoeBlock
+    from conveyor.worker.layers.moe import FusedMoE
 
     model_class = get_model_class(config.architecture)
     opts = model_class.attention_options(config)
@@ -51,13 +52,14 @@ def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             layer["self_attn.sinks"] = (config.num_attention_heads,)
         with torch.device("meta"):
             mlp = model_class.make_mlp(config, i, torch.float32)
-        if isinstance(mlp, SparseMoeBlock):
+        moe = getattr(mlp, "experts", None)
+        if isinstance(moe, FusedMoE):
             for name in ("gate_proj", "up_proj", "down_proj"):
                 del layer[f"mlp.{name}.weight"]
-            moe = mlp.experts
             layer["mlp.gate.weight"] = (moe.num_experts, h)
-            if mlp.gate.bias is not None:
-                layer["mlp.gate.bias"] = (moe.num_experts,)
+            for name in ("bias", "e_score_correction_bias"):    # gpt-oss's, GLM's
+                if getattr(mlp.gate, name, None) is not None:
+                    layer[f"mlp.gate.{name}"] = (moe.num_experts,)
             for e in range(moe.num_experts):
                 inter_e = moe.intermediate_size
                 layer.update({f"mlp.experts.{e}.gate_proj.weight": (inter_e, h),
@@ -67,12 +69,14 @@ def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
                     layer.update({f"mlp.experts.{e}.gate_proj.bias": (inter_e,),
                                   f"mlp.experts.{e}.up_proj.bias": (inter_e,),
                                   f"mlp.experts.{e}.down_proj.bias": (h,)})
-            if mlp.shared_expert is not None:          # Qwen2-MoE's
-                s = mlp.shared_expert.intermediate_size
-                layer.update({"mlp.shared_expert.gate_proj.weight": (s, h),
-                              "mlp.shared_expert.up_proj.weight": (s, h),
-                              "mlp.shared_expert.down_proj.weight": (h, s),
-                              "mlp.shared_expert_gate.weight": (1, h)})
+            for name in ("shared_expert", "shared_experts"):     # Qwen2-MoE's, GLM's
+                if (shared := getattr(mlp, name, None)) is not None:
+                    s = shared.intermediate_size
+                    layer.update({f"mlp.{name}.gate_proj.weight": (s, h),
+                                  f"mlp.{name}.up_proj.weight": (s, h),
+                                  f"mlp.{name}.down_proj.weight": (h, s)})
+            if getattr(mlp, "shared_expert_gate", None) is not None:
+                layer["mlp.shared_expert_gate.weight"] = (1, h)
         layer.update(extra)
         shapes.update({f"model.layers.{i}.{name}": shape for name, shape in layer.items()})
     return shapes

@@ -214,7 +214,8 @@ def test_gpt_oss_moe_kernels(compiled, m):
     """gpt-oss-20b's experts (H = I = 2880, 32 of them, 4 a token): biases in the grouped
     GEMMs and the clamped SwiGLU, at each tile class; with int8 experts too, and MXFP4's
     (4-bit e2m1 words, an e8m0 scale byte a block of 32 inputs)."""
-    from conveyor.kernels.fused_moe import fused_moe, route
+    from conveyor.kernels.fused_moe import fused_moe
+    from conveyor.worker.layers.router import route
 
     h, inter, experts = 2880, 2880, 32
     weights, ids = route(torch.randn(m, experts), 4, True, BF, softmax_after_topk=True)
@@ -236,8 +237,9 @@ def test_gpt_oss_moe_kernels(compiled, m):
 
 @pytest.mark.parametrize("m", [1, 5, 40, 300, 2000])     # MoE: 16-, 32- and 128-row tiles
 def test_w4a16_and_fused_moe_kernels(compiled, m):
-    from conveyor.kernels.fused_moe import fused_moe, route
+    from conveyor.kernels.fused_moe import fused_moe
     from conveyor.kernels.w4a16_gemm import CUBLAS_FROM_M, w4a16_gemm
+    from conveyor.worker.layers.router import route
 
     n, k = 4096, 4096
     words = torch.zeros(n, k // 8, dtype=torch.int32)

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from conveyor.kernels.fused_moe import align, fused_moe, fused_moe_ref, route
+from conveyor.kernels.fused_moe import align, fused_moe, fused_moe_ref
+from conveyor.worker.layers.router import route
 
 pytestmark = pytest.mark.gpu
 

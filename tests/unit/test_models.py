@@ -79,7 +79,8 @@ def run_step(model, pool, tokens, work, num_decodes):
 
 
 ARCHS = ["llama", "llama-tied", "qwen2", "qwen3", "mistral", "smollm3", "gemma2", "gemma3", "phi3",
-         "qwen3-moe", "qwen3-moe-unnormed", "mixtral", "qwen2-moe", "granite", "gpt-oss"]
+         "qwen3-moe", "qwen3-moe-unnormed", "mixtral", "qwen2-moe", "glm4-moe", "granite",
+         "gpt-oss"]
 
 
 @pytest.fixture(scope="module")
@@ -297,6 +298,29 @@ def test_quantized_multimodal_checkpoint_serves_its_text(tmp_path, kind, fmt):
     eos = ours.config.eos_token_ids[0]
     got = [t[:t.index(eos) + 1] if eos in t else t for t in greedy(ours, prompts, 10)]
     assert got == hf_greedy(ref, prompts, 10)
+
+
+def test_glm_checkpoint_loads_without_its_mtp_layer(tmp_path):
+    """GLM-4.5's published checkpoints add a multi-token-prediction layer after the last one
+    (model.layers.{num_hidden_layers}: its own projections, norms and a decoder layer), which
+    serving leaves out: the model loads, its logits unchanged."""
+    from safetensors.torch import load_file, save_file
+
+    path = make_tiny_model("glm4-moe", tmp_path / "glm")
+    files = resolve_model(str(path))
+    config = read_model_config(files)
+    plain = load_model(config, files, torch.float32, "cpu")
+    tensors = load_file(path / "model.safetensors")
+    last = config.num_hidden_layers - 1
+    mtp = {name.replace(f"layers.{last}.", f"layers.{last + 1}."): t.clone()
+           for name, t in tensors.items() if f"layers.{last}." in name}
+    mtp[f"model.layers.{last + 1}.eh_proj.weight"] = torch.zeros(64, 128)
+    save_file({**tensors, **mtp}, path / "model.safetensors")
+    ours = load_model(config, files, torch.float32, "cpu")
+    prompt = list(range(3, 24))
+    for model in (plain, ours):
+        model.logits = run_step(model, pool_for(model), {0: prompt}, [(0, 21)], 0)[0]
+    torch.testing.assert_close(ours.logits, plain.logits, atol=0, rtol=0)
 
 
 def test_a_mistral_repository_loads_its_hugging_face_files_only(tmp_path):

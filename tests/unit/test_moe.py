@@ -1,12 +1,14 @@
-"""The MoE pieces that run on the CPU: routing and tensor-parallel sharding of the experts'
+"""The MoE pieces that run on the CPU: routing (softmax, and GLM's grouped sigmoid router)
+and tensor-parallel sharding of the experts'
 intermediate dimension, and gpt-oss's options (router and expert biases, a softmax over the top
 K, the clamped SwiGLU) against transformers' GptOssMLP. (The fused kernels' per-expert sort,
 `align`, is tested with them in tests/kernels/test_fused_moe.py.)"""
 import pytest
 import torch
 
-from conveyor.kernels.fused_moe import fused_moe_ref, route
+from conveyor.kernels.fused_moe import fused_moe_ref
 from conveyor.worker.layers import moe
+from conveyor.worker.layers.router import route
 
 
 def test_route_renormalises_where_asked():
@@ -33,6 +35,36 @@ def test_route_softmax_after_topk_is_transformers_router():
     w, ids = route(logits, 3, True, torch.float32, softmax_after_topk=True)
     assert torch.equal(ids.long(), want_ids)
     torch.testing.assert_close(w, want_w)
+
+
+@pytest.mark.parametrize("experts,top_k,groups,chosen,norm,scale", [
+    (8, 2, 1, 1, True, 1.0), (16, 4, 4, 2, True, 2.5), (12, 3, 3, 3, False, 1.5),
+    (10, 1, 5, 1, True, 1.0)])
+def test_grouped_router_is_transformers_glm_router(experts, top_k, groups, chosen, norm,
+                                                   scale):
+    """DeepSeek-V3's grouped sigmoid router as GLM-4.5 runs it: the same experts (the order
+    within a token aside) and weights as transformers' Glm4MoeTopkRouter."""
+    from transformers import Glm4MoeConfig
+    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
+
+    from conveyor.worker.layers.router import GroupedTopKRouter
+
+    config = Glm4MoeConfig(hidden_size=16, n_routed_experts=experts, num_experts_per_tok=top_k,
+                           n_group=groups, topk_group=chosen, norm_topk_prob=norm,
+                           routed_scaling_factor=scale)
+    ref = Glm4MoeTopkRouter(config)
+    ours = GroupedTopKRouter(experts, 16, top_k, groups, chosen, norm, scale)
+    gen = torch.Generator().manual_seed(experts)
+    with torch.no_grad():
+        for router in (ref, ours):
+            router.weight.copy_(torch.randn(experts, 16, generator=gen.manual_seed(1)))
+            router.e_score_correction_bias.copy_(torch.randn(experts, generator=gen) * 0.5)
+        x = torch.randn(33, 16, generator=gen)
+        _, want_w, want_ids = ref(x)
+        w, ids = ours(x)
+    order, want_order = ids.long().sort(-1), want_ids.sort(-1)
+    assert torch.equal(order.values, want_order.values)
+    torch.testing.assert_close(w.gather(1, order.indices), want_w.gather(1, want_order.indices))
 
 
 GPT_OSS = dict(bias=True, swiglu=(1.702, 0.9), softmax_after_topk=True)

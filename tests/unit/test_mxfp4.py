@@ -161,7 +161,8 @@ def test_tensor_parallel_ranks_take_whole_blocks(monkeypatch):
     sums add up to the unsharded layer's, which is the reference on the dequantized weights.
     Where a rank's share is not whole blocks (96 over two ranks: 48) the loader leaves the
     experts in the model dtype, to be dequantized as they load."""
-    from conveyor.kernels.fused_moe import fused_moe_ref, route
+    from conveyor.kernels.fused_moe import fused_moe_ref
+    from conveyor.worker.layers.router import route
     from conveyor.worker.loader import _take_mxfp4
 
     gen = torch.Generator().manual_seed(4)

@@ -29,6 +29,7 @@ from torch import nn
 from conveyor.kernels import triton_available
 from conveyor.worker.layers.linear import ReplicatedLinear, default_weight_loader
 from conveyor.worker.layers.parallel import divide, tp_rank, tp_size
+from conveyor.worker.layers.router import route
 
 # checkpoint name of an expert's projection -> its part (shard id's second item)
 EXPERT_PARTS = {"gate_proj": 0, "up_proj": 1, "down_proj": 2}
@@ -179,10 +180,14 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """x [T, H], router logits [T, E] -> this rank's partial sums [T, H]."""
-        from conveyor.kernels.fused_moe import fused_moe, fused_moe_ref, route
+        return self.mix(x, *route(router_logits, self.top_k, self.renormalize, x.dtype,
+                                  self.softmax_after_topk))
 
-        weights, ids = route(router_logits, self.top_k, self.renormalize, x.dtype,
-                             self.softmax_after_topk)
+    def mix(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [T, H], each token's K experts' weights and ids [T, K] -> this rank's partial
+        sums [T, H]."""
+        from conveyor.kernels.fused_moe import fused_moe, fused_moe_ref
+
         scales = (self.w13_scale, self.w2_scale, self.w13_zero, self.w2_zero)
         # the down bias joins one rank's partial sums only: the reduction adds it once
         extra = dict(w13_bias=self.w13_bias, w2_bias=self.w2_bias if tp_rank() == 0 else None,

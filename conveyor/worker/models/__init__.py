@@ -8,6 +8,7 @@ from torch import nn
 
 from conveyor.worker.models.gemma2 import Gemma2ForCausalLM
 from conveyor.worker.models.gemma3 import Gemma3ForCausalLM
+from conveyor.worker.models.glm4_moe import Glm4MoeForCausalLM
 from conveyor.worker.models.gpt_oss import GptOssForCausalLM
 from conveyor.worker.models.granite import GraniteForCausalLM
 from conveyor.worker.models.llama import LlamaForCausalLM
@@ -21,6 +22,7 @@ from conveyor.worker.models.qwen3_moe import Qwen3MoeForCausalLM
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
