@@ -6,6 +6,7 @@ import pytest
 
 from conveyor.frontend.tool_parsers import (
     TOOL_PARSERS,
+    Glm45Parser,
     HermesParser,
     JsonArrayParser,
     Llama3JsonParser,
@@ -95,6 +96,22 @@ VALID = [
      "", [("write", {"code": 'def f(a, b):\n    return "[" + a + "</x>"\n'})]),
     (Qwen3CoderParser, "The answer is 4. <tool_ is not a tag.\n",
      "The answer is 4. <tool_ is not a tag.\n", []),
+    # glm45: <tool_call> tags around the name and key/value tags (GLM-4.7: no newline first)
+    (Glm45Parser, "<tool_call>get_current_temperature\n<arg_key>location</arg_key>\n"
+                  "<arg_value>San Francisco, CA, USA</arg_value>\n<arg_key>unit</arg_key>\n"
+                  "<arg_value>celsius</arg_value>\n</tool_call>",
+     "", [("get_current_temperature", WEATHER)]),
+    (Glm45Parser, "Let me check both.\n<tool_call>search<arg_key>query</arg_key>"
+                  '<arg_value>a "quoted" } ] brace</arg_value><arg_key>filters</arg_key>'
+                  '<arg_value>[{"k": "year", "v": [2023, 2024]}]</arg_value>\n'
+                  '<arg_key>deep</arg_key>\n<arg_value>{"x": {"y": null, "z": true, '
+                  '"w": -1.5e3}}</arg_value>\n<arg_key> emoji </arg_key>'
+                  "<arg_value>héllo ✓</arg_value>\n</tool_call>\n"
+                  "<tool_call>get_time\n</tool_call>",
+     "Let me check both.", [("search", NESTED), ("get_time", {})]),
+    (Glm45Parser, "<tool_call>get_time</tool_call> done.", "done.", [("get_time", {})]),
+    (Glm45Parser, "No call: 3 < 4 and <tool_call is not a tag.",
+     "No call: 3 < 4 and <tool_call is not a tag.", []),
 ]
 
 MALFORMED = [
@@ -136,6 +153,17 @@ MALFORMED = [
     (Qwen3CoderParser, "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n"
                        "<parameter=a>\n2\n</parameter>\n</function>\n</tool_call>"),
     (Qwen3CoderParser, "<tool_call>"),
+    (Glm45Parser, '<tool_call>{"name": "f", "arguments": {}}</tool_call>'),
+    (Glm45Parser, "<tool_call>get weather\n</tool_call>"),
+    (Glm45Parser, "<tool_call>\n</tool_call>"),
+    (Glm45Parser, "<tool_call>f\nstray text\n</tool_call>"),
+    (Glm45Parser, "<tool_call>f\n<arg_key>a</arg_key>\nstray<arg_value>1</arg_value>"
+                  "</tool_call>"),
+    (Glm45Parser, "<tool_call>f\n<arg_key></arg_key>\n<arg_value>1</arg_value></tool_call>"),
+    (Glm45Parser, "<tool_call>f\n<arg_key>a</arg_key><arg_value>1</arg_value>"
+                  "<arg_key>a</arg_key><arg_value>2</arg_value></tool_call>"),
+    (Glm45Parser, "<tool_call>f\n<arg_key>a</arg_key><arg_value>1"),
+    (Glm45Parser, "<tool_call>"),
 ]
 
 
@@ -226,7 +254,8 @@ def test_required_output_is_an_array_of_calls():
 
 
 def test_every_server_parser_name_is_registered():
-    assert set(TOOL_PARSERS) >= {"hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder"}
+    assert set(TOOL_PARSERS) >= {"hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder",
+                                 "glm45", "glm47"}
 
 
 def test_pythonic_arguments_go_out_one_by_one():
@@ -273,6 +302,30 @@ def test_qwen3_coder_sends_the_name_then_each_parameter_as_it_closes():
     ends = [i for i in range(len(text)) if text.startswith("</parameter>", i - 11)]
     assert [i for i, _ in sent] == [text.index("<function=plan>") + 14] + ends
     assert [c["function"].get("name") for _, c in sent] == ["plan", None, None]
+
+
+GLM_TYPED = ("<tool_call>plan\n" + "".join(
+    f"<arg_key>{k}</arg_key>\n<arg_value>{v}</arg_value>\n" for k, v in [
+        ("title", "3"), ("count", "3"), ("ratio", " 0.5 "), ("flag", "true"), ("note", "null"),
+        ("tags", "['x', \"y, z\"]"), ("other", "not json")])
+    + "</tool_call>")
+
+
+def test_glm45_types_values_by_the_tools_schema_and_sends_each_as_it_closes():
+    (call,) = Glm45Parser.parse(GLM_TYPED, QWEN_TOOLS).tool_calls
+    assert json.loads(call.arguments) == {
+        "title": "3", "count": 3, "ratio": 0.5, "flag": True, "note": "null",
+        "tags": ["x", "y, z"], "other": "not json"}
+    assert json.loads(Glm45Parser.parse(GLM_TYPED).tool_calls[0].arguments)["title"] == 3
+    for pieces in _splits(GLM_TYPED):
+        assert _stream(Glm45Parser(QWEN_TOOLS), pieces) == ("", [("plan", call.arguments)])
+    parser, sent = Glm45Parser(QWEN_TOOLS), []
+    for i, ch in enumerate(GLM_TYPED):
+        sent += [i for c in parser.feed(ch).tool_calls]
+    ends = [i for i in range(len(GLM_TYPED)) if GLM_TYPED.startswith("</arg_value>", i - 11)]
+    # the name once a character follows its line's end (whitespace ahead of a call's text is
+    # held until it ends), each argument at its tag's end, the object's "}" at the call's end
+    assert sent == [GLM_TYPED.index("\n") + 1] + ends + [len(GLM_TYPED) - 1]
 
 
 def test_the_auto_tool_mode_gives_its_parser_the_tools():

@@ -9,6 +9,7 @@ from conveyor.frontend.reasoning.think import DeepSeekR1ReasoningParser, Qwen3Re
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     "qwen3": Qwen3ReasoningParser,
     "deepseek_r1": DeepSeekR1ReasoningParser,
+    "glm45": Qwen3ReasoningParser,               # GLM-4.5/4.6 write their <think> as Qwen3 does
     "openai_gptoss": HarmonyReasoningParser,     # gpt-oss's harmony channels
 }
 

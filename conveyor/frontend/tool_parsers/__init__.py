@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from conveyor.frontend.tool_parsers.base import Delta, Parsed, ToolCall, ToolParser
+from conveyor.frontend.tool_parsers.glm45 import Glm45Parser
 from conveyor.frontend.tool_parsers.hermes import HermesParser
 from conveyor.frontend.tool_parsers.json_array import JsonArrayParser
 from conveyor.frontend.tool_parsers.llama3_json import Llama3JsonParser
@@ -12,6 +13,8 @@ from conveyor.frontend.tool_parsers.pythonic import PythonicParser
 from conveyor.frontend.tool_parsers.qwen3_coder import Qwen3CoderParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    "glm45": Glm45Parser,                    # GLM-4.5, 4.6
+    "glm47": Glm45Parser,                    # GLM-4.7: the first key may follow the name
     "hermes": HermesParser,
     "llama3_json": Llama3JsonParser,
     "mistral": MistralParser,
@@ -20,6 +23,6 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "qwen3_coder": Qwen3CoderParser,
 }
 
-__all__ = ["TOOL_PARSERS", "Delta", "HermesParser", "JsonArrayParser", "Llama3JsonParser",
-           "MistralParser", "NamedCallParser", "OpenAIParser", "Parsed", "PythonicParser",
-           "Qwen3CoderParser", "ToolCall", "ToolParser"]
+__all__ = ["TOOL_PARSERS", "Delta", "Glm45Parser", "HermesParser", "JsonArrayParser",
+           "Llama3JsonParser", "MistralParser", "NamedCallParser", "OpenAIParser", "Parsed",
+           "PythonicParser", "Qwen3CoderParser", "ToolCall", "ToolParser"]
