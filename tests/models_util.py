@@ -67,6 +67,27 @@ PRESETS = {
                                    "routed_scaling_factor": 2.5, "num_hidden_layers": 3,
                                    "attention_bias": True, "use_qk_norm": True,
                                    "tie_word_embeddings": False}),
+    # MLA (q through a rank-48 latent, kv through rank 32; 16 + 8 rotary features a key, values
+    # of 12), YaRN with mscale_all_dim; 8 experts in 4 groups as GLM's, 1 shared; layer 0 dense
+    "deepseek-v3": ("DeepseekV3Config", {
+        "q_lora_rank": 48, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+        "head_dim": 8, "num_key_value_heads": 4,
+        "v_head_dim": 12, "n_routed_experts": 8, "num_experts_per_tok": 3, "n_group": 4,
+        "topk_group": 2, "moe_intermediate_size": 24, "n_shared_experts": 1,
+        "first_k_dense_replace": 1, "routed_scaling_factor": 2.5, "num_hidden_layers": 3,
+        "max_position_embeddings": 256,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                            "original_max_position_embeddings": 32, "mscale": 0.7,
+                            "mscale_all_dim": 0.7, "beta_fast": 32.0, "beta_slow": 1.0}}),
+    # MLA without the q latent; softmax router over the best 2 of 4 groups by their best
+    # expert, not renormalised, scaled by 1.5; 2 shared experts
+    "deepseek-v2": ("DeepseekV2Config", {
+        "q_lora_rank": None, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+        "head_dim": 8, "num_key_value_heads": 4,
+        "v_head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 3, "n_group": 4,
+        "topk_group": 2, "topk_method": "group_limited_greedy", "moe_intermediate_size": 24,
+        "n_shared_experts": 2, "first_k_dense_replace": 1, "routed_scaling_factor": 1.5,
+        "num_hidden_layers": 3}),
     # Granite's four multipliers, each far from 1 (and the embedding tied to the head)
     "granite": ("GraniteConfig", {"embedding_multiplier": 12.0, "residual_multiplier": 0.22,
                                   "attention_multiplier": 0.0156, "logits_scaling": 8.0,

@@ -53,6 +53,11 @@ class ModelConfig:
             archs = cfg["architectures"]
         arch = archs[0]
         heads = cfg["num_attention_heads"]
+        if cfg.get("kv_lora_rank"):
+            # DeepSeek's MLA, its keys and values expanded per head (models/deepseek.py): the
+            # pool's head is a key's width, and every head has its own
+            cfg = {**cfg, "head_dim": cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"],
+                   "num_key_value_heads": heads}
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         rope_scaling = cfg.get("rope_scaling") or None

@@ -18,13 +18,14 @@ from conveyor.worker.models import get_model_class
 
 def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """name -> shape of each tensor in a Hugging Face checkpoint of this (Llama-family) model:
-    a mixture-of-experts layer has a router (with GLM's correction bias) and each expert's
-    projections (and shared experts', with Qwen2-MoE's gate, where it has them) in place of the
-    MLP (the model class's make_mlp,
-    built on the meta device, says which layers; with the biases of the router and experts
-    where it has them, gpt-oss's), and a family's extra tensors come from its
+    a mixture-of-experts layer has a router (with DeepSeek-V3's correction bias) and each
+    expert's projections (and shared experts', with Qwen2-MoE's gate, where it has them) in
+    place of the MLP (the model class's make_mlp, built on the meta device, says which layers;
+    with the biases of the router and experts where it has them, gpt-oss's), and a family's
+    extra tensors come from its
     `extra_layer_shapes` (Gemma's feed-forward norms) or its attention options (gpt-oss's
-    sinks). Stacked experts appear as the model's convert_weights gives them, one a name."""
+    sinks; an attention module of its own gives its `checkpoint_shapes`). Stacked experts
+    appear as the model's convert_weights gives them, one a name."""
     from conveyor.worker.layers.moe import FusedMoE
 
     model_class = get_model_class(config.architecture)
@@ -50,6 +51,10 @@ def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             layer.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
         if opts.get("sinks"):
             layer["self_attn.sinks"] = (config.num_attention_heads,)
+        if "module" in opts:                         # an attention of its own (DeepSeek's MLA)
+            layer = {k: v for k, v in layer.items() if not k.startswith("self_attn.")}
+            layer.update({f"self_attn.{k}": v
+                          for k, v in opts["module"].checkpoint_shapes(config).items()})
         with torch.device("meta"):
             mlp = model_class.make_mlp(config, i, torch.float32)
         moe = getattr(mlp, "experts", None)

@@ -58,6 +58,9 @@ class LlamaAttention(nn.Module):
                               window=config.window(layer_idx), softcap=softcap,
                               cache_index=layer_idx - stage().layers(config.num_hidden_layers)[0])
 
+    def takes_fp8_rows(self, x: torch.Tensor) -> bool:
+        return self.qkv_proj.takes_fp8_rows(x)
+
     @staticmethod
     def _load_sinks(param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
         """This rank's heads of the checkpoint's sinks [num_attention_heads]."""
@@ -110,7 +113,9 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype,
                  attention_options: dict, mlp: nn.Module, residual_multiplier: float = 1.0):
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, dtype, **attention_options)
+        options = dict(attention_options)
+        attention = options.pop("module", LlamaAttention)     # DeepSeek's MLA in place
+        self.self_attn = attention(config, layer_idx, dtype, **options)
         self.mlp = mlp
         self.residual_multiplier = residual_multiplier
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
@@ -125,7 +130,7 @@ class LlamaDecoderLayer(nn.Module):
 
         With fp8 weights on the GPU the norms hand the projections after them fp8 rows
         (LinearBase.takes_fp8_rows), quantized in the norm's kernel."""
-        fp8 = self.self_attn.qkv_proj.takes_fp8_rows(x)
+        fp8 = self.self_attn.takes_fp8_rows(x)
         if residual is None:
             x, residual = self.input_layernorm(x, fp8=fp8), x
         else:
