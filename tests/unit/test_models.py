@@ -180,16 +180,6 @@ MULTIMODAL = {
                       out_hidden_size=64, deepstack_visual_indexes=[]),
                  dict(image_token_id=500, video_token_id=501, vision_start_token_id=502),
                  "Qwen3ForCausalLM"),
-    "qwen3_vl_moe": (dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=48,
-                          num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1],
-                          num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                          head_dim=16, vocab_size=512, bos_token_id=1, eos_token_id=2,
-                          rope_scaling={"rope_type": "default", "mrope_section": [2, 3, 3],
-                                        "mrope_interleaved": True}),
-                     dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
-                          out_hidden_size=64, deepstack_visual_indexes=[]),
-                     dict(image_token_id=500, video_token_id=501, vision_start_token_id=502),
-                     "Qwen3MoeForCausalLM"),
     "mistral3": (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
                       bos_token_id=1, eos_token_id=2, sliding_window=8),
@@ -197,6 +187,12 @@ MULTIMODAL = {
                       num_attention_heads=2, image_size=28, patch_size=14, head_dim=16),
                  dict(image_token_index=500), "MistralForCausalLM"),
 }
+
+# Qwen3-VL-MoE: Qwen3-VL's model with experts in layers 0 and 2 (4 of width 48, 2 a token)
+MULTIMODAL["qwen3_vl_moe"] = (
+    {**MULTIMODAL["qwen3_vl"][0], "moe_intermediate_size": 48, "num_experts": 4,
+     "num_experts_per_tok": 2, "mlp_only_layers": [1], "num_hidden_layers": 3},
+    *MULTIMODAL["qwen3_vl"][1:3], "Qwen3MoeForCausalLM")
 
 
 def _as_on_the_hub(kind: str, folder, text: dict) -> None:

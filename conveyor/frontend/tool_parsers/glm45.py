@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import re
 
-from conveyor.frontend.tool_parsers.hermes import END, HermesParser
-from conveyor.frontend.tool_parsers.qwen3_coder import XmlCall
+from conveyor.frontend.tool_parsers.hermes import END
+from conveyor.frontend.tool_parsers.qwen3_coder import Qwen3CoderParser, XmlCall
 
 _WS = " \t\n\r"
 _NAME = re.compile(r"[\w.\-]+")
@@ -26,11 +26,7 @@ _TAGS = {"body": (("<arg_key>", "key"), (END, "done")), "between": (("<arg_value
 _CLOSE = {"key": "</arg_key>", "value": "</arg_value>"}
 
 
-class Glm45Parser(HermesParser):
-    def __init__(self, tools: tuple[dict, ...] = ()) -> None:
-        super().__init__(tools)
-        self.schemas = {f["name"]: f.get("parameters") or {} for f in tools}
-
+class Glm45Parser(Qwen3CoderParser):
     def _new_call(self) -> GlmCall:
         return GlmCall(self.schemas)
 
@@ -68,16 +64,7 @@ class GlmCall(XmlCall):
                 return bool(text) or self._break()
             self.state = "body"
             return self._add(self._key, self._typed(text))
-        body = rest.lstrip(_WS)                    # body, between: whitespace, then a tag
-        self._pos += len(rest) - len(body)
-        for tag, then in _TAGS[self.state]:
-            if body.startswith(tag):
-                self._pos += len(tag)
-                self.state = then
-                return True
-        if not any(tag.startswith(body) for tag, _ in _TAGS[self.state]):
-            self.state = "error"
-        return False
+        return self._tag(rest, _TAGS[self.state])        # body, between
 
     def _break(self) -> bool:
         self.state = "error"

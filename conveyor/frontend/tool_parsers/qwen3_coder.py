@@ -82,14 +82,19 @@ class XmlCall(KeywordCall):
             else:
                 self._key, self.state = word.strip(), "value"
             return True
-        body = rest.lstrip(_WS)             # start, body: whitespace, then a tag
+        return self._tag(rest, _TAGS[self.state])        # start, body
+
+    def _tag(self, rest: str, tags: tuple[tuple[str, str], ...]) -> bool:
+        """Whitespace, then one of `tags` ((tag, the state after it)): True once it is read,
+        False to wait for more text (the call breaks if none of them can follow)."""
+        body = rest.lstrip(_WS)
         self._pos += len(rest) - len(body)
-        for tag, then in _TAGS[self.state]:
+        for tag, then in tags:
             if body.startswith(tag):
                 self._pos += len(tag)
                 self.state = then
                 return True
-        if not any(tag.startswith(body) for tag, _ in _TAGS[self.state]):
+        if not any(tag.startswith(body) for tag, _ in tags):
             self.state = "error"
         return False
 
