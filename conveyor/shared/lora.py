@@ -199,6 +199,9 @@ def lora_registry(config: EngineConfig, model: ModelConfig, base_names: tuple[st
     1, 2, ... in order); None without enable_lora."""
     if not config.enable_lora:
         return None
+    if model.extra.get("kv_lora_rank"):
+        raise ValueError(f"LoRA adapters are not supported for {model.architecture} (its "
+                         f"multi-head latent attention has no q/k/v projections to adapt)")
     registry = LoRARegistry(model, config.max_lora_rank, base_names)
     for name, path in parse_lora_modules(config.lora_modules):
         registry.add_path(name, path)

@@ -104,6 +104,19 @@ def test_engine_config_lora_checks():
     assert EngineConfig(enable_lora=True, max_loras=3).cpu_loras == 3
 
 
+def test_a_model_with_latent_attention_refuses_lora():
+    """DeepSeek's MLA has no q/k/v projections: enable_lora is refused before anything runs."""
+    from dataclasses import replace
+
+    from conveyor.shared.lora import lora_registry
+
+    mla = replace(MODEL, architecture="DeepseekV3ForCausalLM", extra={"kv_lora_rank": 32})
+    config = EngineConfig(enable_lora=True)
+    assert lora_registry(config, MODEL) is not None
+    with pytest.raises(ValueError, match="not supported for DeepseekV3ForCausalLM"):
+        lora_registry(config, mla)
+
+
 def test_scheduler_runs_at_most_max_loras_adapters_at_once():
     """With 2 slots, a third adapter's request waits while base and known-adapter requests
     behind it go first; it runs once an adapter's requests have finished."""
