@@ -91,6 +91,7 @@ class CompletionRequest(_Common, kw_only=True):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    add_special_tokens: bool = True          # vLLM's: the tokenizer's BOS (or the like) first
 
 
 class ChatMessage(_Strict, kw_only=True):
@@ -125,6 +126,7 @@ class ChatRequest(_Common, kw_only=True):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     echo: bool = False                       # vLLM's: a last assistant message starts the reply
+    add_special_tokens: bool = False         # vLLM's: the tokenizer's own on top of the template's
 
 
 def decode_request(body: bytes, kind: type):

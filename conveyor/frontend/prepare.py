@@ -80,9 +80,12 @@ class RequestPreparer:
             check_token_ids(token_ids, self.vocab_size)
         elif req.messages is not None:
             token_ids = apply_chat_template(self.tokenizer, req.messages, tools=req.tools,
+                                            add_special_tokens=bool(req.add_special_tokens),
                                             **(req.chat_template_kwargs or {}))
         else:
-            text, token_ids = req.prompt, self.tokenizer.encode(req.prompt)
+            text = req.prompt
+            token_ids = self.tokenizer.encode(text, add_special_tokens=req.add_special_tokens
+                                              is not False)
         keep = params.truncate_prompt_tokens
         if keep == -1:
             keep = self.max_model_len - (params.max_tokens or 1)

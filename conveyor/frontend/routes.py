@@ -151,6 +151,7 @@ class Routes:
                                  f"(--max-n), got {params.n} x {len(prompts)}")
             options = self.options(request, req, model)
         gens = [GenerateRequest(id=str(i), sampling=params, stream=req.stream, options=options,
+                                add_special_tokens=req.add_special_tokens,
                                 **({"prompt": p} if isinstance(p, str) else
                                    {"prompt_token_ids": p})) for i, p in enumerate(prompts)]
         shape = CompletionShape(f"cmpl-{_response_id(req)}", model, req, self.core.tokenizer)
@@ -193,6 +194,7 @@ class Routes:
             shown = None if harmony and tools.choice == "none" else req.tools
             gen = GenerateRequest(id="0", messages=oai.chat_messages(req), tools=shown,
                                   chat_template_kwargs=self._template_kwargs(req),
+                                  add_special_tokens=req.add_special_tokens,
                                   sampling=params, stream=req.stream,
                                   options=self.options(request, req, model))
         reads = tools.choice != "none" or self.reasoning is not None

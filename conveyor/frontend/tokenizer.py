@@ -85,9 +85,11 @@ def template_reads(tokenizer, variable: str) -> bool:
 
 
 def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
-                        tools: list[dict] | None = None, **kwargs) -> list[int]:
+                        tools: list[dict] | None = None, add_special_tokens: bool = False,
+                        **kwargs) -> list[int]:
     """The prompt's token ids; `tools` and `kwargs` (chat_template_kwargs such as
-    enable_thinking) are variables of the template, as in transformers."""
+    enable_thinking) are variables of the template, as in transformers; add_special_tokens:
+    the tokenizer's own (a BOS) on top of what the template writes."""
     if not tokenizer.chat_template:
         raise ValueError("this model's tokenizer has no chat template; use generate() with a "
                          "plain prompt instead")
@@ -96,4 +98,4 @@ def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: 
                                              add_generation_prompt=add_generation_prompt, **kwargs)
     except Exception as e:      # the template's own errors (jinja2's are not ValueErrors)
         raise ValueError(f"the chat template failed on these messages: {e}") from None
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)

@@ -150,3 +150,32 @@ def test_continue_final_message_and_add_generation_prompt_shape_the_prompt():
                           oai.ChatRequest)
     with pytest.raises(ApiError, match="the assistant's"):
         routes._chat(None, req, "m")
+
+
+def test_add_special_tokens_adds_the_tokenizers_own_as_vllm_does():
+    """vLLM's add_special_tokens: a completion's prompt gets the tokenizer's BOS unless it is
+    false; a chat's template text gets it only when it is true (the template writes its own).
+    The default model's tokenizer adds none, so one that adds a BOS stands in."""
+    tok = load_tokenizer(resolve_model(None))
+    tok.add_bos_token = True
+    bos = tok.bos_token_id
+    core = FrontendCore(tok, len(tok), 2048, "f-", lambda m: None, state=READY)
+    routes = Routes(core, ("m",), 4)
+
+    def chat(**fields):
+        req = msgspec.convert({"messages": [{"role": "user", "content": "Hi"}], **fields},
+                              oai.ChatRequest)
+        return core.preparer.prepare(routes._chat(None, req, "m")[0], fit_context=False)[1]
+
+    def completion(**fields):
+        gen = through_wire(GenerateRequest(id="a", prompt="Hi there", **fields))
+        return core.preparer.prepare(gen, fit_context=False)[1]
+
+    assert chat(add_special_tokens=True) == [bos] + chat()      # (its template opens with it)
+    assert completion()[0] == bos and completion(add_special_tokens=False) == completion()[1:]
+    assert completion(add_special_tokens=True) == completion()
+    # the HTTP fields, with vLLM's defaults (they were refused as unknown before)
+    assert msgspec.convert({"prompt": "x"}, oai.CompletionRequest).add_special_tokens
+    assert not msgspec.convert({"prompt": "x", "add_special_tokens": False},
+                               oai.CompletionRequest).add_special_tokens
+    assert not msgspec.convert({"messages": []}, oai.ChatRequest).add_special_tokens

@@ -27,6 +27,9 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
     stream: bool = False                     # True: a RequestOutput per step with what is new
     # keyword arguments of the chat template (add_generation_prompt, ...), with messages
     chat_template_kwargs: dict[str, str | int | float | bool | None] | None = None
+    # the tokenizer's special tokens (a BOS) added as it encodes the prompt text or the chat
+    # template's text; None: a prompt's yes, a chat's no (its template writes its own)
+    add_special_tokens: bool | None = None
 
 
 class CancelRequest(msgspec.Struct):
