@@ -88,6 +88,14 @@ PRESETS = {
         "topk_group": 2, "topk_method": "group_limited_greedy", "moe_intermediate_size": 24,
         "n_shared_experts": 2, "first_k_dense_replace": 1, "routed_scaling_factor": 1.5,
         "num_hidden_layers": 3}),
+    # norms after the sublayers, q/k norms over all heads
+    "olmo2": ("Olmo2Config", {"tie_word_embeddings": False, "num_hidden_layers": 3}),
+    # OLMo 3: three sliding layers (window 8) of four; YaRN on the full layer only
+    "olmo3": ("Olmo3Config", {"sliding_window": 8, "num_hidden_layers": 4,
+                              "tie_word_embeddings": False,
+                              "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                               "original_max_position_embeddings": 32,
+                                               "beta_fast": 32.0, "beta_slow": 1.0}}),
     # Granite's four multipliers, each far from 1 (and the embedding tied to the head)
     "granite": ("GraniteConfig", {"embedding_multiplier": 12.0, "residual_multiplier": 0.22,
                                   "attention_multiplier": 0.0156, "logits_scaling": 8.0,

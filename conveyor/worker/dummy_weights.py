@@ -23,7 +23,8 @@ def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     place of the MLP (the model class's make_mlp, built on the meta device, says which layers;
     with the biases of the router and experts where it has them, gpt-oss's), and a family's
     extra tensors come from its
-    `extra_layer_shapes` (Gemma's feed-forward norms) or its attention options (gpt-oss's
+    `extra_layer_shapes` (Gemma's feed-forward norms; None drops one, OLMo's input norm) or
+    its attention options (gpt-oss's
     sinks; an attention module of its own gives its `checkpoint_shapes`). Stacked experts
     appear as the model's convert_weights gives them, one a name."""
     from conveyor.worker.layers.moe import FusedMoE
@@ -83,6 +84,7 @@ def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             if getattr(mlp, "shared_expert_gate", None) is not None:
                 layer["mlp.shared_expert_gate.weight"] = (1, h)
         layer.update(extra)
+        layer = {name: shape for name, shape in layer.items() if shape is not None}
         shapes.update({f"model.layers.{i}.{name}": shape for name, shape in layer.items()})
     return shapes
 

@@ -49,3 +49,35 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+
+class ShardedRMSNorm(nn.Module):
+    """RMSNorm over features split across the tensor-parallel ranks (OLMo's q and k norms, over
+    all heads): each rank holds its features' weights and normalises them by the mean square of
+    all the features (one all-reduce of a [T, 1] sum). In float32, the weight applied before
+    the rounding to x's dtype, as OLMo's norm does."""
+
+    def __init__(self, size: int, eps: float = 1e-6, dtype: torch.dtype = torch.float32):
+        from conveyor.worker.layers.parallel import tp_size
+
+        super().__init__()
+        self.eps = eps
+        self.ranks = tp_size()
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = self._load
+
+    def _load(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
+        from conveyor.worker.layers.parallel import tp_rank
+
+        n = param.shape[0]
+        param.data.copy_(loaded_weight.narrow(0, tp_rank() * n, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from conveyor.worker.layers.parallel import all_reduce
+
+        xf = x.float()
+        squares = xf.pow(2).sum(-1, keepdim=True)
+        if self.ranks > 1:
+            squares = all_reduce(squares)
+        mean = squares / (x.shape[-1] * self.ranks)
+        return (self.weight * (xf * torch.rsqrt(mean + self.eps))).to(x.dtype)

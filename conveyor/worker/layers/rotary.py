@@ -139,3 +139,26 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     sin = sin.unsqueeze(1).to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def layer_type_ropes(extra: dict[str, Any], full_theta: float, local_theta: float,
+                     local_key: str | None = None
+                     ) -> tuple[tuple[float, dict | None], tuple[float, dict | None]]:
+    """(base, scaling) of the full-attention layers' rotary embedding and of the sliding ones',
+    for the families that give each layer type its own (Gemma 3, OLMo 3): from transformers
+    >= 5's rope_parameters keyed by layer type, else from the hub's config.json, whose
+    rope_theta and rope_scaling are the full layers' (the sliding ones take `local_key`'s base,
+    else rope_theta, and no scaling). The theta arguments are the family's defaults."""
+    params = extra.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:
+        return _base_and_scaling(params["full_attention"], full_theta), _base_and_scaling(
+            params.get("sliding_attention"), local_theta)
+    full = float(extra.get("rope_theta") or full_theta)
+    local = float(extra.get(local_key) or local_theta) if local_key else full
+    return (full, extra.get("rope_scaling") or None), (local, None)
+
+
+def _base_and_scaling(params: dict[str, Any] | None, theta: float) -> tuple[float, dict | None]:
+    params = params or {}
+    kind = params.get("rope_type", params.get("type", "default"))
+    return float(params.get("rope_theta", theta)), (None if kind == "default" else params)

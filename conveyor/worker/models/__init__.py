@@ -14,6 +14,7 @@ from conveyor.worker.models.gpt_oss import GptOssForCausalLM
 from conveyor.worker.models.granite import GraniteForCausalLM
 from conveyor.worker.models.llama import LlamaForCausalLM
 from conveyor.worker.models.mixtral import MixtralForCausalLM
+from conveyor.worker.models.olmo2 import Olmo2ForCausalLM
 from conveyor.worker.models.phi3 import Phi3ForCausalLM
 from conveyor.worker.models.qwen2 import Qwen2ForCausalLM
 from conveyor.worker.models.qwen2_moe import Qwen2MoeForCausalLM
@@ -31,6 +32,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,      # Llama with sliding_window (llama.py)
     "MixtralForCausalLM": MixtralForCausalLM,
+    "Olmo2ForCausalLM": Olmo2ForCausalLM,
+    "Olmo3ForCausalLM": Olmo2ForCausalLM,        # OLMo 2 with sliding layers (layer_types)
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,

@@ -23,20 +23,22 @@ from conveyor.worker.layers.linear import (
     RowParallelLinear,
     default_weight_loader,
 )
-from conveyor.worker.layers.norm import RMSNorm
-from conveyor.worker.layers.parallel import tp_rank
+from conveyor.worker.layers.norm import RMSNorm, ShardedRMSNorm
+from conveyor.worker.layers.parallel import tp_rank, tp_size
 from conveyor.worker.layers.pipeline import make_layers, stage
 from conveyor.worker.layers.rotary import RotaryEmbedding, apply_rotary
 
 
 class LlamaAttention(nn.Module):
-    """Options beyond Llama's, for the families built on it: `scale` (default head_dim^-0.5),
-    `softcap` of the attention logits, `norm` (the class of q_norm / k_norm), `sinks` (gpt-oss:
-    a learned logit per head, `self_attn.sinks`, in each softmax's denominator; sharded with
-    the heads)."""
+    """Options beyond Llama's, for the families built on it: `qk_norm` (True: Qwen3's RMSNorm
+    over each head of q and k; "all": OLMo's over all of q's heads and all of k's), `scale`
+    (default head_dim^-0.5), `softcap` of the attention logits, `norm` (the class of q_norm /
+    k_norm), `sinks` (gpt-oss: a learned logit per head, `self_attn.sinks`, in each softmax's
+    denominator; sharded with the heads)."""
 
     def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype,
-                 qkv_bias: bool, o_bias: bool, qk_norm: bool = False, scale: float | None = None,
+                 qkv_bias: bool, o_bias: bool, qk_norm: bool | str = False,
+                 scale: float | None = None,
                  softcap: float = 0.0, norm: type[RMSNorm] = RMSNorm, sinks: bool = False):
         super().__init__()
         d = config.head_dim
@@ -47,9 +49,18 @@ class LlamaAttention(nn.Module):
         heads, kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = heads * d, kv_heads * d
         self.head_dim = d
-        # Qwen3: RMSNorm over each head of q and k, before the rotary embedding.
-        self.q_norm = norm(d, config.rms_norm_eps, dtype) if qk_norm else None
-        self.k_norm = norm(d, config.rms_norm_eps, dtype) if qk_norm else None
+        # Qwen3: RMSNorm over each head of q and k, before the rotary embedding; OLMo: over
+        # all heads of each (this rank's share of them)
+        self.qk_norm_all = qk_norm == "all"
+        if self.qk_norm_all:
+            if config.num_key_value_heads % tp_size():
+                raise ValueError(f"a norm over all {config.num_key_value_heads} KV heads needs "
+                                 f"them split evenly over the {tp_size()} ranks")
+            self.q_norm = ShardedRMSNorm(self.q_size, config.rms_norm_eps, dtype)
+            self.k_norm = ShardedRMSNorm(self.kv_size, config.rms_norm_eps, dtype)
+        else:
+            self.q_norm = norm(d, config.rms_norm_eps, dtype) if qk_norm else None
+            self.k_norm = norm(d, config.rms_norm_eps, dtype) if qk_norm else None
         self.sinks = None
         if sinks:                                                # [heads] of this rank
             self.sinks = nn.Parameter(torch.empty(heads, dtype=dtype), requires_grad=False)
@@ -71,13 +82,16 @@ class LlamaAttention(nn.Module):
                 ctx: StepContext) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm_all:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(t, -1, self.head_dim)                  # [T, heads, head_dim]
         k = k.reshape(t, -1, self.head_dim)                  # [T, kv_heads, head_dim]
+        per_head = self.q_norm is not None and not self.qk_norm_all
         if q.is_cuda and triton_available() and 2 * cos.shape[-1] == self.head_dim:
             # one kernel: q/k norm and rotary in place, k and v stored into the KV pool as well
             from conveyor.kernels.rotary import rotary_qk
 
-            norm = self.q_norm is not None
+            norm = per_head
             store = self.attn.fused_store(v, ctx)
             rotary_qk(q, k, cos, sin, self.q_norm.weight if norm else None,
                       self.k_norm.weight if norm else None,
@@ -85,7 +99,7 @@ class LlamaAttention(nn.Module):
             if store:
                 k = v = None                            # already in the pool
         else:
-            if self.q_norm is not None:
+            if per_head:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = self.attn(q.view(t, -1), k, v, ctx, self.sinks)   # [T, heads * head_dim]
@@ -149,14 +163,21 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, attention_options: dict,
                  rotary_emb: RotaryEmbedding, make_mlp,
-                 multipliers: tuple[float, float] = (1.0, 1.0)):
+                 multipliers: tuple[float, float] = (1.0, 1.0), layer_class=None):
         super().__init__()
         # pipeline parallel: the embedding on the first stage, the final norm on the last
         self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
                              if stage().first else None)
         self.embedding_multiplier, residual_multiplier = multipliers
-        self.rotary_emb = rotary_emb
-        self.layers, held = make_layers(config.num_hidden_layers, lambda i: LlamaDecoderLayer(
+        # OLMo 3's sliding layers turn by a rotary embedding of their own: (full, sliding)
+        self.rotary_emb, self.rotary_emb_local = (rotary_emb if isinstance(rotary_emb, tuple)
+                                                  else (rotary_emb, None))
+        self.local = ({i for i in range(config.num_hidden_layers) if config.window(i)}
+                      if self.rotary_emb_local is not None else set())
+        layer_class = layer_class or LlamaDecoderLayer
+        # a layer's output is a partial sum, unless its own last norm reduces it (OLMo's)
+        self.layers_reduce = not getattr(layer_class, "output_reduced", False)
+        self.layers, held = make_layers(config.num_hidden_layers, lambda i: layer_class(
             config, i, dtype, attention_options, make_mlp(config, i, dtype), residual_multiplier))
         self.held = slice(held.start, held.stop)
         self.norm = (RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if stage().last
@@ -174,14 +195,16 @@ class LlamaModel(nn.Module):
                 x = x * self.embedding_multiplier
         else:
             x, residual = intermediate
-        cos, sin = self.rotary_emb(positions)                # [T, head_dim / 2] each
+        rope = self.rotary_emb(positions)                    # [T, head_dim / 2] each
+        local = self.rotary_emb_local(positions) if self.local else rope
         # a NoPE layer rotates by nothing: cos 1, sin 0 (the fused q/k kernels stay one path)
-        still = (torch.ones_like(cos), torch.zeros_like(sin)) if self.nope else None
+        still = (torch.ones_like(rope[0]), torch.zeros_like(rope[1])) if self.nope else None
         for i, layer in enumerate(self.layers[self.held], start=self.held.start):
-            x, residual = layer(x, residual, *(still if i in self.nope else (cos, sin)), ctx)
+            cos_sin = still if i in self.nope else local if i in self.local else rope
+            x, residual = layer(x, residual, *cos_sin, ctx)
         if self.norm is None:
             return x, residual
-        return self.norm(x, residual, reduce=True)[0]
+        return self.norm(x, residual, reduce=self.layers_reduce)[0]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -193,6 +216,8 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
+
+    decoder_layer = None                     # LlamaDecoderLayer, or a family's (OLMo's)
 
     @staticmethod
     def attention_options(config: ModelConfig) -> dict:
@@ -220,7 +245,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config, dtype, self.attention_options(config),
                                 self.rotary_embedding(config), self.make_mlp,
-                                self.multipliers(config))
+                                self.multipliers(config), self.decoder_layer)
         self.lm_head = lm_head(config, dtype, self.model.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
