@@ -96,6 +96,9 @@ PRESETS = {
                               "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
                                                "original_max_position_embeddings": 32,
                                                "beta_fast": 32.0, "beta_slow": 1.0}}),
+    # biases on q, k, v and (apart) on o
+    "seed-oss": ("SeedOssConfig", {"attention_bias": True, "attention_out_bias": True,
+                                   "tie_word_embeddings": False}),
     # Granite's four multipliers, each far from 1 (and the embedding tied to the head)
     "granite": ("GraniteConfig", {"embedding_multiplier": 12.0, "residual_multiplier": 0.22,
                                   "attention_multiplier": 0.0156, "logits_scaling": 8.0,

@@ -20,6 +20,7 @@ from conveyor.worker.models.qwen2 import Qwen2ForCausalLM
 from conveyor.worker.models.qwen2_moe import Qwen2MoeForCausalLM
 from conveyor.worker.models.qwen3 import Qwen3ForCausalLM
 from conveyor.worker.models.qwen3_moe import Qwen3MoeForCausalLM
+from conveyor.worker.models.seed_oss import SeedOssForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
@@ -39,6 +40,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "SeedOssForCausalLM": SeedOssForCausalLM,
     "SmolLM3ForCausalLM": LlamaForCausalLM,      # Llama with NoPE layers (llama.py)
 }
 
