@@ -127,7 +127,8 @@ def http_config(args) -> HttpConfig:
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
         metrics_need_api_key=args.metrics_need_api_key,
-        uvicorn_log_level=args.uvicorn_log_level)
+        uvicorn_log_level=args.uvicorn_log_level, ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile, allowed_origins=tuple(args.allowed_origins or ()))
 
 
 def cmd_serve(args) -> int:
@@ -194,6 +195,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "/version and /metrics answer without it")
     g.add_argument("--metrics-need-api-key", action="store_true",
                    help="/metrics also requires the API key")
+    g.add_argument("--ssl-keyfile", default=None, metavar="FILE",
+                   help="serve HTTPS with this private key (PEM; with --ssl-certfile)")
+    g.add_argument("--ssl-certfile", default=None, metavar="FILE",
+                   help="serve HTTPS with this certificate chain (PEM; with --ssl-keyfile)")
+    g.add_argument("--allowed-origins", nargs="+", action="extend", metavar="ORIGIN",
+                   help="answer CORS requests from these browser origins, e.g. "
+                        "https://app.example.com (* for any; default: no CORS headers, so "
+                        "browsers keep other sites' pages from reading the API)")
     g.add_argument("--rate-limit", type=float, default=None, metavar="RPS",
                    help="requests per second per API key (token bucket)")
     g.add_argument("--rate-limit-burst", type=int, default=0, metavar="N",
@@ -219,9 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tool-call-parser", default=None, metavar="NAME",
                    help="how the model writes tool calls: hermes (Qwen2.5/Qwen3), "
                         "llama3_json (Llama 3.1/3.2), mistral, pythonic (Llama 3.2/4), "
-                        "qwen3_coder, openai (gpt-oss)")
+                        "qwen3_coder, glm45 / glm47 (GLM-4.5 to 4.7), openai (gpt-oss)")
     g.add_argument("--reasoning-parser", default=None, metavar="NAME",
-                   help="split the model's thought into reasoning_content: qwen3, "
+                   help="split the model's thought into reasoning_content: qwen3 (or glm45), "
                         "deepseek_r1 (<think>...</think>), openai_gptoss (gpt-oss's channels; "
                         "the default for gpt-oss)")
     g.add_argument("--zmq-port", type=int, default=5555,

@@ -112,7 +112,7 @@ def serve(engine: EngineConfig, http: HttpConfig, *, host: str = "127.0.0.1", zm
         try:
             reserved = reserve_shared_port(host, http.port)   # held until exit
         except OSError as e:
-            raise LaunchError(f"cannot listen on http://{host}:{http.port}: {e}") from None
+            raise LaunchError(f"cannot listen on {http.scheme}://{host}:{http.port}: {e}") from None
         http = dataclasses.replace(http, port=reserved.getsockname()[1])
     remove_stale_runtime_dirs()
     runtime_dir = make_runtime_dir()

@@ -111,8 +111,8 @@ class Supervisor:
             print(summary(self.cfg, info), flush=True)
             http = self.cfg.http
             addresses = [info[k]["address"] for k in sorted(info) if "address" in info[k]]
-            where = ([f"http://{self.cfg.host}:{http.port} (HTTP)"] if http.port is not None
-                     else []) + [f"{', '.join(addresses)} (ZMQ)"]
+            where = ([f"{http.scheme}://{self.cfg.host}:{http.port} (HTTP)"]
+                     if http.port is not None else []) + [f"{', '.join(addresses)} (ZMQ)"]
             print(f"conveyor: serving on {', '.join(where)}; ready in "
                   f"{time.monotonic() - started:.1f} s, pid {os.getpid()}", flush=True)
             serving = True

@@ -44,7 +44,7 @@ def start_server(*args: str, timeout: float = 240) -> Server:
             os.killpg(proc.pid, signal.SIGKILL)     # so that its stderr ends
             raise RuntimeError(f"server did not start: {proc.stderr.read()[-2000:]}")
         addresses = re.findall(r"tcp://[\d.]+:\d+", line)
-        http = re.search(r"http://[\d.]+:\d+", line)
+        http = re.search(r"https?://[\d.]+:\d+", line)
         return Server(proc, addresses, http and http.group(0), child_pids(proc.pid))
     except BaseException:
         os.killpg(proc.pid, signal.SIGKILL)

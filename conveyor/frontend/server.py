@@ -132,7 +132,7 @@ class Frontend:
         info = {"address": self.clients.address}
         if cfg.http.port is not None:
             tasks.append(await self._start_http())
-            info["http"] = f"http://{cfg.host}:{cfg.http.port}"
+            info["http"] = f"{cfg.http.scheme}://{cfg.host}:{cfg.http.port}"
         control.send(Ready(self.role, info))
         try:
             while True:
@@ -200,11 +200,19 @@ class Frontend:
                     h.api_keys, h.rate_limit, h.rate_limit_burst, h.max_body_bytes, self.metrics,
                     buckets_file=str(Path(self.cfg.runtime_dir) / "rate-limit"),
                     metrics_need_api_key=h.metrics_need_api_key)
+        if h.allowed_origins:
+            from starlette.middleware.cors import CORSMiddleware
+
+            # NOTE: outside the guard, so a browser's preflight (OPTIONS, which carries no key)
+            # is answered; the request itself still needs the key
+            app = CORSMiddleware(app, allow_origins=list(h.allowed_origins),
+                                 allow_methods=["*"], allow_headers=["*"])
         sock = tcp_listener(self.cfg.host, h.port)
         config = uvicorn.Config(app, http=read_deadline_protocol(h.read_timeout),
                                 lifespan="off", log_level=h.uvicorn_log_level,
                                 access_log=h.uvicorn_log_level in ("info", "debug", "trace"),
-                                timeout_keep_alive=30)
+                                timeout_keep_alive=30, ssl_keyfile=h.ssl_keyfile,
+                                ssl_certfile=h.ssl_certfile)
         server = self._http = _uvicorn_server(config)
         task = asyncio.ensure_future(server.serve(sockets=[sock]))
         while not server.started:

@@ -255,6 +255,14 @@ class HttpConfig:
     reasoning_parser: str | None = None      # qwen3 | deepseek_r1 | openai_gptoss: the thought
     metrics_need_api_key: bool = False       # /metrics asks for the API key too (else open)
     uvicorn_log_level: str = "warning"       # info and below also log each HTTP request
+    ssl_keyfile: str | None = None           # HTTPS: the server's private key and certificate
+    ssl_certfile: str | None = None
+    # CORS: the browser origins whose pages may call the API ("*": any); none: no CORS headers
+    allowed_origins: tuple[str, ...] = ()
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.ssl_certfile else "http"
 
     def __post_init__(self) -> None:
         from conveyor.frontend.reasoning import REASONING_PARSERS
@@ -288,6 +296,8 @@ class HttpConfig:
             raise ValueError("rate_limit_burst and shutdown_timeout must be non-negative")
         if any(not k for k in self.api_keys):
             raise ValueError("an API key must not be empty")
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("HTTPS needs both ssl_keyfile and ssl_certfile")
         if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
             raise ValueError(f"uvicorn_log_level must be one of {', '.join(UVICORN_LOG_LEVELS)}, "
                              f"got {self.uvicorn_log_level!r}")

@@ -3,7 +3,9 @@ client and raw HTTP: results equal the offline API's, every error status comes f
 request with OpenAI's error shape, a client that disconnects frees its blocks, /metrics parses
 and moves, and limits (rate, concurrency, queue, timeout) answer with their status."""
 import json
+import shutil
 import socket
+import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -431,3 +433,43 @@ def test_bench_serving_against_the_server(server, tmp_path):
     assert report["completed"] == 6 and report["failed"] == 0
     assert report["total_output_tokens"] == 48 and report["ttft_ms"]["p50"] > 0
     assert json.loads(out.read_text().splitlines()[-1])["completed"] == 6
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl to make a certificate")
+def test_https_and_cors_when_asked(server, tmp_path):
+    """--ssl-keyfile/--ssl-certfile serve HTTPS (plain HTTP is refused on that port);
+    --allowed-origins answers browsers' preflights from those origins (no key needed for the
+    preflight; the request itself still needs one) and no others. Without the flag (the
+    module's server) no CORS header is sent."""
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout",
+                    str(key), "-out", str(cert), "-days", "2", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+    origin = "https://app.example.com"
+    tls = start_server("--ssl-keyfile", str(key), "--ssl-certfile", str(cert),
+                       "--allowed-origins", origin, "--api-key", KEYS[0])
+    try:
+        assert tls.http.startswith("https://")
+        auth = {"Authorization": f"Bearer {KEYS[0]}"}
+        r = httpx.get(tls.http + "/v1/models", headers={**auth, "Origin": origin},
+                      verify=str(cert), timeout=30)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == origin
+        assert httpx.get(tls.http + "/v1/models", verify=str(cert),
+                         timeout=30).status_code == 401
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(tls.http.replace("https://", "http://") + "/v1/models", headers=auth,
+                      timeout=10)
+        preflight = {"Origin": origin, "Access-Control-Request-Method": "POST",
+                     "Access-Control-Request-Headers": "authorization, content-type"}
+        r = httpx.options(tls.http + "/v1/chat/completions", headers=preflight,
+                          verify=str(cert), timeout=30)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == origin
+        r = httpx.options(tls.http + "/v1/chat/completions",
+                          headers={**preflight, "Origin": "https://evil.example"},
+                          verify=str(cert), timeout=30)
+        assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+    finally:
+        tls.kill_all()
+    r = httpx.get(server.http + "/v1/models", headers={"Authorization": f"Bearer {KEYS[0]}",
+                                                       "Origin": origin}, timeout=30)
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
