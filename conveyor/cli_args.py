@@ -65,6 +65,11 @@ ENGINE_FLAGS: dict[str, tuple[str, str, dict]] = {
                                    "and max_new_tokens from the model's generation_config.json "
                                    "(as vLLM does); 'vllm' uses none; or a folder holding a "
                                    "generation_config.json", {"metavar": "auto|vllm|FOLDER"}),
+    "hf_overrides": ("model", "config.json keys to replace, as vLLM's JSON, e.g. "
+                              "'{\"max_position_embeddings\": 65536, \"rope_scaling\": "
+                              "{\"rope_type\": \"yarn\", \"factor\": 2.0, "
+                              "\"original_max_position_embeddings\": 32768}}' (a nested "
+                              "object's keys one by one)", {"metavar": "JSON"}),
     "device": ("model", "where the model runs: auto (CUDA when there is a GPU), cpu or cuda",
                {"choices": ("auto", "cpu", "cuda")}),
     "dtype": ("model", "weights and activations: auto (float32 on CPU, bfloat16 on GPU), half / "

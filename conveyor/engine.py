@@ -57,14 +57,13 @@ class EngineCore:
         """The engine in this process: the scheduler and one model runner. Returns it with the
         runner (for its model files and quantization report)."""
         from conveyor.scheduler.policy import make_policy
-        from conveyor.shared.model_files import read_model_config, resolve_model
+        from conveyor.shared.model_files import engine_model
         from conveyor.worker.executor import LocalExecutor
         from conveyor.worker.model_runner import ModelRunner
         from conveyor.worker.profiling import StepProfiler
 
         policy = make_policy(config.scheduling_policy)   # a bad name fails before the model loads
-        files = resolve_model(config.model, config.revision)
-        model = read_model_config(files)
+        files, model = engine_model(config)
         length = max_model_len(config, model)
         profiler = StepProfiler.from_env(0, config.device == "cuda")
         runner = ModelRunner(config, model, files, length)

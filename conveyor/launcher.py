@@ -20,7 +20,7 @@ from conveyor.shared.engine_port import secure_engine_port
 from conveyor.shared.generation_config import default_sampling
 from conveyor.shared.lora import lora_registry
 from conveyor.shared.model_config import ModelConfig
-from conveyor.shared.model_files import read_model_config, resolve_model
+from conveyor.shared.model_files import engine_model
 from conveyor.shared.parallel import layer_split
 from conveyor.shared.sockets import (
     make_runtime_dir,
@@ -79,8 +79,7 @@ def serve(engine: EngineConfig, http: HttpConfig, *, host: str = "127.0.0.1", zm
     # NOTE: runtime adapter loading keeps one table of adapters: one frontend
     num_frontends = num_frontends or (1 if engine.allow_runtime_lora_updating
                                       else default_frontends())
-    files = resolve_model(engine.model, engine.revision)
-    model = read_model_config(files)
+    files, model = engine_model(engine)
     try:
         http = model_parsers(model, http)
     except ValueError as e:

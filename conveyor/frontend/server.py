@@ -38,7 +38,10 @@ from conveyor.shared.messages.control import (
     Shutdown,
 )
 from conveyor.shared.messages.engine import Stats, StatsRequest, TokenOutputs
-from conveyor.shared.model_files import DEFAULT_MODEL_NAME, read_model_config, resolve_model
+from conveyor.shared.model_files import (
+    DEFAULT_MODEL_NAME,
+    engine_model,
+)
 from conveyor.shared.process import StartupError
 from conveyor.shared.replicas import scheduler_name
 from conveyor.shared.sockets import (
@@ -56,8 +59,7 @@ _FLUSH_S = 2.0     # how long ended HTTP responses get to write their last bytes
 
 def frontend_main(ctx: zmq.Context, control: Socket, cfg: ServeConfig, index: int) -> None:
     e = cfg.engine
-    files = resolve_model(e.model, e.revision)
-    model = read_model_config(files)
+    files, model = engine_model(e)
     tokenizer = None if cfg.skip_tokenizer_init else load_tokenizer(
         files, e.tokenizer, e.chat_template, e.revision)
     metrics = None

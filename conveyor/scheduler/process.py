@@ -31,7 +31,7 @@ from conveyor.shared.messages.engine import (
     TokenOutputs,
 )
 from conveyor.shared.messages.worker import StepPlan, StepResult
-from conveyor.shared.model_files import read_model_config, resolve_model
+from conveyor.shared.model_files import engine_model
 from conveyor.shared.process import StartupError
 from conveyor.shared.replicas import results_name, scheduler_name, worker_name
 from conveyor.shared.sockets import Socket, ipc
@@ -62,7 +62,7 @@ class Workers:
 
 
 def scheduler_main(ctx: zmq.Context, control: Socket, cfg: ServeConfig, replica: int = 0) -> None:
-    model = read_model_config(resolve_model(cfg.engine.model, cfg.engine.revision))
+    model = engine_model(cfg.engine)[1]
     name = scheduler_name(replica, cfg.engine.data_parallel_size)
     frontends = Socket(ctx, zmq.ROUTER, ipc(cfg.runtime_dir, name), bind=True,
                        allowed=(AddRequest, Abort, StatsRequest, FrontendDead))

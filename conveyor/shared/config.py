@@ -7,6 +7,7 @@ None does I/O when built; bad values raise ValueError naming the argument.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -44,6 +45,8 @@ class EngineConfig:
     tokenizer: str | None = None             # defaults to the model's own
     revision: str | None = None              # of a hub id: branch, tag or commit (default: main)
     chat_template: str | None = None         # a Jinja file or inline template; None: the model's
+    # keys of config.json to replace (vLLM's hf_overrides): a JSON object, or its text
+    hf_overrides: str | dict | None = None
     # default sampling: "auto" (the model's generation_config.json), "vllm" (none) or a folder
     generation_config: str = "auto"
     device: str = "auto"                     # "auto" (CUDA when there is one) | "cpu" | "cuda"
@@ -163,6 +166,13 @@ class EngineConfig:
         from conveyor.shared.lora import parse_lora_modules
 
         parse_lora_modules(self.lora_modules)
+        if isinstance(self.hf_overrides, str):
+            try:
+                object.__setattr__(self, "hf_overrides", json.loads(self.hf_overrides))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"hf_overrides: not JSON ({e})") from None
+        check(self.hf_overrides is None or isinstance(self.hf_overrides, dict), "hf_overrides",
+              "must be a JSON object of config.json keys")
         if self.speculative_config is not None:
             object.__setattr__(self, "speculative_config",
                                SpeculativeConfig.parse(self.speculative_config))

@@ -137,10 +137,28 @@ def _model_in(path: Path) -> ModelFiles | None:
     return None
 
 
-def read_model_config(files: ModelFiles) -> ModelConfig:
-    if not files.is_gguf:
-        return ModelConfig.from_hf(json.loads((files.path / "config.json").read_text()))
-    return ModelConfig.from_hf(gguf_to_hf_config(files.path))
+def read_model_config(files: ModelFiles, overrides: dict | None = None) -> ModelConfig:
+    """The model's config.json (a GGUF file's metadata mapped onto its keys), with vLLM's
+    hf_overrides over it: their keys replace its own, a nested object's key by key."""
+    cfg = (json.loads((files.path / "config.json").read_text()) if not files.is_gguf
+           else gguf_to_hf_config(files.path))
+    return ModelConfig.from_hf(_merged(cfg, overrides or {}))
+
+
+def engine_model(engine) -> tuple[ModelFiles, ModelConfig]:
+    """An EngineConfig's model: its files, and its config with the engine's hf_overrides."""
+    files = resolve_model(engine.model, engine.revision)
+    return files, read_model_config(files, engine.hf_overrides)
+
+
+def _merged(base: dict, overrides: dict) -> dict:
+    out = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merged(out[key], value)
+        else:
+            out[key] = value
+    return out
 
 
 _GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",

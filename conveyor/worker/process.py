@@ -18,7 +18,7 @@ from conveyor.shared import links
 from conveyor.shared.config import ServeConfig
 from conveyor.shared.messages.control import Ready, Shutdown
 from conveyor.shared.messages.worker import StepPlan
-from conveyor.shared.model_files import read_model_config, resolve_model
+from conveyor.shared.model_files import engine_model
 from conveyor.shared.parallel import reporting_rank
 from conveyor.shared.process import StartupError
 from conveyor.shared.replicas import results_name, worker_name
@@ -76,8 +76,7 @@ def worker_main(ctx: zmq.Context, control: Socket, cfg: ServeConfig, rank: int,
             from conveyor.worker.layers.parallel import enable_custom_all_reduce
 
             enable_custom_all_reduce(device)
-    files = resolve_model(engine.model, engine.revision)
-    model = read_model_config(files)
+    files, model = engine_model(engine)
     profiler = StepProfiler.from_env(rank, device.type == "cuda")
     runner = ModelRunner(engine, model, files, max_model_len(engine, model), device)
     # NOTE: a pipeline stage runs each plan to its end: overlapping a plan with the next would

@@ -190,3 +190,28 @@ def test_async_scheduling_with_stops_and_the_prefix_cache(tiny):
         assert all(o.outputs[0].finish_reason == "stop" for o in first)
         runs[flag] = first + second
     assert_same_outputs(runs[False], runs[True])
+
+
+def test_hf_overrides_change_the_model_as_transformers_does(tmp_path):
+    """vLLM's hf_overrides: config.json's keys replaced (a nested object's one by one) in every
+    process that reads the config; tokens equal transformers' on the same edited config, and
+    differ from the unedited model's."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = make_tiny_model("llama", tmp_path / "llama", max_position_embeddings=512)
+    overrides = {"rope_parameters": {"factor": 16.0, "rope_theta": 500.0},
+                 "max_position_embeddings": 256}
+    cfg = AutoConfig.from_pretrained(path)
+    cfg.rope_parameters.update(overrides["rope_parameters"])
+    cfg.max_position_embeddings = 256
+    hf = AutoModelForCausalLM.from_pretrained(path, config=cfg, dtype=torch.float32).eval()
+    llm = make_llm(path, hf_overrides=overrides)
+    assert llm.runner.max_model_len == 256
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    ours = [o.outputs[0].token_ids for o in llm.generate(prompts(), params, use_tqdm=False)]
+    assert ours == [hf_greedy(hf, p, NEW)[0] for p in prompts()]
+    plain = [o.outputs[0].token_ids
+             for o in make_llm(path).generate(prompts(), params, use_tqdm=False)]
+    assert plain != ours
+    with pytest.raises(ValueError, match="hf_overrides"):
+        make_llm(path, hf_overrides="[1, 2]")

@@ -44,7 +44,9 @@ def test_vllm_flag_names_and_value_forms():
                  "--disable-log-requests", "--uvicorn-log-level", "info",
                  "--max-num-batched-tokens", "8K", "--kv-cache-memory-bytes", "1G",
                  "--generation-config", "vllm", "--revision", "v2", "-pp", "3", "-dp", "2",
-                 "--distributed-executor-backend", "mp")
+                 "--distributed-executor-backend", "mp", "--hf-overrides",
+                 '{"rope_scaling": {"factor": 2.0}}', "--ssl-keyfile", "k.pem",
+                 "--ssl-certfile", "c.pem", "--allowed-origins", "https://a.example")
     assert (args.tensor_parallel_size, args.max_model_len, args.served_model_name) == (
         2, 4000, ["a", "b", "c"])
     assert (args.max_num_batched_tokens, args.kv_cache_memory_bytes) == (8192, 1 << 30)
@@ -56,8 +58,11 @@ def test_vllm_flag_names_and_value_forms():
     from conveyor.cli import engine_kwargs
     config = EngineConfig.from_kwargs(**engine_kwargs(args))
     assert (config.dtype, config.generation_config, config.revision) == ("float16", "vllm", "v2")
+    assert config.hf_overrides == {"rope_scaling": {"factor": 2.0}}
     http = http_config(args)
     assert http.served_model_names == ("a", "b", "c") and http.uvicorn_log_level == "info"
+    assert (http.scheme, http.ssl_keyfile, http.allowed_origins) == (
+        "https", "k.pem", ("https://a.example",))
     for text, tokens in (("32K", 32768), ("1m", 10 ** 6), ("1M", 1 << 20), ("-1", None),
                          ("auto", None), ("4096", 4096), ("1.5k", 1500)):
         assert model_len(text) == tokens, text
