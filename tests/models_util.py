@@ -96,6 +96,10 @@ PRESETS = {
                               "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
                                                "original_max_position_embeddings": 32,
                                                "beta_fast": 32.0, "beta_slow": 1.0}}),
+    # OLMo 2's decoder with per-head q/k norms; layers 0-2 slide (window 8) with the rotary
+    # embedding, layer 3 sees everything without it
+    "exaone4": ("Exaone4Config", {"sliding_window": 8, "sliding_window_pattern": 4,
+                                  "num_hidden_layers": 4, "tie_word_embeddings": False}),
     # biases on q, k, v and (apart) on o
     "seed-oss": ("SeedOssConfig", {"attention_bias": True, "attention_out_bias": True,
                                    "tie_word_embeddings": False}),

@@ -84,7 +84,7 @@ def test_each_worker_writes_its_profile_window(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("arch", ["qwen3-moe", "qwen2-moe", "glm4-moe", "deepseek-v3",
-                                  "deepseek-v2", "olmo2", "olmo3", "gemma2", "phi3",
+                                  "deepseek-v2", "olmo2", "olmo3", "exaone4", "gemma2", "phi3",
                                   "gpt-oss"])
 def test_new_families_at_tp2_match_tp1(tmp_path, arch):
     """Experts split along their intermediate dimension (Qwen3-MoE: 6 experts of width 24, 12

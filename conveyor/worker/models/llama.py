@@ -163,7 +163,9 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, attention_options: dict,
                  rotary_emb: RotaryEmbedding, make_mlp,
-                 multipliers: tuple[float, float] = (1.0, 1.0), layer_class=None):
+                 multipliers: tuple[float, float] = (1.0, 1.0), layer_class=None,
+                 nope: frozenset[int] = frozenset()):
+        """nope: the layers without a rotary embedding ("NoPE")."""
         super().__init__()
         # pipeline parallel: the embedding on the first stage, the final norm on the last
         self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
@@ -182,9 +184,7 @@ class LlamaModel(nn.Module):
         self.held = slice(held.start, held.stop)
         self.norm = (RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if stage().last
                      else None)
-        # SmolLM3's no_rope_layers (0: no rotary embedding in that layer, "NoPE")
-        self.nope = {i for i, rope in enumerate(config.extra.get("no_rope_layers") or [])
-                     if not rope}
+        self.nope = nope
 
     def forward(self, input_ids, positions, ctx, intermediate=None):
         """intermediate: the previous pipeline stage's (hidden, residual), in place of the
@@ -235,6 +235,12 @@ class LlamaForCausalLM(nn.Module):
                                config.rope_theta, config.rope_scaling)
 
     @staticmethod
+    def nope_layers(config: ModelConfig) -> frozenset[int]:
+        """The layers without a rotary embedding: SmolLM3's no_rope_layers (0 at a layer)."""
+        return frozenset(i for i, rope in enumerate(config.extra.get("no_rope_layers") or [])
+                         if not rope)
+
+    @staticmethod
     def multipliers(config: ModelConfig) -> tuple[float, float]:
         """(embedding, residual): the embeddings' multiplier, and that of every attention and
         MLP output before it joins the residual stream (Granite's; 1 elsewhere)."""
@@ -245,7 +251,8 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config, dtype, self.attention_options(config),
                                 self.rotary_embedding(config), self.make_mlp,
-                                self.multipliers(config), self.decoder_layer)
+                                self.multipliers(config), self.decoder_layer,
+                                self.nope_layers(config))
         self.lm_head = lm_head(config, dtype, self.model.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
