@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-from serve_util import start_server
+from serve_util import run_serve, start_server
 
 from benchmarks.stresskit.harness import parse_metrics
 from conveyor import SamplingParams
@@ -437,7 +437,8 @@ def test_bench_serving_against_the_server(server, tmp_path):
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl to make a certificate")
 def test_https_and_cors_when_asked(server, tmp_path):
-    """--ssl-keyfile/--ssl-certfile serve HTTPS (plain HTTP is refused on that port);
+    """--ssl-keyfile/--ssl-certfile serve HTTPS (plain HTTP is refused on that port; a key
+    that cannot be read stops the launch, naming the files);
     --allowed-origins answers browsers' preflights from those origins (no key needed for the
     preflight; the request itself still needs one) and no others. Without the flag (the
     module's server) no CORS header is sent."""
@@ -445,6 +446,9 @@ def test_https_and_cors_when_asked(server, tmp_path):
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout",
                     str(key), "-out", str(cert), "-days", "2", "-subj", "/CN=localhost",
                     "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+    bad = run_serve("--ssl-keyfile", str(tmp_path / "missing.pem"), "--ssl-certfile", str(cert))
+    _, err = bad.communicate(timeout=120)
+    assert bad.returncode != 0 and "cannot serve HTTPS with --ssl-certfile" in err, err[-2000:]
     origin = "https://app.example.com"
     tls = start_server("--ssl-keyfile", str(key), "--ssl-certfile", str(cert),
                        "--allowed-origins", origin, "--api-key", KEYS[0])
