@@ -152,6 +152,13 @@ def make_tiny_model(arch: str, path, seed: int = 0, weights: bool = True, **over
         for name, b in model.named_buffers():   # GLM's router bias: big enough to sway it
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn_like(b) * 0.5)
+            # NOTE: transformers keeps DeepSeek's and GLM's routers in float32 but, loading in
+            # bf16, with bf16-rounded values; published checkpoints store them in bf16, so
+            # rounding here makes a bf16 reference route as ours does (near-ties flipped
+            # otherwise: the GPU family test of glm4-moe failed on it)
+            if name.endswith("e_score_correction_bias"):
+                gate = model.get_submodule(name.rsplit(".", 1)[0]).weight
+                gate.copy_(gate.to(torch.bfloat16).float())
     path = Path(path)
     model.save_pretrained(path)
     return path
