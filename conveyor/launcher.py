@@ -107,16 +107,16 @@ def serve(engine: EngineConfig, http: HttpConfig, *, host: str = "127.0.0.1", zm
               f"{', '.join(f'{k}={v}' for k, v in defaults.items())} (requests override it; "
               f"--generation-config vllm turns it off)", flush=True)
     reserved = None
-    if http.port is not None and http.ssl_certfile:
-        import ssl
-
-        try:        # the key and certificate read now, so a bad pair stops the launch here
-            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
-                http.ssl_certfile, http.ssl_keyfile)
-        except (OSError, ssl.SSLError) as e:
-            raise LaunchError(f"cannot serve HTTPS with --ssl-certfile {http.ssl_certfile} and "
-                              f"--ssl-keyfile {http.ssl_keyfile}: {e}") from None
     if http.port is not None:
+        if http.ssl_certfile:
+            import ssl
+
+            try:    # the key and certificate read now, so a bad pair stops the launch here
+                ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
+                    http.ssl_certfile, http.ssl_keyfile)
+            except (OSError, ssl.SSLError) as e:
+                raise LaunchError(f"cannot serve HTTPS with --ssl-certfile {http.ssl_certfile} "
+                                  f"and --ssl-keyfile {http.ssl_keyfile}: {e}") from None
         try:
             reserved = reserve_shared_port(host, http.port)   # held until exit
         except OSError as e:

@@ -49,25 +49,25 @@ class Checkpoint:
     def headers(self) -> Iterator[tuple[str, Any]]:
         """(name, its safetensors slice: shape and dtype without reading the tensor), valid
         until the next is drawn."""
-        from safetensors import safe_open
-
-        for file in checkpoint_files(self.folder):
-            with safe_open(file, framework="pt") as f:
-                for name in f.keys():
-                    if (ours := self._name(name)) is not None:
-                        yield ours, f.get_slice(name)
+        for f, name, ours in self._entries():
+            yield ours, f.get_slice(name)
 
     def names(self) -> list[str]:
-        return [name for name, _ in self.headers()]
+        return [ours for _, _, ours in self._entries()]
 
     def weights(self) -> Weights:
+        for f, name, ours in self._entries():
+            yield ours, f.get_tensor(name)
+
+    def _entries(self) -> Iterator[tuple[Any, str, str]]:
+        """(the open file, a tensor's name in it, the name the engine reads it under)."""
         from safetensors import safe_open
 
         for file in checkpoint_files(self.folder):
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():
                     if (ours := self._name(name)) is not None:
-                        yield ours, f.get_tensor(name)
+                        yield f, name, ours
 
     def _name(self, name: str) -> str | None:
         if not self.text_only:

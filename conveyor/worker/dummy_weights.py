@@ -22,11 +22,10 @@ def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     expert's projections (and shared experts', with Qwen2-MoE's gate, where it has them) in
     place of the MLP (the model class's make_mlp, built on the meta device, says which layers;
     with the biases of the router and experts where it has them, gpt-oss's), and a family's
-    extra tensors come from its
-    `extra_layer_shapes` (Gemma's feed-forward norms; None drops one, OLMo's input norm) or
-    its attention options (gpt-oss's
-    sinks; an attention module of its own gives its `checkpoint_shapes`). Stacked experts
-    appear as the model's convert_weights gives them, one a name."""
+    extra tensors come from its `extra_layer_shapes` (Gemma's feed-forward norms; None drops
+    one, OLMo's input norm) or its attention options (gpt-oss's sinks; an attention module of
+    its own gives its `checkpoint_shapes`). Stacked experts appear as the model's
+    convert_weights gives them, one a name."""
     from conveyor.worker.layers.moe import FusedMoE
 
     model_class = get_model_class(config.architecture)

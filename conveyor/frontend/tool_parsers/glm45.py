@@ -60,12 +60,8 @@ class GlmCall(XmlCall):
                 return False
             text, self._pos = self.text[self._pos:end].strip(_WS), end + len(close)
             if self.state == "key":
-                self._key, self.state = text, "between"
-                return bool(text) or self._break()
+                self._key, self.state = text, "between" if text else "error"
+                return bool(text)
             self.state = "body"
             return self._add(self._key, self._typed(text))
         return self._tag(rest, _TAGS[self.state])        # body, between
-
-    def _break(self) -> bool:
-        self.state = "error"
-        return False
