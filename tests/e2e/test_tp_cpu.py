@@ -83,7 +83,7 @@ def test_each_worker_writes_its_profile_window(tmp_path, monkeypatch):
             assert f'"name": "{phase}"' in trace, (rank, phase)
 
 
-@pytest.mark.parametrize("arch", ["qwen3-moe", "qwen2-moe", "glm4-moe", "deepseek-v3",
+@pytest.mark.parametrize("arch", ["qwen3-moe", "qwen2-moe", "glm4", "glm4-moe", "deepseek-v3",
                                   "deepseek-v2", "olmo2", "olmo3", "exaone4", "gemma2", "phi3",
                                   "gpt-oss"])
 def test_new_families_at_tp2_match_tp1(tmp_path, arch):
@@ -92,7 +92,7 @@ def test_new_families_at_tp2_match_tp1(tmp_path, arch):
     float32 router whole on each rank, its shared experts as a dense MLP; DeepSeek's MLA: the
     latents' projections whole on each rank, the per-head ones split with the heads; OLMo's q/k
     norms over all heads, each rank's share normalised by the mean over all ranks),
-    Gemma's extra norms over reduced partial sums, Phi-3's fused checkpoint tensors split then
+    Gemma's and GLM-4's extra norms over reduced partial sums, Phi-3's fused checkpoint tensors split then
     sharded, gpt-oss's sinks split with the heads and its experts' down bias added on one rank:
     TP=2 gives TP=1's tokens."""
     path = str(make_tiny_model(arch, tmp_path / arch, max_position_embeddings=512))

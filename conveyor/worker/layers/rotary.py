@@ -129,12 +129,19 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions], self.sin[positions]              # [T, head_dim / 2] each
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 interleaved: bool = False) -> torch.Tensor:
     """Rotate x [T, heads, head_dim] by cos/sin [T, rotary_dim / 2], in x's dtype; features past
-    rotary_dim pass unchanged."""
+    rotary_dim pass unchanged. interleaved: x's rotary pairs are neighbours (2i, 2i + 1), as in
+    GLM-4's and DeepSeek's checkpoints; they come out as halves (i, i + rotary_dim / 2), the
+    pairs' first members then their second ones. Applied to q and k alike, that reorders both
+    the same way, which leaves every q.k product as the interleaved rotation makes it."""
     rotary_dim = 2 * cos.shape[-1]
     if rotary_dim < x.shape[-1]:
-        return torch.cat((apply_rotary(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]), -1)
+        return torch.cat((apply_rotary(x[..., :rotary_dim], cos, sin, interleaved),
+                          x[..., rotary_dim:]), -1)
+    if interleaved:
+        x = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
     cos = cos.unsqueeze(1).to(x.dtype)
     sin = sin.unsqueeze(1).to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)

@@ -111,18 +111,13 @@ class MlaAttention(nn.Module):
         latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.lora, self.rope], dim=-1)
         kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(t, self.heads, -1)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
-        q_rot = apply_rotary(_halves(q[..., self.nope:]), cos, sin)
-        k_rot = apply_rotary(_halves(k_rot.view(t, 1, self.rope)), cos, sin)
+        q_rot = apply_rotary(q[..., self.nope:], cos, sin, interleaved=True)
+        k_rot = apply_rotary(k_rot.view(t, 1, self.rope), cos, sin, interleaved=True)
         q = torch.cat((q[..., :self.nope], q_rot), dim=-1)
         k = torch.cat((k_nope, k_rot.expand(t, self.heads, self.rope)), dim=-1)
         v = F.pad(v, (0, self.qk - self.v_dim))
         out = self.attn(q.reshape(t, -1), k, v, ctx).view(t, self.heads, self.qk)
         return self.o_proj(out[..., :self.v_dim].reshape(t, -1))
-
-
-def _halves(x: torch.Tensor) -> torch.Tensor:
-    """Interleaved rotary pairs -> the pairs' first members, then their second ones."""
-    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
 
 
 class DeepseekMoeBlock(nn.Module):

@@ -34,14 +34,16 @@ class LlamaAttention(nn.Module):
     over each head of q and k; "all": OLMo's over all of q's heads and all of k's), `scale`
     (default head_dim^-0.5), `softcap` of the attention logits, `norm` (the class of q_norm /
     k_norm), `sinks` (gpt-oss: a learned logit per head, `self_attn.sinks`, in each softmax's
-    denominator; sharded with the heads)."""
+    denominator; sharded with the heads), `interleaved` (GLM-4: rotary pairs are neighbouring
+    features, layers/rotary.py's apply_rotary)."""
 
     def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype,
                  qkv_bias: bool, o_bias: bool, qk_norm: bool | str = False,
-                 scale: float | None = None,
-                 softcap: float = 0.0, norm: type[RMSNorm] = RMSNorm, sinks: bool = False):
+                 scale: float | None = None, softcap: float = 0.0,
+                 norm: type[RMSNorm] = RMSNorm, sinks: bool = False, interleaved: bool = False):
         super().__init__()
         d = config.head_dim
+        self.interleaved = interleaved
         self.qkv_proj = QKVParallelLinear(config.hidden_size, d, config.num_attention_heads,
                                           config.num_key_value_heads, qkv_bias, dtype)
         self.o_proj = RowParallelLinear(config.num_attention_heads * d, config.hidden_size,
@@ -87,7 +89,8 @@ class LlamaAttention(nn.Module):
         q = q.reshape(t, -1, self.head_dim)                  # [T, heads, head_dim]
         k = k.reshape(t, -1, self.head_dim)                  # [T, kv_heads, head_dim]
         per_head = self.q_norm is not None and not self.qk_norm_all
-        if q.is_cuda and triton_available() and 2 * cos.shape[-1] == self.head_dim:
+        if (q.is_cuda and triton_available() and 2 * cos.shape[-1] == self.head_dim
+                and not self.interleaved):
             # one kernel: q/k norm and rotary in place, k and v stored into the KV pool as well
             from conveyor.kernels.rotary import rotary_qk
 
@@ -101,7 +104,8 @@ class LlamaAttention(nn.Module):
         else:
             if per_head:
                 q, k = self.q_norm(q), self.k_norm(k)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q = apply_rotary(q, cos, sin, self.interleaved)
+            k = apply_rotary(k, cos, sin, self.interleaved)
         out = self.attn(q.view(t, -1), k, v, ctx, self.sinks)   # [T, heads * head_dim]
         return self.o_proj(out)
 

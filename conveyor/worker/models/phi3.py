@@ -23,17 +23,20 @@ class Phi3ForCausalLM(LlamaForCausalLM):
                                config.rope_theta, scaling or None)
 
     def convert_weights(self, weights):
-        """Split the checkpoint's fused qkv_proj and gate_up_proj into Hugging Face's usual
-        q/k/v_proj and gate/up_proj tensors."""
-        c = self.config
-        q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-        for name, tensor in weights:
-            if ".qkv_proj." in name:
-                for part, t in zip("qkv", tensor.split([q, kv, kv])):
-                    yield name.replace(".qkv_proj.", f".{part}_proj."), t
-            elif ".gate_up_proj." in name:
-                gate, up = tensor.chunk(2)
-                yield name.replace(".gate_up_proj.", ".gate_proj."), gate
-                yield name.replace(".gate_up_proj.", ".up_proj."), up
-            else:
-                yield name, tensor
+        return split_fused(weights, self.config)
+
+
+def split_fused(weights, c: ModelConfig):
+    """Split a checkpoint's fused qkv_proj and gate_up_proj (Phi-3's; GLM-4's gate_up_proj) into
+    Hugging Face's usual q/k/v_proj and gate/up_proj tensors."""
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    for name, tensor in weights:
+        if ".qkv_proj." in name:
+            for part, t in zip("qkv", tensor.split([q, kv, kv])):
+                yield name.replace(".qkv_proj.", f".{part}_proj."), t
+        elif ".gate_up_proj." in name:
+            gate, up = tensor.chunk(2)
+            yield name.replace(".gate_up_proj.", ".gate_proj."), gate
+            yield name.replace(".gate_up_proj.", ".up_proj."), up
+        else:
+            yield name, tensor
