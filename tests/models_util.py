@@ -110,6 +110,16 @@ PRESETS = {
     "granite": ("GraniteConfig", {"embedding_multiplier": 12.0, "residual_multiplier": 0.22,
                                   "attention_multiplier": 0.0156, "logits_scaling": 8.0,
                                   "tie_word_embeddings": True}),
+    # Granite's multipliers; 6 experts of width 24, 2 a token; the shared variant with an
+    # ungated shared expert of width 40
+    "granite-moe": ("GraniteMoeConfig", {
+        "embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.0156,
+        "logits_scaling": 8.0, "num_local_experts": 6, "num_experts_per_tok": 2,
+        "intermediate_size": 24, "tie_word_embeddings": False}),
+    "granite-moe-shared": ("GraniteMoeSharedConfig", {
+        "embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.0156,
+        "logits_scaling": 8.0, "num_local_experts": 5, "num_experts_per_tok": 3,
+        "intermediate_size": 24, "shared_intermediate_size": 40, "tie_word_embeddings": True}),
     # layers 0 and 2 slide (window 8), 1 and 3 see everything; attention sinks; YaRN (32
     # positions stretched 4 times); 4 experts of width 32 with biases, 2 a token, the clamped
     # SwiGLU (a limit of 1.5, so that it clamps often)

@@ -199,12 +199,13 @@ class FusedMoE(nn.Module):
 
 class SparseMoeBlock(nn.Module):
     """The router (`gate`) and the experts, under Hugging Face's names (Qwen3-MoE's `mlp`), and
-    the `shared_expert` with its `shared_expert_gate` where one is given (Qwen2-MoE's).
-    `moe_options` go to FusedMoE; with its `bias` the router has one too (gpt-oss)."""
+    the `shared_expert` with its `shared_expert_gate` where one is given (Qwen2-MoE's; without
+    the gate where `gated_shared` is false, GraniteMoE-Shared's). `moe_options` go to FusedMoE;
+    with its `bias` the router has one too (gpt-oss)."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  renormalize: bool, dtype: torch.dtype, shared_expert: nn.Module | None = None,
-                 **moe_options):
+                 gated_shared: bool = True, **moe_options):
         super().__init__()
         self.gate = ReplicatedLinear(hidden_size, num_experts,
                                      bias=moe_options.get("bias", False), dtype=dtype)
@@ -215,13 +216,15 @@ class SparseMoeBlock(nn.Module):
                                 dtype, **moe_options)
         self.shared_expert = shared_expert
         self.shared_expert_gate = None
-        if shared_expert is not None:
+        if shared_expert is not None and gated_shared:
             self.shared_expert_gate = ReplicatedLinear(hidden_size, 1, dtype=dtype)
             self.shared_expert_gate.keep_precision = True        # one row: nothing to save
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> this rank's partial sums [T, H]."""
         out = self.experts(x, self.gate(x))
-        if self.shared_expert is not None:
+        if self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        elif self.shared_expert is not None:
+            out = out + self.shared_expert(x)
         return out

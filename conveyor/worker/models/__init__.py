@@ -14,6 +14,7 @@ from conveyor.worker.models.glm4 import Glm4ForCausalLM
 from conveyor.worker.models.glm4_moe import Glm4MoeForCausalLM
 from conveyor.worker.models.gpt_oss import GptOssForCausalLM
 from conveyor.worker.models.granite import GraniteForCausalLM
+from conveyor.worker.models.granite_moe import GraniteMoeForCausalLM
 from conveyor.worker.models.llama import LlamaForCausalLM
 from conveyor.worker.models.mixtral import MixtralForCausalLM
 from conveyor.worker.models.olmo2 import Olmo2ForCausalLM
@@ -34,6 +35,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
+    "GraniteMoeForCausalLM": GraniteMoeForCausalLM,
+    "GraniteMoeSharedForCausalLM": GraniteMoeForCausalLM,     # a shared expert, ungated
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,      # Llama with sliding_window (llama.py)
     "MixtralForCausalLM": MixtralForCausalLM,
