@@ -91,9 +91,9 @@ def test_new_families_at_tp2_match_tp1(tmp_path, arch):
     a rank; Qwen2-MoE's shared expert too, as a dense MLP, its gate whole on each rank; GLM's
     float32 router whole on each rank, its shared experts as a dense MLP; DeepSeek's MLA: the
     latents' projections whole on each rank, the per-head ones split with the heads; OLMo's q/k
-    norms over all heads, each rank's share normalised by the mean over all ranks),
-    Gemma's and GLM-4's extra norms over reduced partial sums, Phi-3's fused checkpoint tensors split then
-    sharded, gpt-oss's sinks split with the heads and its experts' down bias added on one rank:
+    norms over all heads, each rank's share normalised by the mean over all ranks), Gemma's
+    and GLM-4's extra norms over reduced partial sums, Phi-3's fused checkpoint tensors split
+    then sharded, gpt-oss's sinks split with the heads and its experts' down bias added on one rank:
     TP=2 gives TP=1's tokens."""
     path = str(make_tiny_model(arch, tmp_path / arch, max_position_embeddings=512))
     reference = tp1_tokens(path)
