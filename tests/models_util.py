@@ -110,6 +110,13 @@ PRESETS = {
     "granite": ("GraniteConfig", {"embedding_multiplier": 12.0, "residual_multiplier": 0.22,
                                   "attention_multiplier": 0.0156, "logits_scaling": 8.0,
                                   "tie_word_embeddings": True}),
+    # parallel attention and MLP after one LayerNorm, interleaved rotary pairs, logits scaled;
+    # Cohere2: layers 0-2 and 4-6 slide (window 8) with the rotary embedding, 3 and 7 without
+    "cohere": ("CohereConfig", {"logit_scale": 0.5, "layer_norm_eps": 1e-5, "bos_token_id": 5,
+                                "eos_token_id": 2, "pad_token_id": 0}),
+    "cohere2": ("Cohere2Config", {"logit_scale": 0.5, "layer_norm_eps": 1e-5, "sliding_window": 8,
+                                  "num_hidden_layers": 8, "bos_token_id": 5, "eos_token_id": 2,
+                                  "pad_token_id": 0}),
     # Granite's multipliers; 6 experts of width 24, 2 a token; the shared variant with an
     # ungated shared expert of width 40
     "granite-moe": ("GraniteMoeConfig", {

@@ -76,7 +76,9 @@ class ModelConfig:
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             intermediate_size=cfg["intermediate_size"],
             vocab_size=cfg["vocab_size"],
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            # the norms' epsilon: Cohere's are LayerNorms, with layer_norm_eps
+            rms_norm_eps=(cfg.get("layer_norm_eps", 1e-5) if arch.startswith("Cohere")
+                          else cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta or 10000.0),
             rope_scaling=rope_scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
@@ -143,7 +145,7 @@ def _mrope(rope: Any) -> bool:
 # Sliding and full attention layers of the families that interleave them, for config.json files
 # without `layer_types`: every layer whose (index + 1) is not a multiple of the period slides.
 _WINDOW_PERIODS = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6, "GptOssForCausalLM": 2,
-                   "Exaone4ForCausalLM": 4}
+                   "Exaone4ForCausalLM": 4, "Cohere2ForCausalLM": 4}
 
 
 def layer_windows(cfg: dict[str, Any], arch: str) -> tuple[int, ...]:

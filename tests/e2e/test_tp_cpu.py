@@ -85,16 +85,17 @@ def test_each_worker_writes_its_profile_window(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("arch", ["qwen3-moe", "qwen2-moe", "glm4", "glm4-moe", "deepseek-v3",
                                   "deepseek-v2", "olmo2", "olmo3", "exaone4", "gemma2", "phi3",
-                                  "granite-moe-shared", "gpt-oss"])
+                                  "granite-moe-shared", "cohere2", "gpt-oss"])
 def test_new_families_at_tp2_match_tp1(tmp_path, arch):
     """Experts split along their intermediate dimension (Qwen3-MoE: 6 experts of width 24, 12
     a rank; Qwen2-MoE's shared expert too, as a dense MLP, its gate whole on each rank; GLM's
     float32 router whole on each rank, its shared experts as a dense MLP; DeepSeek's MLA: the
     latents' projections whole on each rank, the per-head ones split with the heads; OLMo's q/k
     norms over all heads, each rank's share normalised by the mean over all ranks), Gemma's
-    and GLM-4's extra norms over reduced partial sums, Phi-3's fused checkpoint tensors split
-    then sharded, gpt-oss's sinks split with the heads and its experts' down bias added on one rank:
-    TP=2 gives TP=1's tokens."""
+    and GLM-4's extra norms over reduced partial sums, Cohere's attention and MLP summed
+    before the reduction, Phi-3's fused checkpoint tensors split then sharded, gpt-oss's sinks
+    split with the heads and its experts' down bias added on one rank: TP=2 gives TP=1's
+    tokens."""
     path = str(make_tiny_model(arch, tmp_path / arch, max_position_embeddings=512))
     reference = tp1_tokens(path)
     assert served_tokens(path, 2) == reference

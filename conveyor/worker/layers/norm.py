@@ -1,5 +1,6 @@
 """RMSNorm, computed in float32 like Hugging Face, with an optional fused residual add, and
-optionally the tensor-parallel all-reduce of its input before it.
+optionally the tensor-parallel all-reduce of its input before it; LayerNorm (Cohere's: the mean
+subtracted, no bias) with the same interface, in torch ops.
 
 On CUDA (with Triton) one fused kernel does the add and the norm (and, in the CUDA graphs of
 decode steps under tensor parallelism, the all-reduce too: layers/parallel.py); elsewhere,
@@ -81,3 +82,25 @@ class ShardedRMSNorm(nn.Module):
             squares = all_reduce(squares)
         mean = squares / (x.shape[-1] * self.ranks)
         return (self.weight * (xf * torch.rsqrt(mean + self.eps))).to(x.dtype)
+
+
+class LayerNorm(nn.Module):
+    """Cohere's LayerNorm: mean-subtracted, scaled, without a bias, in float32; RMSNorm's
+    forward (residual add, reduce), in torch ops everywhere."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                reduce: bool = False, fp8: bool = False):
+        """As RMSNorm.forward; fp8 is not taken (the rows come back in x's dtype)."""
+        if reduce:
+            from conveyor.worker.layers.parallel import all_reduce
+
+            x = all_reduce(x)
+        if residual is not None:
+            x = x + residual
+        out = F.layer_norm(x.float(), self.weight.shape, self.weight.float(), None, self.eps)
+        return out.to(x.dtype) if residual is None else (out.to(x.dtype), x)

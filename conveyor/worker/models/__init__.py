@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from conveyor.worker.models.cohere import CohereForCausalLM
 from conveyor.worker.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from conveyor.worker.models.exaone4 import Exaone4ForCausalLM
 from conveyor.worker.models.gemma2 import Gemma2ForCausalLM
@@ -26,6 +27,8 @@ from conveyor.worker.models.qwen3_moe import Qwen3MoeForCausalLM
 from conveyor.worker.models.seed_oss import SeedOssForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "Cohere2ForCausalLM": CohereForCausalLM,          # sliding layers, NoPE full ones
+    "CohereForCausalLM": CohereForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "Exaone4ForCausalLM": Exaone4ForCausalLM,

@@ -168,8 +168,9 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, attention_options: dict,
                  rotary_emb: RotaryEmbedding, make_mlp,
                  multipliers: tuple[float, float] = (1.0, 1.0), layer_class=None,
-                 nope: frozenset[int] = frozenset()):
-        """nope: the layers without a rotary embedding ("NoPE")."""
+                 nope: frozenset[int] = frozenset(), norm_class: type[nn.Module] = RMSNorm):
+        """nope: the layers without a rotary embedding ("NoPE"); norm_class: the final norm's
+        (Cohere's LayerNorm)."""
         super().__init__()
         # pipeline parallel: the embedding on the first stage, the final norm on the last
         self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
@@ -186,7 +187,7 @@ class LlamaModel(nn.Module):
         self.layers, held = make_layers(config.num_hidden_layers, lambda i: layer_class(
             config, i, dtype, attention_options, make_mlp(config, i, dtype), residual_multiplier))
         self.held = slice(held.start, held.stop)
-        self.norm = (RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if stage().last
+        self.norm = (norm_class(config.hidden_size, config.rms_norm_eps, dtype) if stage().last
                      else None)
         self.nope = nope
 
@@ -222,6 +223,7 @@ class LlamaForCausalLM(nn.Module):
     }
 
     decoder_layer = None                     # LlamaDecoderLayer, or a family's (OLMo's)
+    final_norm = RMSNorm                     # the model's last norm (Cohere's LayerNorm)
 
     @staticmethod
     def attention_options(config: ModelConfig) -> dict:
@@ -256,7 +258,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, dtype, self.attention_options(config),
                                 self.rotary_embedding(config), self.make_mlp,
                                 self.multipliers(config), self.decoder_layer,
-                                self.nope_layers(config))
+                                self.nope_layers(config), self.final_norm)
         self.lm_head = lm_head(config, dtype, self.model.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
