@@ -117,6 +117,11 @@ PRESETS = {
     "cohere2": ("Cohere2Config", {"logit_scale": 0.5, "layer_norm_eps": 1e-5, "sliding_window": 8,
                                   "num_hidden_layers": 8, "bos_token_id": 5, "eos_token_id": 2,
                                   "pad_token_id": 0}),
+    # q/k norms over all heads, rotary over 8 of 16 features (the checkpoint's rotary_dim);
+    # 8 experts of width 24, 3 a token, by sigmoid scores with a correction bias
+    "minimax-m2": ("MiniMaxM2Config", {"num_local_experts": 8, "num_experts_per_tok": 3,
+                                       "intermediate_size": 24, "rotary_dim": 8,
+                                       "tie_word_embeddings": False}),
     # Granite's multipliers; 6 experts of width 24, 2 a token; the shared variant with an
     # ungated shared expert of width 40
     "granite-moe": ("GraniteMoeConfig", {
@@ -176,8 +181,9 @@ def make_tiny_model(arch: str, path, seed: int = 0, weights: bool = True, **over
             # bf16, with bf16-rounded values; published checkpoints store them in bf16, so
             # rounding here makes a bf16 reference route as ours does (near-ties flipped
             # otherwise: the GPU family test of glm4-moe failed on it)
-            if name.endswith("e_score_correction_bias"):
-                gate = model.get_submodule(name.rsplit(".", 1)[0]).weight
+            if name.endswith("e_score_correction_bias"):   # beside the router (MiniMax-M2)
+                owner = model.get_submodule(name.rsplit(".", 1)[0])
+                gate = owner.gate.weight if hasattr(owner, "gate") else owner.weight
                 gate.copy_(gate.to(torch.bfloat16).float())
     path = Path(path)
     model.save_pretrained(path)

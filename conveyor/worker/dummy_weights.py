@@ -47,8 +47,10 @@ def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
                           "self_attn.v_proj.bias": (kv,)})
         if opts.get("o_bias"):
             layer["self_attn.o_proj.bias"] = (h,)
-        if opts.get("qk_norm"):
-            layer.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
+        if opts.get("qk_norm"):                  # each head's, or all heads' (OLMo's)
+            every = opts["qk_norm"] == "all"
+            layer.update({"self_attn.q_norm.weight": (q,) if every else (d,),
+                          "self_attn.k_norm.weight": (kv,) if every else (d,)})
         if opts.get("sinks"):
             layer["self_attn.sinks"] = (config.num_attention_heads,)
         if "module" in opts:                         # an attention of its own (DeepSeek's MLA)

@@ -81,7 +81,8 @@ def run_step(model, pool, tokens, work, num_decodes):
 ARCHS = ["llama", "llama-tied", "qwen2", "qwen3", "mistral", "smollm3", "gemma2", "gemma3", "phi3",
          "qwen3-moe", "qwen3-moe-unnormed", "mixtral", "qwen2-moe", "glm4", "glm4-moe",
          "deepseek-v3", "deepseek-v2", "olmo2", "olmo3", "exaone4", "seed-oss", "granite",
-         "granite-moe", "granite-moe-shared", "cohere", "cohere2", "gpt-oss"]
+         "granite-moe", "granite-moe-shared", "cohere", "cohere2", "minimax-m2",
+         "gpt-oss"]
 
 
 @pytest.fixture(scope="module")
@@ -318,6 +319,21 @@ def test_glm_checkpoint_loads_without_its_mtp_layer(tmp_path):
     for model in (plain, ours):
         model.logits = run_step(model, pool_for(model), {0: prompt}, [(0, 21)], 0)[0]
     torch.testing.assert_close(ours.logits, plain.logits, atol=0, rtol=0)
+
+
+def test_minimax_m2_published_config_rotates_rotary_dim_features(tmp_path):
+    """MiniMax-M2's config.json gives its partial rotary embedding as rotary_dim alone (64 of
+    128 features), without transformers' partial_rotary_factor: the same model then."""
+    import json
+
+    path = make_tiny_model("minimax-m2", tmp_path / "m")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.pop("partial_rotary_factor", None)
+    cfg["rope_parameters"].pop("partial_rotary_factor")
+    (path / "config.json").write_text(json.dumps(cfg))
+    config = read_model_config(resolve_model(str(path)))
+    model = load_model(config, resolve_model(str(path)), torch.float32, "cpu")
+    assert model.model.rotary_emb.cos.shape[-1] == cfg["rotary_dim"] // 2
 
 
 def test_a_mistral_repository_loads_its_hugging_face_files_only(tmp_path):

@@ -17,6 +17,7 @@ from conveyor.worker.models.gpt_oss import GptOssForCausalLM
 from conveyor.worker.models.granite import GraniteForCausalLM
 from conveyor.worker.models.granite_moe import GraniteMoeForCausalLM
 from conveyor.worker.models.llama import LlamaForCausalLM
+from conveyor.worker.models.minimax_m2 import MiniMaxM2ForCausalLM
 from conveyor.worker.models.mixtral import MixtralForCausalLM
 from conveyor.worker.models.olmo2 import Olmo2ForCausalLM
 from conveyor.worker.models.phi3 import Phi3ForCausalLM
@@ -41,6 +42,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "GraniteMoeForCausalLM": GraniteMoeForCausalLM,
     "GraniteMoeSharedForCausalLM": GraniteMoeForCausalLM,     # a shared expert, ungated
     "LlamaForCausalLM": LlamaForCausalLM,
+    "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,      # Llama with sliding_window (llama.py)
     "MixtralForCausalLM": MixtralForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,

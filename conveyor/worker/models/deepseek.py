@@ -121,12 +121,14 @@ class MlaAttention(nn.Module):
 
 
 class DeepseekMoeBlock(nn.Module):
-    """The router (`gate`), the routed experts and the shared ones (`shared_experts`)."""
+    """The router (`gate`), the routed experts and the shared ones (`shared_experts`). An
+    expert's width is moe_intermediate_size, else (MiniMax-M2's) intermediate_size."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, softmax: bool = False):
         super().__init__()
         e = config.extra
         experts = e.get("n_routed_experts") or e["num_local_experts"]
+        width = e.get("moe_intermediate_size") or config.intermediate_size
         renormalize = bool(e.get("norm_topk_prob", not softmax))
         n_group, topk_group = e.get("n_group") or 1, e.get("topk_group") or 1
         if softmax and e.get("topk_method", "greedy") == "greedy":
@@ -134,11 +136,10 @@ class DeepseekMoeBlock(nn.Module):
         self.gate = GroupedTopKRouter(experts, config.hidden_size, e["num_experts_per_tok"],
                                       n_group, topk_group, renormalize,
                                       float(e.get("routed_scaling_factor") or 1.0), softmax)
-        self.experts = FusedMoE(experts, e["num_experts_per_tok"], config.hidden_size,
-                                e["moe_intermediate_size"], renormalize, dtype)
+        self.experts = FusedMoE(experts, e["num_experts_per_tok"], config.hidden_size, width,
+                                renormalize, dtype)
         shared = e.get("n_shared_experts") or 0
-        self.shared_experts = (LlamaMLP(config, dtype, e["moe_intermediate_size"] * shared)
-                               if shared else None)
+        self.shared_experts = LlamaMLP(config, dtype, width * shared) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> this rank's partial sums [T, H]."""

@@ -59,8 +59,6 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
     @staticmethod
     def extra_layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...] | None]:
         """A layer's checkpoint tensors beyond Llama's, or in place of them (None: not there),
-        for load_format="dummy": no input_layernorm, q/k norms over all heads."""
-        h, d = config.hidden_size, config.head_dim
-        return {"input_layernorm.weight": None, "post_feedforward_layernorm.weight": (h,),
-                "self_attn.q_norm.weight": (config.num_attention_heads * d,),
-                "self_attn.k_norm.weight": (config.num_key_value_heads * d,)}
+        for load_format="dummy": no input_layernorm."""
+        return {"input_layernorm.weight": None,
+                "post_feedforward_layernorm.weight": (config.hidden_size,)}
