@@ -228,10 +228,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tool-call-parser", default=None, metavar="NAME",
                    help="how the model writes tool calls: hermes (Qwen2.5/Qwen3), "
                         "llama3_json (Llama 3.1/3.2), mistral, pythonic (Llama 3.2/4), "
-                        "qwen3_coder, glm45 / glm47 (GLM-4.5 to 4.7), openai (gpt-oss)")
+                        "qwen3_coder, glm45 / glm47 (GLM-4.5 to 4.7), minimax_m2, "
+                        "openai (gpt-oss)")
     g.add_argument("--reasoning-parser", default=None, metavar="NAME",
                    help="split the model's thought into reasoning_content: qwen3 (or glm45), "
-                        "deepseek_r1 (<think>...</think>), openai_gptoss (gpt-oss's channels; "
+                        "deepseek_r1 (<think>...</think>; or minimax_m2), openai_gptoss "
+                        "(gpt-oss's channels; "
                         "the default for gpt-oss)")
     g.add_argument("--zmq-port", type=int, default=5555,
                    help="frontend i listens on ZMQ_PORT + i (0: any free port)")

@@ -10,6 +10,7 @@ from conveyor.frontend.tool_parsers import (
     HermesParser,
     JsonArrayParser,
     Llama3JsonParser,
+    MiniMaxM2Parser,
     MistralParser,
     NamedCallParser,
     PythonicParser,
@@ -112,9 +113,28 @@ VALID = [
     (Glm45Parser, "<tool_call>get_time</tool_call> done.", "done.", [("get_time", {})]),
     (Glm45Parser, "No call: 3 < 4 and <tool_call is not a tag.",
      "No call: 3 < 4 and <tool_call is not a tag.", []),
+    # minimax_m2: one block of <invoke> calls with quoted names
+    (MiniMaxM2Parser, '<minimax:tool_call>\n<invoke name="get_current_temperature">\n'
+                      '<parameter name="location">San Francisco, CA, USA</parameter>\n'
+                      '<parameter name="unit">celsius</parameter>\n</invoke>\n'
+                      "</minimax:tool_call>", "", [("get_current_temperature", WEATHER)]),
+    (MiniMaxM2Parser, 'Let me check both.\n\n<minimax:tool_call>\n<invoke name="search">\n'
+                      '<parameter name="query">a "quoted" } ] brace</parameter>\n'
+                      '<parameter name="filters">[{"k": "year", "v": [2023, 2024]}]</parameter>'
+                      '<parameter name="deep">{"x": {"y": null, "z": true, "w": -1.5e3}}'
+                      '</parameter>\n<parameter name="emoji">héllo ✓</parameter>\n</invoke>\n'
+                      '<invoke name="get_time">\n</invoke>\n</minimax:tool_call>',
+     "Let me check both.", [("search", NESTED), ("get_time", {})]),
+    (MiniMaxM2Parser, '<minimax:tool_call><invoke name="get_time"></invoke></minimax:tool_call>'
+                      " done.", "done.", [("get_time", {})]),
+    (MiniMaxM2Parser, "No call: 3 < 4 and <minimax:tool is not a tag.",
+     "No call: 3 < 4 and <minimax:tool is not a tag.", []),
 ]
 
 MALFORMED = [
+    (MiniMaxM2Parser, "<minimax:tool_call>\nnot a call\n</minimax:tool_call>"),
+    (MiniMaxM2Parser, '<minimax:tool_call><invoke name="f"><param name="a">1</param></invoke>'),
+    (MiniMaxM2Parser, '<minimax:tool_call><invoke name="f>\n</invoke></minimax:tool_call>'),
     (HermesParser, "<tool_call>\nnot json at all\n</tool_call>"),
     (HermesParser, 'Hi <tool_call>{"nam": "f"}</tool_call>'),
     (HermesParser, '<tool_call>{"name": 42, "arguments": {}}</tool_call>'),
@@ -255,7 +275,7 @@ def test_required_output_is_an_array_of_calls():
 
 def test_every_server_parser_name_is_registered():
     assert set(TOOL_PARSERS) >= {"hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder",
-                                 "glm45", "glm47"}
+                                 "glm45", "glm47", "minimax_m2"}
 
 
 def test_pythonic_arguments_go_out_one_by_one():
@@ -326,6 +346,31 @@ def test_glm45_types_values_by_the_tools_schema_and_sends_each_as_it_closes():
     # the name once a character follows its line's end (whitespace ahead of a call's text is
     # held until it ends), each argument at its tag's end, the object's "}" at the call's end
     assert sent == [GLM_TYPED.index("\n") + 1] + ends + [len(GLM_TYPED) - 1]
+
+
+MINIMAX_TYPED = ('<minimax:tool_call>\n<invoke name="plan">\n' + "".join(
+    f'<parameter name="{k}">{v}</parameter>\n' for k, v in [
+        ("title", "3"), ("count", "3"), ("ratio", "0.5"), ("flag", "true"), ("note", "null"),
+        ("tags", "['x', \"y, z\"]"), ("other", "not json")])
+    + "</invoke>\n</minimax:tool_call>")
+
+
+def test_minimax_m2_types_values_by_the_tools_schema_and_sends_each_as_it_closes():
+    (call,) = MiniMaxM2Parser.parse(MINIMAX_TYPED, QWEN_TOOLS).tool_calls
+    assert json.loads(call.arguments) == {
+        "title": "3", "count": 3, "ratio": 0.5, "flag": True, "note": "null",
+        "tags": ["x", "y, z"], "other": "not json"}
+    for pieces in _splits(MINIMAX_TYPED):
+        assert _stream(MiniMaxM2Parser(QWEN_TOOLS), pieces) == ("", [("plan", call.arguments)])
+    parser, sent = MiniMaxM2Parser(QWEN_TOOLS), []
+    for i, ch in enumerate(MINIMAX_TYPED):
+        sent += [i for c in parser.feed(ch).tool_calls]
+    name_end = MINIMAX_TYPED.index('"plan">') + 6
+    ends = [i for i in range(len(MINIMAX_TYPED))
+            if MINIMAX_TYPED.startswith("</parameter>", i - 11)]
+    # the name at its tag's end, each argument at its closing tag's end, the object's "}" at
+    # the invoke's end
+    assert sent == [name_end] + ends + [MINIMAX_TYPED.index("</invoke>") + 8]
 
 
 def test_the_auto_tool_mode_gives_its_parser_the_tools():

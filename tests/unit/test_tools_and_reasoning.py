@@ -197,7 +197,8 @@ def test_the_constraint_starts_after_the_thought():
     end = Qwen3ReasoningParser.constraint_start(tok, open_prompt, None)
     assert tok.decode(end) == "</think>"
     assert Qwen3ReasoningParser.constraint_start(tok, closed_prompt, None) is None
-    assert set(REASONING_PARSERS) == {"qwen3", "deepseek_r1", "glm45", "openai_gptoss"}
+    assert set(REASONING_PARSERS) == {"qwen3", "deepseek_r1", "glm45", "minimax_m2",
+                                      "openai_gptoss"}
 
 
 @pytest.mark.skipif(not default_model_path().is_file(), reason="default model not fetched")

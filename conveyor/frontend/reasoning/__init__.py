@@ -10,6 +10,7 @@ REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     "qwen3": Qwen3ReasoningParser,
     "deepseek_r1": DeepSeekR1ReasoningParser,
     "glm45": Qwen3ReasoningParser,               # GLM-4.5/4.6 write their <think> as Qwen3 does
+    "minimax_m2": DeepSeekR1ReasoningParser,     # the thought opened in the prompt, or not
     "openai_gptoss": HarmonyReasoningParser,     # gpt-oss's harmony channels
 }
 

@@ -6,6 +6,7 @@ from conveyor.frontend.tool_parsers.glm45 import Glm45Parser
 from conveyor.frontend.tool_parsers.hermes import HermesParser
 from conveyor.frontend.tool_parsers.json_array import JsonArrayParser
 from conveyor.frontend.tool_parsers.llama3_json import Llama3JsonParser
+from conveyor.frontend.tool_parsers.minimax_m2 import MiniMaxM2Parser
 from conveyor.frontend.tool_parsers.mistral import MistralParser
 from conveyor.frontend.tool_parsers.named import NamedCallParser
 from conveyor.frontend.tool_parsers.openai import OpenAIParser
@@ -17,6 +18,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "glm47": Glm45Parser,                    # GLM-4.7: the first key may follow the name
     "hermes": HermesParser,
     "llama3_json": Llama3JsonParser,
+    "minimax_m2": MiniMaxM2Parser,
     "mistral": MistralParser,
     "openai": OpenAIParser,                  # gpt-oss (with --reasoning-parser openai_gptoss)
     "pythonic": PythonicParser,
@@ -24,5 +26,6 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
 }
 
 __all__ = ["TOOL_PARSERS", "Delta", "Glm45Parser", "HermesParser", "JsonArrayParser",
-           "Llama3JsonParser", "MistralParser", "NamedCallParser", "OpenAIParser", "Parsed",
-           "PythonicParser", "Qwen3CoderParser", "ToolCall", "ToolParser"]
+           "Llama3JsonParser", "MiniMaxM2Parser", "MistralParser", "NamedCallParser",
+           "OpenAIParser", "Parsed", "PythonicParser", "Qwen3CoderParser", "ToolCall",
+           "ToolParser"]

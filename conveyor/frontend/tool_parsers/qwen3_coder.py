@@ -39,7 +39,9 @@ class Qwen3CoderParser(HermesParser):
 
 class XmlCall(KeywordCall):
     """`<function=NAME>` and its `<parameter=KEY>VALUE</parameter>`s, up to `</function>`:
-    start name body param value."""
+    start name body param value. TAGS: what opens a name or key, and what ends the call."""
+
+    TAGS = _TAGS
 
     def __init__(self, schemas: dict[str, dict]) -> None:
         super().__init__()
@@ -77,12 +79,20 @@ class XmlCall(KeywordCall):
             if end < 0 or self.error:
                 return False
             self._pos += end + 1
+            word = self._word(word)
+            if word is None:
+                self.state = "error"
+                return False
             if self.state == "name":
-                self.name, self.state = word.strip(), "body"
+                self.name, self.state = word, "body"
             else:
-                self._key, self.state = word.strip(), "value"
+                self._key, self.state = word, "value"
             return True
-        return self._tag(rest, _TAGS[self.state])        # start, body
+        return self._tag(rest, self.TAGS[self.state])    # start, body
+
+    def _word(self, word: str) -> str | None:
+        """A name or key as written between its tag and the `>` (None: not one)."""
+        return word.strip()
 
     def _tag(self, rest: str, tags: tuple[tuple[str, str], ...]) -> bool:
         """Whitespace, then one of `tags` ((tag, the state after it)): True once it is read,
