@@ -122,6 +122,13 @@ PRESETS = {
     "minimax-m2": ("MiniMaxM2Config", {"num_local_experts": 8, "num_experts_per_tok": 3,
                                        "intermediate_size": 24, "rotary_dim": 8,
                                        "tie_word_embeddings": False}),
+    # interleaved rotary pairs; the MoE variant: layers 1 and 2 of 3 with 6 experts of width
+    # 24, 2 a token, by softmax scores with a correction bias, and one shared expert
+    "ernie4.5": ("Ernie4_5Config", {"tie_word_embeddings": True}),
+    "ernie4.5-moe": ("Ernie4_5_MoeConfig", {
+        "moe_num_experts": 6, "moe_k": 2, "moe_intermediate_size": 24,
+        "moe_num_shared_experts": 1, "moe_layer_start_index": 1, "num_hidden_layers": 3,
+        "tie_word_embeddings": False}),
     # Granite's multipliers; 6 experts of width 24, 2 a token; the shared variant with an
     # ungated shared expert of width 40
     "granite-moe": ("GraniteMoeConfig", {
@@ -174,6 +181,8 @@ def make_tiny_model(arch: str, path, seed: int = 0, weights: bool = True, **over
                 p.add_(torch.randn_like(p) * 0.1)
             if name.endswith("sinks"):       # gpt-oss's: large enough to take a share
                 p.copy_(torch.randn_like(p) + 1.5)
+            if name.endswith("e_score_correction_bias"):   # ERNIE's, a parameter: as GLM's
+                p.copy_(torch.randn_like(p) * 0.5)
         for name, b in model.named_buffers():   # GLM's router bias: big enough to sway it
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn_like(b) * 0.5)

@@ -63,7 +63,10 @@ class GroupedTopKRouter(nn.Module):
     FusedMoE.mix."""
 
     def __init__(self, num_experts: int, hidden_size: int, top_k: int, n_group: int,
-                 topk_group: int, renormalize: bool, scale: float, softmax: bool = False):
+                 topk_group: int, renormalize: bool, scale: float, softmax: bool = False,
+                 bias: bool | None = None):
+        """bias: whether the choice adds a correction bias (default: with sigmoid scores only;
+        ERNIE 4.5 adds one to softmax scores)."""
         super().__init__()
         if num_experts % n_group or num_experts // n_group < 2 or topk_group > n_group:
             raise ValueError(f"{num_experts} experts do not split into {n_group} groups of at "
@@ -72,8 +75,8 @@ class GroupedTopKRouter(nn.Module):
         self.renormalize, self.scale, self.softmax = renormalize, scale, softmax
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32),
                                    requires_grad=False)
-        self.e_score_correction_bias = None if softmax else nn.Parameter(
-            torch.empty(num_experts, dtype=torch.float32), requires_grad=False)
+        self.e_score_correction_bias = None if not (bias or bias is None and not softmax) \
+            else nn.Parameter(torch.empty(num_experts, dtype=torch.float32), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x.float(), self.weight)

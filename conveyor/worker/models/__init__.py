@@ -8,6 +8,7 @@ from torch import nn
 
 from conveyor.worker.models.cohere import CohereForCausalLM
 from conveyor.worker.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from conveyor.worker.models.ernie4_5 import Ernie4_5ForCausalLM
 from conveyor.worker.models.exaone4 import Exaone4ForCausalLM
 from conveyor.worker.models.gemma2 import Gemma2ForCausalLM
 from conveyor.worker.models.gemma3 import Gemma3ForCausalLM
@@ -32,6 +33,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "CohereForCausalLM": CohereForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "Ernie4_5ForCausalLM": Ernie4_5ForCausalLM,
+    "Ernie4_5_MoeForCausalLM": Ernie4_5ForCausalLM,   # experts from moe_layer_start_index
     "Exaone4ForCausalLM": Exaone4ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,

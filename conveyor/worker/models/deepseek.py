@@ -122,23 +122,28 @@ class MlaAttention(nn.Module):
 
 class DeepseekMoeBlock(nn.Module):
     """The router (`gate`), the routed experts and the shared ones (`shared_experts`). An
-    expert's width is moe_intermediate_size, else (MiniMax-M2's) intermediate_size."""
+    expert's width is moe_intermediate_size, else (MiniMax-M2's) intermediate_size; ERNIE 4.5
+    names its counts moe_num_experts, moe_k and moe_num_shared_experts. bias: see
+    GroupedTopKRouter; renormalize: the chosen experts' weights to sum to 1 (default:
+    norm_topk_prob, else with sigmoid scores only)."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, softmax: bool = False):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, softmax: bool = False,
+                 bias: bool | None = None, renormalize: bool | None = None):
         super().__init__()
         e = config.extra
-        experts = e.get("n_routed_experts") or e["num_local_experts"]
+        experts = e.get("n_routed_experts") or e.get("num_local_experts") or e["moe_num_experts"]
+        top_k = e.get("num_experts_per_tok") or e["moe_k"]
         width = e.get("moe_intermediate_size") or config.intermediate_size
-        renormalize = bool(e.get("norm_topk_prob", not softmax))
+        if renormalize is None:
+            renormalize = bool(e.get("norm_topk_prob", not softmax))
         n_group, topk_group = e.get("n_group") or 1, e.get("topk_group") or 1
         if softmax and e.get("topk_method", "greedy") == "greedy":
             n_group = topk_group = 1
-        self.gate = GroupedTopKRouter(experts, config.hidden_size, e["num_experts_per_tok"],
-                                      n_group, topk_group, renormalize,
-                                      float(e.get("routed_scaling_factor") or 1.0), softmax)
-        self.experts = FusedMoE(experts, e["num_experts_per_tok"], config.hidden_size, width,
-                                renormalize, dtype)
-        shared = e.get("n_shared_experts") or 0
+        self.gate = GroupedTopKRouter(experts, config.hidden_size, top_k, n_group, topk_group,
+                                      renormalize, float(e.get("routed_scaling_factor") or 1.0),
+                                      softmax, bias)
+        self.experts = FusedMoE(experts, top_k, config.hidden_size, width, renormalize, dtype)
+        shared = e.get("n_shared_experts") or e.get("moe_num_shared_experts") or 0
         self.shared_experts = LlamaMLP(config, dtype, width * shared) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
