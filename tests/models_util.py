@@ -129,6 +129,14 @@ PRESETS = {
         "moe_num_experts": 6, "moe_k": 2, "moe_intermediate_size": 24,
         "moe_num_shared_experts": 1, "moe_layer_start_index": 1, "num_hidden_layers": 3,
         "tie_word_embeddings": False}),
+    # q/k norms over all heads; 6 experts of width 24, 2 a token (OLMoE: not renormalised;
+    # FlexOlmo: renormalised, OLMo 2's norms after the sublayers)
+    "olmoe": ("OlmoeConfig", {"num_experts": 6, "num_experts_per_tok": 2, "intermediate_size": 24,
+                              "norm_topk_prob": False, "pad_token_id": 0,
+                              "tie_word_embeddings": False}),
+    "flex-olmo": ("FlexOlmoConfig", {"num_experts": 6, "num_experts_per_tok": 2,
+                                     "intermediate_size": 24, "norm_topk_prob": True,
+                                     "pad_token_id": 0, "tie_word_embeddings": False}),
     # Granite's multipliers; 6 experts of width 24, 2 a token; the shared variant with an
     # ungated shared expert of width 40
     "granite-moe": ("GraniteMoeConfig", {

@@ -21,6 +21,7 @@ from conveyor.worker.models.llama import LlamaForCausalLM
 from conveyor.worker.models.minimax_m2 import MiniMaxM2ForCausalLM
 from conveyor.worker.models.mixtral import MixtralForCausalLM
 from conveyor.worker.models.olmo2 import Olmo2ForCausalLM
+from conveyor.worker.models.olmoe import FlexOlmoForCausalLM, OlmoeForCausalLM
 from conveyor.worker.models.phi3 import Phi3ForCausalLM
 from conveyor.worker.models.qwen2 import Qwen2ForCausalLM
 from conveyor.worker.models.qwen2_moe import Qwen2MoeForCausalLM
@@ -36,6 +37,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Ernie4_5ForCausalLM": Ernie4_5ForCausalLM,
     "Ernie4_5_MoeForCausalLM": Ernie4_5ForCausalLM,   # experts from moe_layer_start_index
     "Exaone4ForCausalLM": Exaone4ForCausalLM,
+    "FlexOlmoForCausalLM": FlexOlmoForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Glm4ForCausalLM": Glm4ForCausalLM,
@@ -50,6 +52,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "Olmo3ForCausalLM": Olmo2ForCausalLM,        # OLMo 2 with sliding layers (layer_types)
+    "OlmoeForCausalLM": OlmoeForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
