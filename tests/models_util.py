@@ -137,6 +137,10 @@ PRESETS = {
     "flex-olmo": ("FlexOlmoConfig", {"num_experts": 6, "num_experts_per_tok": 2,
                                      "intermediate_size": 24, "norm_topk_prob": True,
                                      "pad_token_id": 0, "tie_word_embeddings": False}),
+    # q/k norms after the rotary embedding, whose base NTK alpha stretches
+    "hunyuan": ("HunYuanDenseV1Config", {"rope_scaling": {"type": "dynamic", "alpha": 1000.0,
+                                                           "factor": 1.0},
+                                         "pad_token_id": 0, "tie_word_embeddings": True}),
     # Granite's multipliers; 6 experts of width 24, 2 a token; the shared variant with an
     # ungated shared expert of width 40
     "granite-moe": ("GraniteMoeConfig", {

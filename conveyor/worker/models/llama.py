@@ -35,15 +35,17 @@ class LlamaAttention(nn.Module):
     (default head_dim^-0.5), `softcap` of the attention logits, `norm` (the class of q_norm /
     k_norm), `sinks` (gpt-oss: a learned logit per head, `self_attn.sinks`, in each softmax's
     denominator; sharded with the heads), `interleaved` (GLM-4: rotary pairs are neighbouring
-    features, layers/rotary.py's apply_rotary)."""
+    features, layers/rotary.py's apply_rotary), `norm_after_rotary` (Hunyuan: the per-head q/k
+    norms after the rotary embedding, not before)."""
 
     def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype,
                  qkv_bias: bool, o_bias: bool, qk_norm: bool | str = False,
                  scale: float | None = None, softcap: float = 0.0,
-                 norm: type[RMSNorm] = RMSNorm, sinks: bool = False, interleaved: bool = False):
+                 norm: type[RMSNorm] = RMSNorm, sinks: bool = False, interleaved: bool = False,
+                 norm_after_rotary: bool = False):
         super().__init__()
         d = config.head_dim
-        self.interleaved = interleaved
+        self.interleaved, self.norm_after_rotary = interleaved, norm_after_rotary
         self.qkv_proj = QKVParallelLinear(config.hidden_size, d, config.num_attention_heads,
                                           config.num_key_value_heads, qkv_bias, dtype)
         self.o_proj = RowParallelLinear(config.num_attention_heads * d, config.hidden_size,
@@ -90,7 +92,7 @@ class LlamaAttention(nn.Module):
         k = k.reshape(t, -1, self.head_dim)                  # [T, kv_heads, head_dim]
         per_head = self.q_norm is not None and not self.qk_norm_all
         if (q.is_cuda and triton_available() and 2 * cos.shape[-1] == self.head_dim
-                and not self.interleaved):
+                and not (self.interleaved or self.norm_after_rotary)):
             # one kernel: q/k norm and rotary in place, k and v stored into the KV pool as well
             from conveyor.kernels.rotary import rotary_qk
 
@@ -102,10 +104,12 @@ class LlamaAttention(nn.Module):
             if store:
                 k = v = None                            # already in the pool
         else:
-            if per_head:
+            if per_head and not self.norm_after_rotary:
                 q, k = self.q_norm(q), self.k_norm(k)
             q = apply_rotary(q, cos, sin, self.interleaved)
             k = apply_rotary(k, cos, sin, self.interleaved)
+            if per_head and self.norm_after_rotary:
+                q, k = self.q_norm(q), self.k_norm(k)
         out = self.attn(q.view(t, -1), k, v, ctx, self.sinks)   # [T, heads * head_dim]
         return self.o_proj(out)
 
