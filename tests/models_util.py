@@ -141,6 +141,11 @@ PRESETS = {
     "hunyuan": ("HunYuanDenseV1Config", {"rope_scaling": {"type": "dynamic", "alpha": 1000.0,
                                                            "factor": 1.0},
                                          "pad_token_id": 0, "tie_word_embeddings": True}),
+    # LayerNorms with biases, biases everywhere, an ungated GELU MLP, a window of 8 on every
+    # layer
+    "starcoder2": ("Starcoder2Config", {"norm_epsilon": 1e-5, "use_bias": True,
+                                        "sliding_window": 8, "hidden_act": "gelu_pytorch_tanh",
+                                        "tie_word_embeddings": True}),
     # Granite's multipliers; 6 experts of width 24, 2 a token; the shared variant with an
     # ungated shared expert of width 40
     "granite-moe": ("GraniteMoeConfig", {

@@ -76,9 +76,9 @@ class ModelConfig:
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             intermediate_size=cfg["intermediate_size"],
             vocab_size=cfg["vocab_size"],
-            # the norms' epsilon: Cohere's are LayerNorms, with layer_norm_eps
-            rms_norm_eps=(cfg.get("layer_norm_eps", 1e-5) if arch.startswith("Cohere")
-                          else cfg.get("rms_norm_eps", 1e-6)),
+            # the norms' epsilon (LayerNorms' in Cohere's and StarCoder2's, under their names)
+            rms_norm_eps=cfg.get(_NORM_EPS.get(arch, "rms_norm_eps"),
+                                 1e-6 if arch not in _NORM_EPS else 1e-5),
             rope_theta=float(rope_theta or 10000.0),
             rope_scaling=rope_scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
@@ -140,6 +140,11 @@ def text_part(cfg: dict[str, Any]) -> dict[str, Any]:
 def _mrope(rope: Any) -> bool:
     return isinstance(rope, dict) and ("mrope" in (rope.get("type"), rope.get("rope_type"))
                                        or "mrope_section" in rope)
+
+
+# the config.json key of the norms' epsilon where it is not rms_norm_eps
+_NORM_EPS = {"CohereForCausalLM": "layer_norm_eps", "Cohere2ForCausalLM": "layer_norm_eps",
+             "Starcoder2ForCausalLM": "norm_epsilon"}
 
 
 # Sliding and full attention layers of the families that interleave them, for config.json files

@@ -24,7 +24,8 @@ def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     with the biases of the router and experts where it has them, gpt-oss's), and a family's
     extra tensors come from its `extra_layer_shapes` (Gemma's feed-forward norms; None drops
     one, OLMo's input norm) or its attention options (gpt-oss's sinks; an attention module of
-    its own gives its `checkpoint_shapes`). Stacked experts appear as the model's
+    its own gives its `checkpoint_shapes`), and its tensors outside the layers from its
+    `extra_model_shapes` (StarCoder2's final norm bias). Stacked experts appear as the model's
     convert_weights gives them, one a name."""
     from conveyor.worker.layers.moe import FusedMoE
 
@@ -36,6 +37,7 @@ def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes = {"model.embed_tokens.weight": (config.vocab_size, h), "model.norm.weight": (h,)}
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, h)
+    shapes.update(getattr(model_class, "extra_model_shapes", lambda c: {})(config))
     for i in range(config.num_hidden_layers):
         layer = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
                  "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),

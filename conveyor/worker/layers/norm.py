@@ -85,13 +85,16 @@ class ShardedRMSNorm(nn.Module):
 
 
 class LayerNorm(nn.Module):
-    """Cohere's LayerNorm: mean-subtracted, scaled, without a bias, in float32; RMSNorm's
-    forward (residual add, reduce), in torch ops everywhere."""
+    """LayerNorm in float32: mean-subtracted, scaled, without a bias (Cohere's) or with one
+    (StarCoder2's); RMSNorm's forward (residual add, reduce), in torch ops everywhere."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-5, dtype: torch.dtype = torch.float32):
+    def __init__(self, hidden_size: int, eps: float = 1e-5, dtype: torch.dtype = torch.float32,
+                 bias: bool = False):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+        self.bias = (nn.Parameter(torch.zeros(hidden_size, dtype=dtype), requires_grad=False)
+                     if bias else None)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
                 reduce: bool = False, fp8: bool = False):
@@ -102,5 +105,6 @@ class LayerNorm(nn.Module):
             x = all_reduce(x)
         if residual is not None:
             x = x + residual
-        out = F.layer_norm(x.float(), self.weight.shape, self.weight.float(), None, self.eps)
+        bias = None if self.bias is None else self.bias.float()
+        out = F.layer_norm(x.float(), self.weight.shape, self.weight.float(), bias, self.eps)
         return out.to(x.dtype) if residual is None else (out.to(x.dtype), x)

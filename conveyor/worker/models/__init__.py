@@ -29,6 +29,7 @@ from conveyor.worker.models.qwen2_moe import Qwen2MoeForCausalLM
 from conveyor.worker.models.qwen3 import Qwen3ForCausalLM
 from conveyor.worker.models.qwen3_moe import Qwen3MoeForCausalLM
 from conveyor.worker.models.seed_oss import SeedOssForCausalLM
+from conveyor.worker.models.starcoder2 import Starcoder2ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Cohere2ForCausalLM": CohereForCausalLM,          # sliding layers, NoPE full ones
@@ -62,6 +63,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "SeedOssForCausalLM": SeedOssForCausalLM,
     "SmolLM3ForCausalLM": LlamaForCausalLM,      # Llama with NoPE layers (llama.py)
+    "Starcoder2ForCausalLM": Starcoder2ForCausalLM,
 }
 
 

@@ -132,6 +132,8 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    norm = RMSNorm                           # its two norms' class (StarCoder2's LayerNorm)
+
     def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype,
                  attention_options: dict, mlp: nn.Module, residual_multiplier: float = 1.0):
         super().__init__()
@@ -140,8 +142,8 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = attention(config, layer_idx, dtype, **options)
         self.mlp = mlp
         self.residual_multiplier = residual_multiplier
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.input_layernorm = self.norm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = self.norm(config.hidden_size, config.rms_norm_eps, dtype)
 
     def forward(self, x, residual, cos, sin, ctx):
         """Returns this layer's output and the residual stream, still to be added.
