@@ -70,6 +70,8 @@ PRESETS = {
     # GLM-4-0414: four norms a layer, q/k/v bias, half of each head rotated in interleaved pairs
     "glm4": ("Glm4Config", {"partial_rotary_factor": 0.5, "attention_bias": True, "pad_token_id": 0,
                             "tie_word_embeddings": False}),
+    "glm": ("GlmConfig", {"partial_rotary_factor": 0.5, "attention_bias": True, "pad_token_id": 0,
+                          "tie_word_embeddings": False}),
     # MLA (q through a rank-48 latent, kv through rank 32; 16 + 8 rotary features a key, values
     # of 12), YaRN with mscale_all_dim; 8 experts in 4 groups as GLM's, 1 shared; layer 0 dense
     "deepseek-v3": ("DeepseekV3Config", {

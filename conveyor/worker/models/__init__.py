@@ -12,7 +12,7 @@ from conveyor.worker.models.ernie4_5 import Ernie4_5ForCausalLM
 from conveyor.worker.models.exaone4 import Exaone4ForCausalLM
 from conveyor.worker.models.gemma2 import Gemma2ForCausalLM
 from conveyor.worker.models.gemma3 import Gemma3ForCausalLM
-from conveyor.worker.models.glm4 import Glm4ForCausalLM
+from conveyor.worker.models.glm4 import Glm4ForCausalLM, GlmForCausalLM
 from conveyor.worker.models.glm4_moe import Glm4MoeForCausalLM
 from conveyor.worker.models.gpt_oss import GptOssForCausalLM
 from conveyor.worker.models.granite import GraniteForCausalLM
@@ -43,6 +43,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Glm4ForCausalLM": Glm4ForCausalLM,
+    "GlmForCausalLM": GlmForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,

@@ -2,7 +2,8 @@
 bias on q, k and v, the rotary embedding over half of each head with its pairs interleaved
 (neighbouring features, LlamaAttention's `interleaved`), and four norms a layer: the attention's
 and the MLP's outputs are normalised (post_self_attn_layernorm, post_mlp_layernorm) before each
-joins the residual stream. The checkpoint stores gate and up as one gate_up_proj.
+joins the residual stream. The checkpoint stores gate and up as one gate_up_proj. The earlier
+GLM (`GlmForCausalLM`: glm-4-9b-chat-hf, glm-edge) is the same with Llama's two norms a layer.
 """
 from __future__ import annotations
 
@@ -58,3 +59,11 @@ class Glm4ForCausalLM(LlamaForCausalLM):
 
     def convert_weights(self, weights):
         return split_fused(weights, self.config)
+
+
+class GlmForCausalLM(Glm4ForCausalLM):
+    decoder_layer = None                                    # Llama's: two norms a layer
+
+    @staticmethod
+    def extra_layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+        return {}
