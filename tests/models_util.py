@@ -27,6 +27,8 @@ PRESETS = {
     # layers 1 and 3 of 4 without rotary embedding (NoPE)
     "smollm3": ("SmolLM3Config", {"num_hidden_layers": 4, "no_rope_layer_interval": 2,
                                   "pad_token_id": 0, "tie_word_embeddings": True}),
+    # Gemma 1: (1 + w) norms, GELU gate, scaled embeddings, two norms a layer
+    "gemma": ("GemmaConfig", {"pad_token_id": 0, "tie_word_embeddings": True}),
     # every other layer slides (window 8); soft-capped attention and final logits
     "gemma2": ("Gemma2Config", {"sliding_window": 8, "query_pre_attn_scalar": 24,
                                 "attn_logit_softcapping": 3.0, "final_logit_softcapping": 5.0,

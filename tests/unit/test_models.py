@@ -78,12 +78,12 @@ def run_step(model, pool, tokens, work, num_decodes):
     return {sid: logits[end - n:end] for (sid, n), end in zip(work, rows)}
 
 
-ARCHS = ["llama", "llama-tied", "qwen2", "qwen3", "mistral", "smollm3", "gemma2", "gemma3", "phi3",
-         "qwen3-moe", "qwen3-moe-unnormed", "mixtral", "qwen2-moe", "glm", "glm4", "glm4-moe",
-         "deepseek-v3", "deepseek-v2", "olmo2", "olmo3", "exaone4", "seed-oss", "granite",
-         "granite-moe", "granite-moe-shared", "cohere", "cohere2", "minimax-m2",
-         "ernie4.5", "ernie4.5-moe", "olmoe", "flex-olmo", "hunyuan",
-         "starcoder2", "gpt-oss"]
+ARCHS = ["llama", "llama-tied", "qwen2", "qwen3", "mistral", "smollm3", "gemma", "gemma2",
+         "gemma3", "phi3", "qwen3-moe", "qwen3-moe-unnormed", "mixtral", "qwen2-moe", "glm",
+         "glm4", "glm4-moe", "deepseek-v3", "deepseek-v2", "olmo2", "olmo3", "exaone4",
+         "seed-oss", "granite", "granite-moe", "granite-moe-shared", "cohere", "cohere2",
+         "minimax-m2", "ernie4.5", "ernie4.5-moe", "olmoe", "flex-olmo", "hunyuan", "starcoder2",
+         "gpt-oss"]
 
 
 @pytest.fixture(scope="module")

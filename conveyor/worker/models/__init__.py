@@ -10,6 +10,7 @@ from conveyor.worker.models.cohere import CohereForCausalLM
 from conveyor.worker.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from conveyor.worker.models.ernie4_5 import Ernie4_5ForCausalLM
 from conveyor.worker.models.exaone4 import Exaone4ForCausalLM
+from conveyor.worker.models.gemma import GemmaForCausalLM
 from conveyor.worker.models.gemma2 import Gemma2ForCausalLM
 from conveyor.worker.models.gemma3 import Gemma3ForCausalLM
 from conveyor.worker.models.glm4 import Glm4ForCausalLM, GlmForCausalLM
@@ -40,6 +41,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Ernie4_5_MoeForCausalLM": Ernie4_5ForCausalLM,   # experts from moe_layer_start_index
     "Exaone4ForCausalLM": Exaone4ForCausalLM,
     "FlexOlmoForCausalLM": FlexOlmoForCausalLM,
+    "GemmaForCausalLM": GemmaForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Glm4ForCausalLM": Glm4ForCausalLM,
