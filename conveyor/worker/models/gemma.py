@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from conveyor.shared.model_config import ModelConfig
-from conveyor.worker.models.gemma2 import GemmaMLP, GemmaRMSNorm
+from conveyor.worker.models.gemma2 import GemmaMLP, GemmaRMSNorm, embedding_scale
 from conveyor.worker.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 
@@ -27,5 +27,4 @@ class GemmaForCausalLM(LlamaForCausalLM):
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32):
         super().__init__(config, dtype)
-        self.model.embedding_multiplier = float(
-            torch.tensor(config.hidden_size ** 0.5, dtype=dtype, device="cpu"))
+        self.model.embedding_multiplier = embedding_scale(config, dtype)

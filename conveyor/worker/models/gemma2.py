@@ -9,7 +9,8 @@
 - attention scale query_pre_attn_scalar^-0.5, attention logits soft-capped
   (attn_logit_softcapping), and so are the final logits (final_logit_softcapping);
 - sliding-window attention on every other layer (config.layer_windows).
-Gemma 3 (gemma3.py) builds on this.
+The rest is LlamaModel's (its decoder-layer, final-norm and MLP hooks). Gemma 3 (gemma3.py)
+builds on this.
 """
 from __future__ import annotations
 
@@ -17,16 +18,10 @@ import torch
 from torch import nn
 
 from conveyor.shared.model_config import ModelConfig
-from conveyor.worker.context import StepContext
 from conveyor.worker.layers.activation import gelu_tanh_and_mul
-from conveyor.worker.layers.embedding import VocabParallelEmbedding
-from conveyor.worker.layers.linear import (
-    default_weight_loader,
-)
+from conveyor.worker.layers.linear import default_weight_loader
 from conveyor.worker.layers.norm import RMSNorm
-from conveyor.worker.layers.pipeline import make_layers, stage
-from conveyor.worker.layers.rotary import RotaryEmbedding
-from conveyor.worker.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, lm_head
+from conveyor.worker.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -45,13 +40,14 @@ class GemmaMLP(LlamaMLP):
         return self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x)))
 
 
-class GemmaDecoderLayer(nn.Module):
+class Gemma2DecoderLayer(nn.Module):
+    output_reduced = True                    # its last norm reduces the MLP's partial sums
+
     def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype,
-                 attention_options: dict):
+                 attention_options: dict, mlp: nn.Module, residual_multiplier: float = 1.0):
         super().__init__()
-        self.sliding = config.window(layer_idx) > 0
         self.self_attn = LlamaAttention(config, layer_idx, dtype, **attention_options)
-        self.mlp = GemmaMLP(config, dtype)
+        self.mlp = mlp
         h, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(h, eps, dtype)
         self.post_attention_layernorm = GemmaRMSNorm(h, eps, dtype)
@@ -71,39 +67,10 @@ class GemmaDecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(x), reduce=True), residual
 
 
-class GemmaModel(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, attention_options: dict,
-                 ropes: tuple[RotaryEmbedding, RotaryEmbedding]):
-        """ropes: the rotary embeddings of the global and of the sliding-window layers."""
-        super().__init__()
-        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
-                             if stage().first else None)
-        self.rotary_emb, self.rotary_emb_local = ropes
-        self.layers, held = make_layers(config.num_hidden_layers, lambda i: GemmaDecoderLayer(
-            config, i, dtype, attention_options))
-        self.held = slice(held.start, held.stop)
-        self.norm = (GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-                     if stage().last else None)
-        # NOTE: a Python float rounded to the model dtype, as transformers' embed_scale buffer
-        self.normalizer = float(torch.tensor(config.hidden_size ** 0.5, dtype=dtype, device="cpu"))
-
-    def forward(self, input_ids, positions, ctx: StepContext, intermediate=None):
-        """As LlamaModel.forward."""
-        if intermediate is None:
-            x, residual = self.embed_tokens(input_ids) * self.normalizer, None   # [T, hidden]
-        else:
-            x, residual = intermediate
-        rope = {False: self.rotary_emb(positions)}                      # [T, head_dim / 2] each
-        rope[True] = (self.rotary_emb_local(positions)
-                      if self.rotary_emb_local is not self.rotary_emb else rope[False])
-        for layer in self.layers[self.held]:
-            x, residual = layer(x, residual, *rope[layer.sliding], ctx)
-        if self.norm is None:
-            return x, residual
-        return self.norm(x, residual)[0]
-
-
 class Gemma2ForCausalLM(LlamaForCausalLM):
+    decoder_layer = Gemma2DecoderLayer
+    final_norm = GemmaRMSNorm
+
     @staticmethod
     def attention_options(config: ModelConfig) -> dict:
         e = config.extra
@@ -112,24 +79,18 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
                 "softcap": float(e.get("attn_logit_softcapping") or 0.0)}
 
     @staticmethod
+    def make_mlp(config: ModelConfig, layer_idx: int, dtype: torch.dtype) -> nn.Module:
+        return GemmaMLP(config, dtype)
+
+    @staticmethod
     def extra_layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         """Checkpoint tensors of a layer beyond Llama's (for load_format="dummy")."""
         h = config.hidden_size
         return {"pre_feedforward_layernorm.weight": (h,), "post_feedforward_layernorm.weight": (h,)}
 
-    @staticmethod
-    def rotary_embeddings(config: ModelConfig) -> tuple[RotaryEmbedding, RotaryEmbedding]:
-        """(global layers', sliding layers') rotary embeddings: one and the same for Gemma 2."""
-        rope = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
-                               config.rope_theta, config.rope_scaling)
-        return rope, rope
-
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32):
-        nn.Module.__init__(self)
-        self.config = config
-        self.model = GemmaModel(config, dtype, self.attention_options(config),
-                                self.rotary_embeddings(config))
-        self.lm_head = lm_head(config, dtype, self.model.embed_tokens)
+        super().__init__(config, dtype)
+        self.model.embedding_multiplier = embedding_scale(config, dtype)
         self.final_softcap = float(config.extra.get("final_logit_softcapping") or 0.0)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -137,3 +98,8 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         if self.final_softcap:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
+
+
+def embedding_scale(config: ModelConfig, dtype: torch.dtype) -> float:
+    """sqrt(hidden_size) rounded to the model dtype, as transformers' embed_scale buffer."""
+    return float(torch.tensor(config.hidden_size ** 0.5, dtype=dtype, device="cpu"))

@@ -17,7 +17,8 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
                 "norm": GemmaRMSNorm}
 
     @staticmethod
-    def rotary_embeddings(config: ModelConfig) -> tuple[RotaryEmbedding, RotaryEmbedding]:
+    def rotary_embedding(config: ModelConfig) -> tuple[RotaryEmbedding, RotaryEmbedding]:
+        """The global layers' and the sliding ones' (LlamaModel's pair)."""
         full, local = layer_type_ropes(config.extra, 1e6, 1e4, "rope_local_base_freq")
         d, n = config.head_dim, config.max_position_embeddings
         return RotaryEmbedding(d, n, *full), RotaryEmbedding(d, n, *local)
