@@ -41,7 +41,9 @@ class GemmaMLP(LlamaMLP):
 
 
 class Gemma2DecoderLayer(nn.Module):
+    """Norms before and after each sublayer (GLM-4's layer too, with plain RMSNorms)."""
     output_reduced = True                    # its last norm reduces the MLP's partial sums
+    norm = GemmaRMSNorm
 
     def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype,
                  attention_options: dict, mlp: nn.Module, residual_multiplier: float = 1.0):
@@ -49,10 +51,10 @@ class Gemma2DecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(config, layer_idx, dtype, **attention_options)
         self.mlp = mlp
         h, eps = config.hidden_size, config.rms_norm_eps
-        self.input_layernorm = GemmaRMSNorm(h, eps, dtype)
-        self.post_attention_layernorm = GemmaRMSNorm(h, eps, dtype)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps, dtype)
-        self.post_feedforward_layernorm = GemmaRMSNorm(h, eps, dtype)
+        self.input_layernorm = self.norm(h, eps, dtype)
+        self.post_attention_layernorm = self.norm(h, eps, dtype)
+        self.pre_feedforward_layernorm = self.norm(h, eps, dtype)
+        self.post_feedforward_layernorm = self.norm(h, eps, dtype)
 
     def forward(self, x, residual, cos, sin, ctx):
         """As LlamaDecoderLayer.forward, x in and out is still to be added to the residual; but
