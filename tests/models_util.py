@@ -150,6 +150,9 @@ PRESETS = {
     "starcoder2": ("Starcoder2Config", {"norm_epsilon": 1e-5, "use_bias": True,
                                         "sliding_window": 8, "hidden_act": "gelu_pytorch_tanh",
                                         "tie_word_embeddings": True}),
+    # MLPs without a gate: ReLU squared (Arcee); xIELU with per-head q/k norms (Apertus)
+    "arcee": ("ArceeConfig", {"pad_token_id": 0, "tie_word_embeddings": False}),
+    "apertus": ("ApertusConfig", {"pad_token_id": 0, "tie_word_embeddings": False}),
     # Granite's multipliers; 6 experts of width 24, 2 a token; the shared variant with an
     # ungated shared expert of width 40
     "granite-moe": ("GraniteMoeConfig", {

@@ -83,7 +83,7 @@ ARCHS = ["llama", "llama-tied", "qwen2", "qwen3", "mistral", "smollm3", "gemma",
          "glm4", "glm4-moe", "deepseek-v3", "deepseek-v2", "olmo2", "olmo3", "exaone4",
          "seed-oss", "granite", "granite-moe", "granite-moe-shared", "cohere", "cohere2",
          "minimax-m2", "ernie4.5", "ernie4.5-moe", "olmoe", "flex-olmo", "hunyuan", "starcoder2",
-         "gpt-oss"]
+         "arcee", "apertus", "gpt-oss"]
 
 
 @pytest.fixture(scope="module")

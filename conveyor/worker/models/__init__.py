@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from conveyor.worker.models.apertus import ApertusForCausalLM
+from conveyor.worker.models.arcee import ArceeForCausalLM
 from conveyor.worker.models.cohere import CohereForCausalLM
 from conveyor.worker.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from conveyor.worker.models.ernie4_5 import Ernie4_5ForCausalLM
@@ -33,6 +35,8 @@ from conveyor.worker.models.seed_oss import SeedOssForCausalLM
 from conveyor.worker.models.starcoder2 import Starcoder2ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "ApertusForCausalLM": ApertusForCausalLM,
+    "ArceeForCausalLM": ArceeForCausalLM,
     "Cohere2ForCausalLM": CohereForCausalLM,          # sliding layers, NoPE full ones
     "CohereForCausalLM": CohereForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,

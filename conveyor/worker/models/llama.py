@@ -18,6 +18,7 @@ from conveyor.worker.context import StepContext
 from conveyor.worker.layers.attention import Attention
 from conveyor.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from conveyor.worker.layers.linear import (
+    ColumnParallelLinear,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
@@ -131,6 +132,32 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.gate_up_proj(x), silu_mul=True)
 
 
+class UpDownMLP(nn.Module):
+    """up_proj, an activation, down_proj: an MLP without a gate (StarCoder2's tanh-GELU with
+    biases, Arcee's ReLU squared, Apertus's xIELU)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, act_fn, bias: bool = False):
+        super().__init__()
+        h, inter = config.hidden_size, config.intermediate_size
+        self.up_proj = ColumnParallelLinear(h, inter, bias, dtype)
+        self.down_proj = RowParallelLinear(inter, h, bias, dtype, reduce_results=False)
+        self.act_fn = act_fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> this rank's partial sums [T, H]."""
+        return self.down_proj(self.act_fn(self.up_proj(x)))
+
+    @staticmethod
+    def checkpoint_shapes(config: ModelConfig, bias: bool) -> dict[str, tuple[int, ...] | None]:
+        """A layer's MLP tensors in place of Llama's (load_format="dummy")."""
+        h, inter = config.hidden_size, config.intermediate_size
+        shapes = {"mlp.gate_proj.weight": None, "mlp.up_proj.weight": (inter, h),
+                  "mlp.down_proj.weight": (h, inter)}
+        if bias:
+            shapes.update({"mlp.up_proj.bias": (inter,), "mlp.down_proj.bias": (h,)})
+        return shapes
+
+
 class LlamaDecoderLayer(nn.Module):
     norm = RMSNorm                           # its two norms' class (StarCoder2's LayerNorm)
 
@@ -218,15 +245,15 @@ class LlamaModel(nn.Module):
         return self.norm(x, residual, reduce=self.layers_reduce)[0]
 
 
+# checkpoint module name -> (our fused module, shard id in it): q, k and v; the families whose
+# MLP has no gate (UpDownMLP) pack only these
+QKV_PACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"),
+              "v_proj": ("qkv_proj", "v")}
+
+
 class LlamaForCausalLM(nn.Module):
-    # checkpoint module name -> (our fused module, shard id in it)
-    packed_modules = {
-        "q_proj": ("qkv_proj", "q"),
-        "k_proj": ("qkv_proj", "k"),
-        "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
+    packed_modules = {**QKV_PACKED, "gate_proj": ("gate_up_proj", 0),
+                      "up_proj": ("gate_up_proj", 1)}
 
     decoder_layer = None                     # LlamaDecoderLayer, or a family's (OLMo's)
     final_norm = RMSNorm                     # the model's last norm (Cohere's LayerNorm)

@@ -1,7 +1,7 @@
 """StarCoder2 (`Starcoder2ForCausalLM`: starcoder2-3b/7b/15b and their instruct tunes): Llama's
 attention with biases on every projection (use_bias) and a sliding window on every layer, its
-norms LayerNorms with a bias, and an MLP without a gate: c_fc, tanh-approximated GELU, c_proj,
-both with biases.
+norms LayerNorms with a bias, and an MLP without a gate (the checkpoint's c_fc, tanh-GELU, c_proj,
+with biases; loaded as UpDownMLP's up_proj and down_proj).
 """
 from __future__ import annotations
 
@@ -12,24 +12,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from conveyor.shared.model_config import ModelConfig
-from conveyor.worker.layers.linear import ColumnParallelLinear, RowParallelLinear
 from conveyor.worker.layers.norm import LayerNorm
-from conveyor.worker.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from conveyor.worker.models.llama import (
+    QKV_PACKED,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    UpDownMLP,
+)
 
 _NORM = partial(LayerNorm, bias=True)
-
-
-class Starcoder2MLP(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype):
-        super().__init__()
-        bias = bool(config.extra.get("use_bias", True))
-        self.c_fc = ColumnParallelLinear(config.hidden_size, config.intermediate_size, bias, dtype)
-        self.c_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias, dtype,
-                                        reduce_results=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, H] -> this rank's partial sums [T, H]."""
-        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+_NAMES = {".mlp.c_fc.": ".mlp.up_proj.", ".mlp.c_proj.": ".mlp.down_proj."}
 
 
 class Starcoder2DecoderLayer(LlamaDecoderLayer):
@@ -37,6 +29,7 @@ class Starcoder2DecoderLayer(LlamaDecoderLayer):
 
 
 class Starcoder2ForCausalLM(LlamaForCausalLM):
+    packed_modules = QKV_PACKED
     decoder_layer = Starcoder2DecoderLayer
     final_norm = _NORM
 
@@ -47,21 +40,22 @@ class Starcoder2ForCausalLM(LlamaForCausalLM):
 
     @staticmethod
     def make_mlp(config: ModelConfig, layer_idx: int, dtype: torch.dtype) -> nn.Module:
-        return Starcoder2MLP(config, dtype)
+        return UpDownMLP(config, dtype, partial(F.gelu, approximate="tanh"),
+                         bool(config.extra.get("use_bias", True)))
 
     @staticmethod
     def extra_layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...] | None]:
-        """For load_format="dummy": the norms' biases, and c_fc / c_proj for the gated MLP."""
-        h, inter = config.hidden_size, config.intermediate_size
-        bias = bool(config.extra.get("use_bias", True))
-        shapes = {"input_layernorm.bias": (h,), "post_attention_layernorm.bias": (h,),
-                  "mlp.gate_proj.weight": None, "mlp.up_proj.weight": None,
-                  "mlp.down_proj.weight": None, "mlp.c_fc.weight": (inter, h),
-                  "mlp.c_proj.weight": (h, inter)}
-        if bias:
-            shapes.update({"mlp.c_fc.bias": (inter,), "mlp.c_proj.bias": (h,)})
-        return shapes
+        """For load_format="dummy": the norms' biases, and the ungated MLP."""
+        h = config.hidden_size
+        return {"input_layernorm.bias": (h,), "post_attention_layernorm.bias": (h,),
+                **UpDownMLP.checkpoint_shapes(config, bool(config.extra.get("use_bias", True)))}
 
     @staticmethod
     def extra_model_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         return {"model.norm.bias": (config.hidden_size,)}
+
+    def convert_weights(self, weights):
+        for name, tensor in weights:
+            for old, new in _NAMES.items():
+                name = name.replace(old, new)
+            yield name, tensor
