@@ -44,13 +44,20 @@ class AdapterInfo:
     modules: dict[str, tuple[str, str]]
 
 
+# the families whose MLP has no gate (worker/models/llama.py's UpDownMLP)
+_NO_GATE = {"ArceeForCausalLM", "ApertusForCausalLM", "Starcoder2ForCausalLM"}
+
+
 def projection_shapes(model: ModelConfig) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of each projection of the base model (unsharded)."""
     q = model.num_attention_heads * model.head_dim
     kv = model.num_key_value_heads * model.head_dim
     h, inter = model.hidden_size, model.intermediate_size
-    return {"q": (h, q), "k": (h, kv), "v": (h, kv), "o": (q, h), "gate": (h, inter),
-            "up": (h, inter), "down": (inter, h)}
+    shapes = {"q": (h, q), "k": (h, kv), "v": (h, kv), "o": (q, h), "gate": (h, inter),
+              "up": (h, inter), "down": (inter, h)}
+    if model.architecture in _NO_GATE:
+        del shapes["gate"]
+    return shapes
 
 
 def read_safetensors_header(path: Path) -> dict:
@@ -116,6 +123,8 @@ def check_adapter(path: str | Path, model: ModelConfig, max_rank: int) -> Adapte
             raise ValueError(f"{folder}: unsupported tensor {name!r} (conveyor applies LoRA to "
                              f"the q/k/v/o/gate/up/down projections only)")
         layer, proj, which = int(m.group(1)), m.group(3), m.group(4)
+        if proj not in shapes:
+            raise ValueError(f"{folder}: {name}: {model.architecture} has no {proj}_proj")
         if layer >= model.num_hidden_layers:
             raise ValueError(f"{folder}: {name} is for layer {layer}, but the base model has "
                              f"{model.num_hidden_layers} layers")

@@ -38,7 +38,7 @@ from conveyor.worker.loader import _packed_name
 
 # our module (last part of its name) -> the checkpoint projections it holds, in slice order
 _TARGETS = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": (0, 1), "o_proj": (None,),
-            "down_proj": (None,)}
+            "down_proj": (None,), "up_proj": (None,)}      # up_proj: an MLP without a gate
 
 HostAdapter = dict[str, tuple[torch.Tensor, torch.Tensor]]   # module -> (A [slices, R, in], B)
 

@@ -181,6 +181,18 @@ def test_bad_adapters_are_refused_and_lose_nothing(models, expected, tmp_path):
     assert [o.outputs[0].token_ids for o in outs] == expected[None]
 
 
+def test_an_mlp_without_a_gate_takes_adapters(tmp_path):
+    """Arcee's up_proj stands alone (UpDownMLP, no gate_up_proj): an adapter on it, down_proj,
+    q and v gives peft's tokens."""
+    base = make_tiny_model("arcee", tmp_path / "arcee", max_position_embeddings=512)
+    adapter = make_tiny_adapter(base, tmp_path / "a",
+                                targets=("q_proj", "v_proj", "up_proj", "down_proj"))
+    want = [hf_greedy(peft_model(base, adapter), p, NEW) for p in PROMPTS]
+    outs = make_llm(base, max_loras=1).generate(PROMPTS, GREEDY, use_tqdm=False,
+                                                lora_request=LoRARequest("a", 1, str(adapter)))
+    assert [o.outputs[0].token_ids for o in outs] == want
+
+
 def test_lora_needs_enable_lora(models):
     base, adapters = models
     llm = LLM(str(base), skip_tokenizer_init=True)

@@ -214,3 +214,18 @@ def test_stacking_stops_at_its_share():
                                torch.device("cpu"), base=layer)
         assert (layer.lora.stacked is not None) == stacked
         assert (layer.weight is weight) != stacked
+
+
+def test_a_gate_adapter_is_refused_where_the_mlp_has_none(tmp_path):
+    """Arcee's, Apertus's and StarCoder2's MLPs have no gate: an adapter on gate_proj names
+    what the model lacks (the worker would find no layer for it), one on up_proj loads."""
+    import dataclasses
+
+    arcee = dataclasses.replace(MODEL, architecture="ArceeForCausalLM")
+    stem = "base_model.model.model.layers.0.mlp"
+    gate = {f"{stem}.gate_proj.lora_A.weight": [4, 64], f"{stem}.gate_proj.lora_B.weight": [128, 4]}
+    up = {name.replace("gate_proj", "up_proj"): shape for name, shape in gate.items()}
+    with pytest.raises(ValueError, match="ArceeForCausalLM has no gate_proj"):
+        check_adapter(write_adapter(tmp_path / "gate", gate), arcee, 16)
+    assert check_adapter(write_adapter(tmp_path / "up", up), arcee, 16).rank == 4
+    check_adapter(write_adapter(tmp_path / "llama", gate), MODEL, 16)
