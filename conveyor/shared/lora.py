@@ -46,6 +46,8 @@ class AdapterInfo:
 
 # the families whose MLP has no gate (worker/models/llama.py's UpDownMLP)
 _NO_GATE = {"ArceeForCausalLM", "ApertusForCausalLM", "Starcoder2ForCausalLM"}
+# config.json's count of routed experts, by family: a mixture-of-experts model
+_EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
 def projection_shapes(model: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -53,11 +55,18 @@ def projection_shapes(model: ModelConfig) -> dict[str, tuple[int, int]]:
     q = model.num_attention_heads * model.head_dim
     kv = model.num_key_value_heads * model.head_dim
     h, inter = model.hidden_size, model.intermediate_size
-    shapes = {"q": (h, q), "k": (h, kv), "v": (h, kv), "o": (q, h), "gate": (h, inter),
-              "up": (h, inter), "down": (inter, h)}
-    if model.architecture in _NO_GATE:
-        del shapes["gate"]
-    return shapes
+    return {"q": (h, q), "k": (h, kv), "v": (h, kv), "o": (q, h), "gate": (h, inter),
+            "up": (h, inter), "down": (inter, h)}
+
+
+def _lacks(model: ModelConfig, proj: str) -> str | None:
+    """Why the base model has no LoRA layer for projection `proj` (None: it has one)."""
+    if proj in ("gate", "up", "down") and any(model.extra.get(k) for k in _EXPERT_COUNTS):
+        return (f"{model.architecture} is a mixture of experts: LoRA adapts its attention "
+                f"only (q/k/v/o), not its MLPs")
+    if proj == "gate" and model.architecture in _NO_GATE:
+        return f"{model.architecture} has no gate_proj"
+    return None
 
 
 def read_safetensors_header(path: Path) -> dict:
@@ -123,8 +132,8 @@ def check_adapter(path: str | Path, model: ModelConfig, max_rank: int) -> Adapte
             raise ValueError(f"{folder}: unsupported tensor {name!r} (conveyor applies LoRA to "
                              f"the q/k/v/o/gate/up/down projections only)")
         layer, proj, which = int(m.group(1)), m.group(3), m.group(4)
-        if proj not in shapes:
-            raise ValueError(f"{folder}: {name}: {model.architecture} has no {proj}_proj")
+        if (why := _lacks(model, proj)) is not None:
+            raise ValueError(f"{folder}: {name}: {why}")
         if layer >= model.num_hidden_layers:
             raise ValueError(f"{folder}: {name} is for layer {layer}, but the base model has "
                              f"{model.num_hidden_layers} layers")

@@ -216,7 +216,7 @@ def test_stacking_stops_at_its_share():
         assert (layer.weight is weight) != stacked
 
 
-def test_a_gate_adapter_is_refused_where_the_mlp_has_none(tmp_path):
+def test_adapters_on_mlps_the_model_lacks_are_refused(tmp_path):
     """Arcee's, Apertus's and StarCoder2's MLPs have no gate: an adapter on gate_proj names
     what the model lacks (the worker would find no layer for it), one on up_proj loads."""
     import dataclasses
@@ -229,3 +229,11 @@ def test_a_gate_adapter_is_refused_where_the_mlp_has_none(tmp_path):
         check_adapter(write_adapter(tmp_path / "gate", gate), arcee, 16)
     assert check_adapter(write_adapter(tmp_path / "up", up), arcee, 16).rank == 4
     check_adapter(write_adapter(tmp_path / "llama", gate), MODEL, 16)
+    # a mixture of experts: its MLPs are experts, which take no adapter (the worker would find
+    # no gate_up_proj); attention adapters load
+    moe = dataclasses.replace(MODEL, architecture="Qwen3MoeForCausalLM",
+                              extra={"num_experts": 8})
+    for adapter in ("gate", "up"):
+        with pytest.raises(ValueError, match="mixture of experts: LoRA adapts its attention"):
+            check_adapter(tmp_path / adapter, moe, 16)
+    check_adapter(write_adapter(tmp_path / "q", q_proj()), moe, 16)
