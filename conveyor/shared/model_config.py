@@ -76,9 +76,7 @@ class ModelConfig:
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             intermediate_size=cfg["intermediate_size"],
             vocab_size=cfg["vocab_size"],
-            # the norms' epsilon (LayerNorms' in Cohere's and StarCoder2's, under their names)
-            rms_norm_eps=cfg.get(_NORM_EPS.get(arch, "rms_norm_eps"),
-                                 1e-6 if arch not in _NORM_EPS else 1e-5),
+            rms_norm_eps=cfg.get(*_NORM_EPS.get(arch, ("rms_norm_eps", 1e-6))),
             rope_theta=float(rope_theta or 10000.0),
             rope_scaling=rope_scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
@@ -142,9 +140,11 @@ def _mrope(rope: Any) -> bool:
                                        or "mrope_section" in rope)
 
 
-# the config.json key of the norms' epsilon where it is not rms_norm_eps
-_NORM_EPS = {"CohereForCausalLM": "layer_norm_eps", "Cohere2ForCausalLM": "layer_norm_eps",
-             "Starcoder2ForCausalLM": "norm_epsilon"}
+# the config.json key of the norms' epsilon, and its default, where it is not rms_norm_eps
+# (the LayerNorms of Cohere and StarCoder2)
+_NORM_EPS = {"CohereForCausalLM": ("layer_norm_eps", 1e-5),
+             "Cohere2ForCausalLM": ("layer_norm_eps", 1e-5),
+             "Starcoder2ForCausalLM": ("norm_epsilon", 1e-5)}
 
 
 # Sliding and full attention layers of the families that interleave them, for config.json files

@@ -75,8 +75,10 @@ class GroupedTopKRouter(nn.Module):
         self.renormalize, self.scale, self.softmax = renormalize, scale, softmax
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32),
                                    requires_grad=False)
-        self.e_score_correction_bias = None if not (bias or bias is None and not softmax) \
-            else nn.Parameter(torch.empty(num_experts, dtype=torch.float32), requires_grad=False)
+        if bias is None:
+            bias = not softmax
+        self.e_score_correction_bias = nn.Parameter(
+            torch.empty(num_experts, dtype=torch.float32), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x.float(), self.weight)

@@ -15,10 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from conveyor.shared.model_config import ModelConfig
-from conveyor.worker.models.llama import QKV_PACKED, LlamaForCausalLM, UpDownMLP
-
-_NAMES = {".attention_layernorm.": ".input_layernorm.",
-          ".feedforward_layernorm.": ".post_attention_layernorm."}
+from conveyor.worker.models.llama import QKV_PACKED, LlamaForCausalLM, UpDownMLP, renamer
 
 
 class XIELU(nn.Module):
@@ -40,6 +37,8 @@ class XIELU(nn.Module):
 
 class ApertusForCausalLM(LlamaForCausalLM):
     packed_modules = QKV_PACKED
+    checkpoint_name = renamer({".attention_layernorm.": ".input_layernorm.",
+                               ".feedforward_layernorm.": ".post_attention_layernorm."})
 
     @staticmethod
     def attention_options(config: ModelConfig) -> dict:
@@ -57,9 +56,3 @@ class ApertusForCausalLM(LlamaForCausalLM):
     def extra_layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...] | None]:
         return {**UpDownMLP.checkpoint_shapes(config, False), "mlp.act_fn.alpha_p": (1,),
                 "mlp.act_fn.alpha_n": (1,), "mlp.act_fn.beta": (), "mlp.act_fn.eps": ()}
-
-    def convert_weights(self, weights):
-        for name, tensor in weights:
-            for old, new in _NAMES.items():
-                name = name.replace(old, new)
-            yield name, tensor

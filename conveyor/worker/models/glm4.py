@@ -8,26 +8,16 @@ RMSNorms, its norms renamed at load.
 """
 from __future__ import annotations
 
-import re
-
 from conveyor.shared.model_config import ModelConfig
 from conveyor.worker.layers.norm import RMSNorm
 from conveyor.worker.models.gemma2 import Gemma2DecoderLayer
 from conveyor.worker.models.glm4_moe import Glm4MoeForCausalLM
-from conveyor.worker.models.llama import LlamaForCausalLM
+from conveyor.worker.models.llama import LlamaForCausalLM, renamer
 from conveyor.worker.models.phi3 import split_fused
 
 
 class Glm4DecoderLayer(Gemma2DecoderLayer):
     norm = RMSNorm
-
-
-# GLM-4's norms under Gemma 2's names: after the attention, before the MLP, after it
-_NORMS = {"post_self_attn_layernorm": "post_attention_layernorm",
-          "post_attention_layernorm": "pre_feedforward_layernorm",
-          "post_mlp_layernorm": "post_feedforward_layernorm"}
-_NORM_NAME = re.compile(r"\.(post_self_attn_layernorm|post_attention_layernorm|"
-                        r"post_mlp_layernorm)\.")
 
 
 class GlmForCausalLM(LlamaForCausalLM):
@@ -38,17 +28,17 @@ class GlmForCausalLM(LlamaForCausalLM):
         return {"qkv_bias": config.attention_bias, "o_bias": False, "interleaved": True}
 
     def convert_weights(self, weights):
-        return split_fused(weights, self.config)
+        return super().convert_weights(split_fused(weights, self.config))
 
 
 class Glm4ForCausalLM(GlmForCausalLM):
     decoder_layer = Glm4DecoderLayer
+    # GLM-4's norms under Gemma 2's names: after the attention, before the MLP, after it
+    checkpoint_name = renamer({".post_self_attn_layernorm.": ".post_attention_layernorm.",
+                               ".post_attention_layernorm.": ".pre_feedforward_layernorm.",
+                               ".post_mlp_layernorm.": ".post_feedforward_layernorm."})
 
     @staticmethod
     def extra_layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         h = config.hidden_size
         return {"pre_feedforward_layernorm.weight": (h,), "post_feedforward_layernorm.weight": (h,)}
-
-    def convert_weights(self, weights):
-        for name, tensor in split_fused(weights, self.config):
-            yield _NORM_NAME.sub(lambda m: f".{_NORMS[m.group(1)]}.", name), tensor

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from conveyor.shared.model_config import ModelConfig
 from conveyor.worker.layers.rotary import RotaryEmbedding
-from conveyor.worker.models.llama import LlamaForCausalLM
-
-_NORMS = {".self_attn.query_layernorm.": ".self_attn.q_norm.",
-          ".self_attn.key_layernorm.": ".self_attn.k_norm."}
+from conveyor.worker.models.llama import LlamaForCausalLM, renamer
 
 
 class HunYuanDenseV1ForCausalLM(LlamaForCausalLM):
+    checkpoint_name = renamer({".self_attn.query_layernorm.": ".self_attn.q_norm.",
+                               ".self_attn.key_layernorm.": ".self_attn.k_norm."})
+
     @staticmethod
     def attention_options(config: ModelConfig) -> dict:
         if config.extra.get("mlp_bias"):
@@ -31,9 +31,3 @@ class HunYuanDenseV1ForCausalLM(LlamaForCausalLM):
             base *= float(alpha) ** (d / (d - 2))
             scaling = {}                    # "dynamic" with an alpha: only the base stretches
         return RotaryEmbedding(d, config.max_position_embeddings, base, scaling or None)
-
-    def convert_weights(self, weights):
-        for name, tensor in weights:
-            for old, new in _NORMS.items():
-                name = name.replace(old, new)
-            yield name, tensor

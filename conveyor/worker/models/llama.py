@@ -8,6 +8,8 @@ loader fills through `packed_modules`.
 """
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
@@ -251,6 +253,13 @@ QKV_PACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"),
               "v_proj": ("qkv_proj", "v")}
 
 
+def renamer(names: dict[str, str]) -> staticmethod:
+    """A `checkpoint_name` replacing each key of `names` (a part of a tensor's name) by its
+    value, all in one pass (a key may be another's value: GLM-4's norms)."""
+    pattern = re.compile("|".join(map(re.escape, names)))
+    return staticmethod(lambda name: pattern.sub(lambda m: names[m.group(0)], name))
+
+
 class LlamaForCausalLM(nn.Module):
     packed_modules = {**QKV_PACKED, "gate_proj": ("gate_up_proj", 0),
                       "up_proj": ("gate_up_proj", 1)}
@@ -278,6 +287,19 @@ class LlamaForCausalLM(nn.Module):
         """The layers without a rotary embedding: SmolLM3's no_rope_layers (0 at a layer)."""
         return frozenset(i for i, rope in enumerate(config.extra.get("no_rope_layers") or [])
                          if not rope)
+
+    @staticmethod
+    def checkpoint_name(name: str) -> str:
+        """A checkpoint tensor's name as this model loads it (`renamer`'s where a family's
+        checkpoint names a module otherwise); the loader also groups a quantized checkpoint's
+        parts by it."""
+        return name
+
+    def convert_weights(self, weights):
+        """The checkpoint's (name, tensor) pairs as load_weights takes them: renamed here; a
+        family whose tensors are laid out otherwise (Phi-3's fused qkv) maps them too."""
+        for name, tensor in weights:
+            yield self.checkpoint_name(name), tensor
 
     @staticmethod
     def multipliers(config: ModelConfig) -> tuple[float, float]:

@@ -43,5 +43,5 @@ class MiniMaxM2ForCausalLM(LlamaForCausalLM):
         return name.replace(".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias")
 
     def convert_weights(self, weights):
-        for name, tensor in without_mtp_layers(weights, self.config.num_hidden_layers):
-            yield self.checkpoint_name(name), tensor
+        return super().convert_weights(
+            without_mtp_layers(weights, self.config.num_hidden_layers))

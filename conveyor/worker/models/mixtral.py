@@ -30,7 +30,3 @@ class MixtralForCausalLM(LlamaForCausalLM):
             for old, new in _EXPERT_NAMES.items():
                 name = name.replace(old, new)
         return name
-
-    def convert_weights(self, weights):
-        for name, tensor in weights:
-            yield self.checkpoint_name(name), tensor

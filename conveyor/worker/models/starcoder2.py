@@ -18,10 +18,10 @@ from conveyor.worker.models.llama import (
     LlamaDecoderLayer,
     LlamaForCausalLM,
     UpDownMLP,
+    renamer,
 )
 
 _NORM = partial(LayerNorm, bias=True)
-_NAMES = {".mlp.c_fc.": ".mlp.up_proj.", ".mlp.c_proj.": ".mlp.down_proj."}
 
 
 class Starcoder2DecoderLayer(LlamaDecoderLayer):
@@ -30,6 +30,7 @@ class Starcoder2DecoderLayer(LlamaDecoderLayer):
 
 class Starcoder2ForCausalLM(LlamaForCausalLM):
     packed_modules = QKV_PACKED
+    checkpoint_name = renamer({".mlp.c_fc.": ".mlp.up_proj.", ".mlp.c_proj.": ".mlp.down_proj."})
     decoder_layer = Starcoder2DecoderLayer
     final_norm = _NORM
 
@@ -53,9 +54,3 @@ class Starcoder2ForCausalLM(LlamaForCausalLM):
     @staticmethod
     def extra_model_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         return {"model.norm.bias": (config.hidden_size,)}
-
-    def convert_weights(self, weights):
-        for name, tensor in weights:
-            for old, new in _NAMES.items():
-                name = name.replace(old, new)
-            yield name, tensor
