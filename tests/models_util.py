@@ -145,6 +145,12 @@ PRESETS = {
     "hunyuan": ("HunYuanDenseV1Config", {"rope_scaling": {"type": "dynamic", "alpha": 1000.0,
                                                            "factor": 1.0},
                                          "pad_token_id": 0, "tie_word_embeddings": True}),
+    # Hunyuan's attention; 6 experts of width 24 (intermediate_size: transformers' reading),
+    # 2, 3, 2 a token by layer, beside one shared MLP; a float32 router
+    "hunyuan-moe": ("HunYuanMoEV1Config", {
+        "rope_scaling": {"type": "dynamic", "alpha": 1000.0, "factor": 1.0}, "num_experts": 6,
+        "moe_topk": [2, 3, 2], "intermediate_size": 24, "num_hidden_layers": 3,
+        "pad_token_id": 0, "tie_word_embeddings": False}),
     # LayerNorms with biases, biases everywhere, an ungated GELU MLP, a window of 8 on every
     # layer
     "starcoder2": ("Starcoder2Config", {"norm_epsilon": 1e-5, "use_bias": True,

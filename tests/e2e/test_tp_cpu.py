@@ -86,7 +86,7 @@ def test_each_worker_writes_its_profile_window(tmp_path, monkeypatch):
 @pytest.mark.parametrize("arch", ["qwen3-moe", "qwen2-moe", "glm4", "glm4-moe", "deepseek-v3",
                                   "deepseek-v2", "olmo2", "olmo3", "exaone4", "gemma2", "phi3",
                                   "granite-moe-shared", "cohere2", "minimax-m2", "ernie4.5-moe",
-                                  "flex-olmo", "hunyuan", "starcoder2", "apertus",
+                                  "flex-olmo", "hunyuan", "hunyuan-moe", "starcoder2", "apertus",
                                   "gpt-oss"])
 def test_new_families_at_tp2_match_tp1(tmp_path, arch):
     """Experts split along their intermediate dimension (Qwen3-MoE: 6 experts of width 24, 12

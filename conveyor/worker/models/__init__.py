@@ -20,7 +20,7 @@ from conveyor.worker.models.glm4_moe import Glm4MoeForCausalLM
 from conveyor.worker.models.gpt_oss import GptOssForCausalLM
 from conveyor.worker.models.granite import GraniteForCausalLM
 from conveyor.worker.models.granite_moe import GraniteMoeForCausalLM
-from conveyor.worker.models.hunyuan import HunYuanDenseV1ForCausalLM
+from conveyor.worker.models.hunyuan import HunYuanDenseV1ForCausalLM, HunYuanMoEV1ForCausalLM
 from conveyor.worker.models.llama import LlamaForCausalLM
 from conveyor.worker.models.minimax_m2 import MiniMaxM2ForCausalLM
 from conveyor.worker.models.mixtral import MixtralForCausalLM
@@ -56,6 +56,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "GraniteMoeForCausalLM": GraniteMoeForCausalLM,
     "GraniteMoeSharedForCausalLM": GraniteMoeForCausalLM,     # a shared expert, ungated
     "HunYuanDenseV1ForCausalLM": HunYuanDenseV1ForCausalLM,
+    "HunYuanMoEV1ForCausalLM": HunYuanMoEV1ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,      # Llama with sliding_window (llama.py)
