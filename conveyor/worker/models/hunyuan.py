@@ -20,8 +20,8 @@ from torch import nn
 
 from conveyor.shared.model_config import ModelConfig
 from conveyor.worker.layers.moe import FusedMoE
-from conveyor.worker.layers.router import GroupedTopKRouter
 from conveyor.worker.layers.rotary import RotaryEmbedding
+from conveyor.worker.layers.router import GroupedTopKRouter
 from conveyor.worker.models.deepseek import DeepseekMoeBlock
 from conveyor.worker.models.llama import LlamaForCausalLM, LlamaMLP, renamer
 
