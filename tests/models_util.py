@@ -24,6 +24,17 @@ PRESETS = {
     "qwen2": ("Qwen2Config", {"tie_word_embeddings": False, "rope_theta": 1e6}),
     "qwen3": ("Qwen3Config", {"tie_word_embeddings": True}),
     "mistral": ("MistralConfig", {"sliding_window": 8, "tie_word_embeddings": False}),
+    # Ministral: Mistral's window on the layers layer_types says slide (0 and 2 of 3)
+    "ministral": ("MinistralConfig", {"sliding_window": 8, "tie_word_embeddings": False,
+                                      "num_hidden_layers": 3,
+                                      "layer_types": ["sliding_attention", "full_attention",
+                                                      "sliding_attention"]}),
+    # Ministral 3: YaRN, queries scaled by 1 + 0.1 log(1 + floor(position / 4)) (a trained
+    # context of 4 positions, so that the tiny prompts pass several multiples of it)
+    "ministral3": ("Ministral3Config", {"tie_word_embeddings": False, "rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0, "beta_fast": 32.0,
+        "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4, "llama_4_scaling_beta": 0.1}}),
     # layers 1 and 3 of 4 without rotary embedding (NoPE)
     "smollm3": ("SmolLM3Config", {"num_hidden_layers": 4, "no_rope_layer_interval": 2,
                                   "pad_token_id": 0, "tie_word_embeddings": True}),

@@ -24,6 +24,9 @@ class StepContext:
     num_decodes: int = 0             # the first num_decodes sequences have one query token each
     decode_order: torch.Tensor | None = None   # [B] int32, decode-only steps: the sequences by
                                                # context length, longest first (attention's order)
+    # [T, 1, 1] float32, set by the model for its layers: each query token's factor (Llama 4's
+    # attention temperature by position, models/llama.py's query_temperature); None: 1
+    q_scale: torch.Tensor | None = None
 
     @property
     def block_size(self) -> int:

@@ -16,8 +16,8 @@ PROMPTS = [SHARED + [5, 100, 200, 31, 7, 99], SHARED + list(range(120, 141)), SH
 NEW_TOKENS, TOP = 16, 5
 
 
-@pytest.mark.parametrize("arch", ["mistral", "smollm3", "gemma", "gemma2", "gemma3", "phi3",
-                                  "qwen3-moe", "mixtral", "qwen2-moe", "glm4", "glm4-moe",
+@pytest.mark.parametrize("arch", ["mistral", "ministral3", "smollm3", "gemma", "gemma2", "gemma3",
+                                  "phi3", "qwen3-moe", "mixtral", "qwen2-moe", "glm4", "glm4-moe",
                                   "deepseek-v3", "deepseek-v2", "olmo2", "olmo3", "exaone4",
                                   "granite", "granite-moe-shared", "cohere2", "minimax-m2",
                                   "ernie4.5-moe", "olmoe", "hunyuan", "hunyuan-moe", "starcoder2",

@@ -78,12 +78,12 @@ def run_step(model, pool, tokens, work, num_decodes):
     return {sid: logits[end - n:end] for (sid, n), end in zip(work, rows)}
 
 
-ARCHS = ["llama", "llama-tied", "qwen2", "qwen3", "mistral", "smollm3", "gemma", "gemma2",
-         "gemma3", "phi3", "qwen3-moe", "qwen3-moe-unnormed", "mixtral", "qwen2-moe", "glm",
-         "glm4", "glm4-moe", "deepseek-v3", "deepseek-v2", "olmo2", "olmo3", "exaone4",
-         "seed-oss", "granite", "granite-moe", "granite-moe-shared", "cohere", "cohere2",
-         "minimax-m2", "ernie4.5", "ernie4.5-moe", "olmoe", "flex-olmo", "hunyuan",
-         "hunyuan-moe", "starcoder2", "arcee", "apertus", "gpt-oss"]
+ARCHS = ["llama", "llama-tied", "qwen2", "qwen3", "mistral", "ministral", "ministral3", "smollm3",
+         "gemma", "gemma2", "gemma3", "phi3", "qwen3-moe", "qwen3-moe-unnormed", "mixtral",
+         "qwen2-moe", "glm", "glm4", "glm4-moe", "deepseek-v3", "deepseek-v2", "olmo2", "olmo3",
+         "exaone4", "seed-oss", "granite", "granite-moe", "granite-moe-shared", "cohere", "cohere2",
+         "minimax-m2", "ernie4.5", "ernie4.5-moe", "olmoe", "flex-olmo", "hunyuan", "hunyuan-moe",
+         "starcoder2", "arcee", "apertus", "gpt-oss"]
 
 
 @pytest.fixture(scope="module")
@@ -189,6 +189,19 @@ MULTIMODAL = {
                  dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=2, image_size=28, patch_size=14, head_dim=16),
                  dict(image_token_index=500), "MistralForCausalLM"),
+    # Ministral 3 (3B/8B/14B, Devstral 2): Mistral 3's text_config of model_type ministral3,
+    # YaRN and the queries' scale by position (a trained context of 4 positions here)
+    "mistral3:ministral3": (
+        dict(model_type="ministral3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
+             bos_token_id=1, eos_token_id=2,
+             rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0,
+                              "beta_fast": 32.0, "beta_slow": 1.0,
+                              "original_max_position_embeddings": 4,
+                              "llama_4_scaling_beta": 0.1}),
+        dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+             num_attention_heads=2, image_size=28, patch_size=14, head_dim=16),
+        dict(image_token_index=500), "MistralForCausalLM"),
 }
 
 # Qwen3-VL-MoE: Qwen3-VL's model with experts in layers 0 and 2 (4 of width 48, 2 a token)
@@ -237,7 +250,7 @@ def _as_on_the_hub(kind: str, folder, text: dict) -> None:
 @pytest.mark.parametrize("kind,hub", [("gemma3", False), ("gemma3", True), ("qwen2_5_vl", False),
                                       ("qwen2_5_vl", True), ("qwen3_vl", False),
                                       ("qwen3_vl_moe", False), ("qwen3_vl_moe", True),
-                                      ("mistral3", False)])
+                                      ("mistral3", False), ("mistral3:ministral3", False)])
 def test_multimodal_checkpoint_serves_its_text(tmp_path, kind, hub):
     """gemma-3-4b/12b/27b, Qwen2.5-VL, Qwen3-VL (dense and MoE) and Mistral Small 3.x
     checkpoints, tiny ones made by transformers, served for their text: the language model's
@@ -248,7 +261,8 @@ def test_multimodal_checkpoint_serves_its_text(tmp_path, kind, hub):
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     text, vision, extra, arch = MULTIMODAL[kind]
-    cfg = AutoConfig.for_model(kind, text_config=text, vision_config=vision, **extra)
+    cfg = AutoConfig.for_model(kind.partition(":")[0], text_config=text, vision_config=vision,
+                               **extra)
     torch.manual_seed(0)
     ref = AutoModelForImageTextToText.from_config(cfg).eval()
     ref.save_pretrained(tmp_path)
@@ -257,7 +271,7 @@ def test_multimodal_checkpoint_serves_its_text(tmp_path, kind, hub):
     files = resolve_model(str(tmp_path))
     config = read_model_config(files)
     assert config.architecture == arch
-    assert kind == "gemma3" or config.rope_scaling is None        # no M-RoPE left
+    assert kind in ("gemma3", "mistral3:ministral3") or config.rope_scaling is None  # no M-RoPE
     ours = load_model(config, files, torch.float32, "cpu")
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 490, (21,), generator=gen).tolist() for _ in range(2)]

@@ -60,6 +60,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,      # Llama with sliding_window (llama.py)
+    "MinistralForCausalLM": LlamaForCausalLM,    # Mistral with layer_types
+    "Ministral3ForCausalLM": LlamaForCausalLM,   # YaRN, queries scaled by position (llama.py)
     "MixtralForCausalLM": MixtralForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "Olmo3ForCausalLM": Olmo2ForCausalLM,        # OLMo 2 with sliding layers (layer_types)

@@ -9,6 +9,7 @@ loader fills through `packed_modules`.
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -113,6 +114,8 @@ class LlamaAttention(nn.Module):
             k = apply_rotary(k, cos, sin, self.interleaved)
             if per_head and self.norm_after_rotary:
                 q, k = self.q_norm(q), self.k_norm(k)
+        if ctx.q_scale is not None:
+            q = q * ctx.q_scale.to(q.dtype)
         out = self.attn(q.view(t, -1), k, v, ctx, self.sinks)   # [T, heads * head_dim]
         return self.o_proj(out)
 
@@ -225,6 +228,9 @@ class LlamaModel(nn.Module):
         self.norm = (norm_class(config.hidden_size, config.rms_norm_eps, dtype) if stage().last
                      else None)
         self.nope = nope
+        self.temperature = query_temperature(config)
+        if self.temperature is not None and "module" in attention_options:
+            raise ValueError("llama_4_scaling_beta is supported with Llama's attention only")
 
     def forward(self, input_ids, positions, ctx, intermediate=None):
         """intermediate: the previous pipeline stage's (hidden, residual), in place of the
@@ -235,6 +241,10 @@ class LlamaModel(nn.Module):
                 x = x * self.embedding_multiplier
         else:
             x, residual = intermediate
+        if self.temperature is not None:
+            beta, period = self.temperature
+            scale = 1 + beta * torch.log1p(torch.floor(positions.float() / period))
+            ctx = replace(ctx, q_scale=scale[:, None, None])
         rope = self.rotary_emb(positions)                    # [T, head_dim / 2] each
         local = self.rotary_emb_local(positions) if self.local else rope
         # a NoPE layer rotates by nothing: cos 1, sin 0 (the fused q/k kernels stay one path)
@@ -245,6 +255,22 @@ class LlamaModel(nn.Module):
         if self.norm is None:
             return x, residual
         return self.norm(x, residual, reduce=self.layers_reduce)[0]
+
+
+def query_temperature(config: ModelConfig) -> tuple[float, int] | None:
+    """(beta, period) where the rotary parameters give `llama_4_scaling_beta` (Ministral 3,
+    Devstral 2): every query is multiplied by 1 + beta * log(1 + floor(position / period)),
+    period the rotary embedding's original_max_position_embeddings, so attention sharpens
+    past each multiple of the trained context (Llama 4's attention temperature tuning)."""
+    params = config.extra.get("rope_parameters") or config.extra.get("rope_scaling") or {}
+    beta = params.get("llama_4_scaling_beta")
+    if not beta:
+        return None
+    period = params.get("original_max_position_embeddings")
+    if not period:
+        raise ValueError("llama_4_scaling_beta needs the rotary parameters' "
+                         "original_max_position_embeddings")
+    return float(beta), int(period)
 
 
 # checkpoint module name -> (our fused module, shard id in it): q, k and v; the families whose
