@@ -97,6 +97,14 @@ PRESETS = {
         "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                             "original_max_position_embeddings": 32, "mscale": 0.7,
                             "mscale_all_dim": 0.7, "beta_fast": 32.0, "beta_slow": 1.0}}),
+    # GLM-4.7-Flash: V3's MLA and router, the dense layers listed (mlp_layer_types: 0 and 2
+    # of 3), the rotary halves not interleaved (published configs interleave, as V3's)
+    "glm4-moe-lite": ("Glm4MoeLiteConfig", {
+        "q_lora_rank": 48, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+        "num_key_value_heads": 4, "v_head_dim": 12, "n_routed_experts": 8,
+        "num_experts_per_tok": 3, "moe_intermediate_size": 24, "n_shared_experts": 1,
+        "routed_scaling_factor": 1.8, "num_hidden_layers": 3, "rope_interleave": False,
+        "mlp_layer_types": ["dense", "sparse", "dense"]}),
     # MLA without the q latent; softmax router over the best 2 of 4 groups by their best
     # expert, not renormalised, scaled by 1.5; 2 shared experts
     "deepseek-v2": ("DeepseekV2Config", {

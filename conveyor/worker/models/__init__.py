@@ -51,6 +51,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Glm4ForCausalLM": Glm4ForCausalLM,
     "GlmForCausalLM": GlmForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
+    "Glm4MoeLiteForCausalLM": DeepseekV3ForCausalLM,   # MLA (deepseek.py)
     "GptOssForCausalLM": GptOssForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
     "GraniteMoeForCausalLM": GraniteMoeForCausalLM,

@@ -1,5 +1,6 @@
 """DeepSeek-V2 and -V3 (`DeepseekV2ForCausalLM`: DeepSeek-V2, V2-Lite; `DeepseekV3ForCausalLM`:
-DeepSeek-V3, R1, Kimi-K2, Moonlight): multi-head latent attention (MLA), and after the first
+DeepSeek-V3, R1, Kimi-K2, Moonlight; `Glm4MoeLiteForCausalLM`: GLM-4.7-Flash, V3's layers with
+its dense ones listed in mlp_layer_types): multi-head latent attention (MLA), and after the first
 first_k_dense_replace dense layers a mixture of n_routed_experts experts of width
 moe_intermediate_size plus n_shared_experts shared ones every token runs (one MLP of their summed
 width). GLM-4.5's mixture (models/glm4_moe.py) is V3's.
@@ -13,7 +14,8 @@ value padded with zeros to it): exact, on the same attention kernels, for a pool
 num_heads x 2 x head_dim a token where the latent would take kv_lora_rank + qk_rope (the
 absorbed form, which keeps the latent in the pool, is not built). The checkpoint's rotary pairs
 are interleaved ((x0, x1), (x2, x3), ...): taken here as halves (evens, then odds) of q's and
-k's rotary features alike, which leaves their dot products as the model's. With YaRN the
+k's rotary features alike, which leaves their dot products as the model's (rope_interleave
+false: halves already, as Llama's). With YaRN the
 softmax scale takes mscale_all_dim's factor squared, as the reference does.
 
 Routers (layers/router.py): V3's sigmoid scores with a correction bias, the experts in n_group
@@ -59,6 +61,7 @@ class MlaAttention(nn.Module):
         self.nope, self.rope = e["qk_nope_head_dim"], e["qk_rope_head_dim"]
         self.v_dim, self.lora = e["v_head_dim"], e["kv_lora_rank"]
         self.qk = self.nope + self.rope
+        self.interleaved = bool(e.get("rope_interleave", True))
         if self.v_dim > self.qk:
             raise ValueError(f"v_head_dim {self.v_dim} is wider than a key ({self.qk})")
         q_lora = e.get("q_lora_rank")
@@ -111,8 +114,8 @@ class MlaAttention(nn.Module):
         latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.lora, self.rope], dim=-1)
         kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(t, self.heads, -1)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
-        q_rot = apply_rotary(q[..., self.nope:], cos, sin, interleaved=True)
-        k_rot = apply_rotary(k_rot.view(t, 1, self.rope), cos, sin, interleaved=True)
+        q_rot = apply_rotary(q[..., self.nope:], cos, sin, self.interleaved)
+        k_rot = apply_rotary(k_rot.view(t, 1, self.rope), cos, sin, self.interleaved)
         q = torch.cat((q[..., :self.nope], q_rot), dim=-1)
         k = torch.cat((k_nope, k_rot.expand(t, self.heads, self.rope)), dim=-1)
         v = F.pad(v, (0, self.qk - self.v_dim))
@@ -180,8 +183,9 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
     @classmethod
     def make_mlp(cls, config: ModelConfig, layer_idx: int, dtype: torch.dtype) -> nn.Module:
         e = config.extra
-        if (layer_idx < (e.get("first_k_dense_replace") or 0)
-                or layer_idx % (e.get("moe_layer_freq") or 1)):
+        if ((e["mlp_layer_types"][layer_idx] == "dense") if e.get("mlp_layer_types") else
+                (layer_idx < (e.get("first_k_dense_replace") or 0)
+                 or layer_idx % (e.get("moe_layer_freq") or 1))):
             return LlamaMLP(config, dtype)
         return DeepseekMoeBlock(config, dtype, cls.softmax_router)
 
