@@ -4,12 +4,13 @@ other's top k)."""
 import torch
 
 
-def hf_greedy_with_tops(path, prompts: list[list[int]], new_tokens: int, top: int) -> list:
-    """(tokens, [top-k ids of each step]) per prompt, from transformers in bf16 on the GPU; its
-    memory is given back before this returns."""
+def hf_greedy_with_tops(path, prompts: list[list[int]], new_tokens: int, top: int,
+                        dtype: torch.dtype = torch.bfloat16) -> list:
+    """(tokens, [top-k ids of each step]) per prompt, from transformers in `dtype` on the GPU;
+    its memory is given back before this returns."""
     from transformers import AutoModelForCausalLM
 
-    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).cuda().eval()
     hf = []
     with torch.inference_mode():
         for p in prompts:

@@ -142,8 +142,12 @@ PRESETS = {
                                   "pad_token_id": 0}),
     # q/k norms over all heads, rotary over 8 of 16 features (the checkpoint's rotary_dim);
     # 8 experts of width 24, 3 a token, by sigmoid scores with a correction bias
+    # (the factor given too: transformers before 5.25 ignores rotary_dim and rotated all 16)
     "minimax-m2": ("MiniMaxM2Config", {"num_local_experts": 8, "num_experts_per_tok": 3,
                                        "intermediate_size": 24, "rotary_dim": 8,
+                                       "rope_parameters": {"rope_type": "default",
+                                                           "rope_theta": 5e6,
+                                                           "partial_rotary_factor": 0.5},
                                        "tie_word_embeddings": False}),
     # interleaved rotary pairs; the MoE variant: layers 1 and 2 of 3 with 6 experts of width
     # 24, 2 a token, by softmax scores with a correction bias, and one shared expert

@@ -6,6 +6,7 @@ rounded to e4m3 per token (scale = the token's amax / 448), as the format's dyna
 scheme says; int8 runs W8A16 here (activations unrounded), so its reference rounds nothing.
 """
 import json
+import math
 import shutil
 
 import pytest
@@ -343,20 +344,67 @@ def test_moe_block_checkpoint_on_the_gpu_stays_close_to_the_cpu(tiny_moe, tmp_pa
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("fmt", ["gptq8", "w4a16"])
-def test_gptq8_and_w4a16_checkpoints_on_the_gpu_stay_close_to_the_cpu(tiny_moe, tmp_path, fmt):
+def test_gptq8_and_w4a16_checkpoints_on_the_gpu_stay_close_to_the_cpu(tiny_moe, tmp_path, fmt,
+                                                                     monkeypatch):
     """8-bit GPTQ (int8 with a scale a group of 32, dense layers and experts) and
-    compressed-tensors W4A16 through the GPU kernels: the top-5 rule against the CPU run."""
+    compressed-tensors W4A16 through the GPU kernels: the top-5 rule against the CPU run.
+
+    W4A16 (asymmetric, groups of 32): every 4-bit kernel call the engine makes outside a CUDA
+    graph capture (the prefills, eager steps) is checked against its torch reference on the
+    same inputs, within two ulps of the output's largest value; the tokens against the CPU's
+    by the top-10 rule. Those calls are as close as bf16 can make them (one ulp at most on an
+    H100, 2026-12-05), yet this tiny model's first token is 13 on the GPU and 43 on the CPU
+    in bf16 and in float16 alike, 13 being the CPU's sixth: its random routers flip an expert
+    choice at that token, where the top-5 rule, meant for one model's rounding, fails."""
     from int4_util import write_gptq8, write_w4a16
 
     if fmt == "gptq8":
         write_gptq8(tiny_moe, tmp_path / "q", tmp_path / "ref", BLOCK)
-    else:
-        write_w4a16(tiny_moe, tmp_path / "q", tmp_path / "ref", BLOCK, symmetric=False)
-    gpu_close_to_cpu(tmp_path / "q")
+        gpu_close_to_cpu(tmp_path / "q")
+        return
+    write_w4a16(tiny_moe, tmp_path / "q", tmp_path / "ref", BLOCK, symmetric=False)
+    errors = _int4_kernel_errors(monkeypatch)
+    gpu_close_to_cpu(tmp_path / "q", top=10)
+    assert {kind for kind, _, _ in errors} == {"linear", "moe"}
+    for kind, err, scale in errors:
+        ulp = 2.0 ** (math.ceil(math.log2(max(scale, 1e-30))) - 7)        # bf16's at the max
+        assert err <= 2 * ulp, (kind, err, scale)
 
 
-def gpu_close_to_cpu(folder) -> None:
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
+def _int4_kernel_errors(monkeypatch) -> list[tuple[str, float, float]]:
+    """Wrap the W4A16 GEMM and the fused-MoE kernel so that each call outside a CUDA graph
+    capture records (kind, max |kernel - reference|, max |reference|)."""
+    from conveyor.kernels import fused_moe as fm
+    from conveyor.kernels import w4a16_gemm as wg
+
+    errors = []
+
+    def record(kind, got, want):
+        if not torch.cuda.is_current_stream_capturing():
+            errors.append((kind, float((got.float() - want.float()).abs().max()),
+                           float(want.float().abs().max())))
+
+    gemm, moe = wg.w4a16_gemm, fm.fused_moe
+
+    def checked_gemm(x, qweight, scale, zero, bias=None, perm=None):
+        y = gemm(x, qweight, scale, zero, bias, perm)
+        if not torch.cuda.is_current_stream_capturing():
+            record("linear", y, wg.w4a16_ref(x, qweight, scale, zero, bias, perm))
+        return y
+
+    def checked_moe(x, w13, w2, weights, ids, tiles=None, *scales, **extra):
+        y = moe(x, w13, w2, weights, ids, tiles, *scales, **extra)
+        if not torch.cuda.is_current_stream_capturing():
+            record("moe", y, fm.fused_moe_ref(x, w13, w2, weights, ids, *scales, **extra))
+        return y
+
+    monkeypatch.setattr(wg, "w4a16_gemm", checked_gemm)
+    monkeypatch.setattr(fm, "fused_moe", checked_moe)
+    return errors
+
+
+def gpu_close_to_cpu(folder, top: int = 5) -> None:
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=top)
     cpu = LLM(model=str(folder), device="cpu", **ENGINE)
     gpu = LLM(model=str(folder), device="cuda", gpu_memory_utilization=0.3, **ENGINE)
     for prompts in (PROMPTS, PROMPTS[:1]):
