@@ -111,6 +111,9 @@ TEXT_OF_MULTIMODAL = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", _G
                       "Qwen3VLMoeForConditionalGeneration": ("Qwen3MoeForCausalLM",
                                                              {"norm_topk_prob": True}),
                       "Mistral3ForConditionalGeneration": ("MistralForCausalLM", {})}
+# a multimodal class whose language model varies: its text_config's model_type -> the
+# architecture (Mistral 3's is Mistral's, or Mistral Small 4's MLA and experts)
+_TEXT_ARCH_BY_TYPE = {"mistral4": "Mistral4ForCausalLM"}
 # what a multimodal config says at its top level for the whole model, the text part included
 _WHOLE_MODEL_KEYS = ("eos_token_id", "bos_token_id", "pad_token_id", "quantization_config",
                      "tie_word_embeddings")
@@ -122,6 +125,7 @@ def text_part(cfg: dict[str, Any]) -> dict[str, Any]:
     and the class's defaults. Qwen2/3-VL's M-RoPE (interleaved or not) is the plain rotation
     for text: a text token has one position in all three of its sections."""
     arch, defaults = TEXT_OF_MULTIMODAL[cfg["architectures"][0]]
+    arch = _TEXT_ARCH_BY_TYPE.get((cfg.get("text_config") or {}).get("model_type"), arch)
     top = {k: v for k, v in cfg.items() if k not in ("text_config", "vision_config")}
     text = {**defaults, **top, **(cfg.get("text_config") or {}),
             **{k: cfg[k] for k in _WHOLE_MODEL_KEYS if k in cfg}, "architectures": [arch],

@@ -25,7 +25,8 @@ class StepContext:
     decode_order: torch.Tensor | None = None   # [B] int32, decode-only steps: the sequences by
                                                # context length, longest first (attention's order)
     # [T, 1, 1] float32, set by the model for its layers: each query token's factor (Llama 4's
-    # attention temperature by position, models/llama.py's query_temperature); None: 1
+    # attention temperature by position, models/llama.py's query_temperature; the attention
+    # modules multiply their queries by it); None: 1
     q_scale: torch.Tensor | None = None
 
     @property

@@ -202,6 +202,24 @@ MULTIMODAL = {
         dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
              num_attention_heads=2, image_size=28, patch_size=14, head_dim=16),
         dict(image_token_index=500), "MistralForCausalLM"),
+    # Mistral Small 4: DeepSeek-V3's MLA with softmax scores (no bias) ranked in 4 groups by
+    # their best two (2 eligible), 3 experts a token of 8, renormalised and scaled; YaRN, and
+    # the queries scaled by position past each 4
+    "mistral3:mistral4": (
+        dict(model_type="mistral4", hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+             num_attention_heads=4, num_key_value_heads=4, vocab_size=512, bos_token_id=1,
+             eos_token_id=2, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16,
+             qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, num_experts_per_tok=3,
+             n_group=4, topk_group=2, moe_intermediate_size=24, n_shared_experts=1,
+             first_k_dense_replace=1, routed_scaling_factor=1.5, max_position_embeddings=256,
+             initializer_range=0.2,
+             rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                              "original_max_position_embeddings": 4, "mscale": 1.0,
+                              "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                              "llama_4_scaling_beta": 0.1}),
+        dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+             num_attention_heads=2, image_size=28, patch_size=14, head_dim=16),
+        dict(image_token_index=500), "Mistral4ForCausalLM"),
 }
 
 # Qwen3-VL-MoE: Qwen3-VL's model with experts in layers 0 and 2 (4 of width 48, 2 a token)
@@ -250,7 +268,8 @@ def _as_on_the_hub(kind: str, folder, text: dict) -> None:
 @pytest.mark.parametrize("kind,hub", [("gemma3", False), ("gemma3", True), ("qwen2_5_vl", False),
                                       ("qwen2_5_vl", True), ("qwen3_vl", False),
                                       ("qwen3_vl_moe", False), ("qwen3_vl_moe", True),
-                                      ("mistral3", False), ("mistral3:ministral3", False)])
+                                      ("mistral3", False), ("mistral3:ministral3", False),
+                                      ("mistral3:mistral4", False)])
 def test_multimodal_checkpoint_serves_its_text(tmp_path, kind, hub):
     """gemma-3-4b/12b/27b, Qwen2.5-VL, Qwen3-VL (dense and MoE) and Mistral Small 3.x
     checkpoints, tiny ones made by transformers, served for their text: the language model's
@@ -271,7 +290,7 @@ def test_multimodal_checkpoint_serves_its_text(tmp_path, kind, hub):
     files = resolve_model(str(tmp_path))
     config = read_model_config(files)
     assert config.architecture == arch
-    assert kind in ("gemma3", "mistral3:ministral3") or config.rope_scaling is None  # no M-RoPE
+    assert kind.startswith(("gemma3", "mistral3:")) or config.rope_scaling is None  # no M-RoPE
     ours = load_model(config, files, torch.float32, "cpu")
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 490, (21,), generator=gen).tolist() for _ in range(2)]

@@ -7,7 +7,8 @@ graphs capture), for FusedMoE to run (kernels/fused_moe.py).
 correction bias added for the choice only, the experts in n_group groups of which the
 topk_group with the best two-expert sums are eligible, the top K of those weighted by their
 unbiased scores (renormalised where the model does), times routed_scaling_factor; or
-DeepSeek-V2's: softmax scores, no bias, groups ranked by their best expert.
+DeepSeek-V2's: softmax scores, no bias, groups ranked by their best expert; or Mistral Small
+4's: softmax scores, no bias, groups ranked by their best two as V3's.
 """
 from __future__ import annotations
 
@@ -35,16 +36,20 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtyp
 
 def route_grouped(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, n_group: int,
                   topk_group: int, renormalize: bool, scale: float, dtype: torch.dtype,
-                  softmax: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                  softmax: bool = False, group_top2: bool | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Float32 router logits [T, E] and the correction bias [E] (or None) -> (weights, ids)
-    as `route` gives them, by the module docstring's grouped schemes (softmax: V2's)."""
+    as `route` gives them, by the module docstring's grouped schemes (softmax: V2's; groups
+    ranked by their best two experts where group_top2 says, by default with sigmoid scores)."""
     t, e = logits.shape
     scores = logits.softmax(dim=-1) if softmax else logits.sigmoid()
     choice = scores if bias is None else scores + bias
+    if group_top2 is None:
+        group_top2 = not softmax
     if topk_group < n_group:
         groups = choice.view(t, n_group, e // n_group)
-        group_scores = (groups.amax(-1) if softmax
-                        else groups.topk(2, dim=-1).values.sum(-1))      # [T, n_group]
+        group_scores = (groups.topk(2, dim=-1).values.sum(-1) if group_top2
+                        else groups.amax(-1))                              # [T, n_group]
         best = group_scores.topk(topk_group, dim=-1, sorted=False).indices
         eligible = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
         choice = groups.masked_fill(~eligible[:, :, None], float("-inf")).view(t, e)
@@ -64,15 +69,16 @@ class GroupedTopKRouter(nn.Module):
 
     def __init__(self, num_experts: int, hidden_size: int, top_k: int, n_group: int,
                  topk_group: int, renormalize: bool, scale: float, softmax: bool = False,
-                 bias: bool | None = None):
+                 bias: bool | None = None, group_top2: bool | None = None):
         """bias: whether the choice adds a correction bias (default: with sigmoid scores only;
-        ERNIE 4.5 adds one to softmax scores)."""
+        ERNIE 4.5 adds one to softmax scores); group_top2: see route_grouped."""
         super().__init__()
         if num_experts % n_group or num_experts // n_group < 2 or topk_group > n_group:
             raise ValueError(f"{num_experts} experts do not split into {n_group} groups of at "
                              f"least 2 with {topk_group} of them chosen")
         self.top_k, self.n_group, self.topk_group = top_k, n_group, topk_group
         self.renormalize, self.scale, self.softmax = renormalize, scale, softmax
+        self.group_top2 = group_top2
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32),
                                    requires_grad=False)
         if bias is None:
@@ -84,4 +90,4 @@ class GroupedTopKRouter(nn.Module):
         logits = F.linear(x.float(), self.weight)
         return route_grouped(logits, self.e_score_correction_bias, self.top_k, self.n_group,
                              self.topk_group, self.renormalize, self.scale, x.dtype,
-                             self.softmax)
+                             self.softmax, self.group_top2)

@@ -9,7 +9,11 @@ from torch import nn
 from conveyor.worker.models.apertus import ApertusForCausalLM
 from conveyor.worker.models.arcee import ArceeForCausalLM
 from conveyor.worker.models.cohere import CohereForCausalLM
-from conveyor.worker.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from conveyor.worker.models.deepseek import (
+    DeepseekV2ForCausalLM,
+    DeepseekV3ForCausalLM,
+    Mistral4ForCausalLM,
+)
 from conveyor.worker.models.ernie4_5 import Ernie4_5ForCausalLM
 from conveyor.worker.models.exaone4 import Exaone4ForCausalLM
 from conveyor.worker.models.gemma import GemmaForCausalLM
@@ -63,6 +67,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": LlamaForCausalLM,      # Llama with sliding_window (llama.py)
     "MinistralForCausalLM": LlamaForCausalLM,    # Mistral with layer_types
     "Ministral3ForCausalLM": LlamaForCausalLM,   # YaRN, queries scaled by position (llama.py)
+    "Mistral4ForCausalLM": Mistral4ForCausalLM,  # MLA and experts (deepseek.py)
     "MixtralForCausalLM": MixtralForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "Olmo3ForCausalLM": Olmo2ForCausalLM,        # OLMo 2 with sliding layers (layer_types)

@@ -1,9 +1,10 @@
 """DeepSeek-V2 and -V3 (`DeepseekV2ForCausalLM`: DeepSeek-V2, V2-Lite; `DeepseekV3ForCausalLM`:
 DeepSeek-V3, R1, Kimi-K2, Moonlight; `Glm4MoeLiteForCausalLM`: GLM-4.7-Flash, V3's layers with
-its dense ones listed in mlp_layer_types): multi-head latent attention (MLA), and after the first
-first_k_dense_replace dense layers a mixture of n_routed_experts experts of width
-moe_intermediate_size plus n_shared_experts shared ones every token runs (one MLP of their summed
-width). GLM-4.5's mixture (models/glm4_moe.py) is V3's.
+its dense ones listed in mlp_layer_types; `Mistral4ForCausalLM`: Mistral Small 4, below):
+multi-head latent attention (MLA), and after the first first_k_dense_replace dense layers a
+mixture of n_routed_experts experts of width moe_intermediate_size plus n_shared_experts shared
+ones every token runs (one MLP of their summed width). GLM-4.5's mixture (models/glm4_moe.py)
+is V3's.
 
 MLA: each head's query from the hidden state (q_proj, or the low-rank q_a_proj, q_a_layernorm,
 q_b_proj), qk_nope_head_dim features without the rotary embedding and qk_rope_head_dim with it;
@@ -43,7 +44,7 @@ from conveyor.worker.layers.linear import (
     ReplicatedLinear,
     RowParallelLinear,
 )
-from conveyor.worker.layers.moe import FusedMoE
+from conveyor.worker.layers.moe import FusedMoE, per_expert
 from conveyor.worker.layers.norm import RMSNorm
 from conveyor.worker.layers.parallel import divide, tp_size
 from conveyor.worker.layers.rotary import RotaryEmbedding, apply_rotary
@@ -117,6 +118,8 @@ class MlaAttention(nn.Module):
         q_rot = apply_rotary(q[..., self.nope:], cos, sin, self.interleaved)
         k_rot = apply_rotary(k_rot.view(t, 1, self.rope), cos, sin, self.interleaved)
         q = torch.cat((q[..., :self.nope], q_rot), dim=-1)
+        if ctx.q_scale is not None:                     # Mistral Small 4's, by position
+            q = q * ctx.q_scale.to(q.dtype)
         k = torch.cat((k_nope, k_rot.expand(t, self.heads, self.rope)), dim=-1)
         v = F.pad(v, (0, self.qk - self.v_dim))
         out = self.attn(q.reshape(t, -1), k, v, ctx).view(t, self.heads, self.qk)
@@ -126,12 +129,13 @@ class MlaAttention(nn.Module):
 class DeepseekMoeBlock(nn.Module):
     """The router (`gate`), the routed experts and the shared ones (`shared_experts`). An
     expert's width is moe_intermediate_size, else (MiniMax-M2's) intermediate_size; ERNIE 4.5
-    names its counts moe_num_experts, moe_k and moe_num_shared_experts. bias: see
+    names its counts moe_num_experts, moe_k and moe_num_shared_experts. bias, group_top2: see
     GroupedTopKRouter; renormalize: the chosen experts' weights to sum to 1 (default:
     norm_topk_prob, else with sigmoid scores only)."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, softmax: bool = False,
-                 bias: bool | None = None, renormalize: bool | None = None):
+                 bias: bool | None = None, renormalize: bool | None = None,
+                 group_top2: bool | None = None):
         super().__init__()
         e = config.extra
         experts = e.get("n_routed_experts") or e.get("num_local_experts") or e["moe_num_experts"]
@@ -140,11 +144,11 @@ class DeepseekMoeBlock(nn.Module):
         if renormalize is None:
             renormalize = bool(e.get("norm_topk_prob", not softmax))
         n_group, topk_group = e.get("n_group") or 1, e.get("topk_group") or 1
-        if softmax and e.get("topk_method", "greedy") == "greedy":
-            n_group = topk_group = 1
+        if softmax and not group_top2 and e.get("topk_method", "greedy") == "greedy":
+            n_group = topk_group = 1                    # V2's greedy: no groups
         self.gate = GroupedTopKRouter(experts, config.hidden_size, top_k, n_group, topk_group,
                                       renormalize, float(e.get("routed_scaling_factor") or 1.0),
-                                      softmax, bias)
+                                      softmax, bias, group_top2)
         self.experts = FusedMoE(experts, top_k, config.hidden_size, width, renormalize, dtype)
         shared = e.get("n_shared_experts") or e.get("moe_num_shared_experts") or 0
         self.shared_experts = LlamaMLP(config, dtype, width * shared) if shared else None
@@ -170,6 +174,7 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
     # q, k and v are MLA's own projections: only the MLPs' gate and up are fused
     packed_modules = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
     softmax_router = False
+    group_top2 = None                    # GroupedTopKRouter's (None: as the scores say)
 
     @staticmethod
     def attention_options(config: ModelConfig) -> dict:
@@ -187,7 +192,7 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
                 (layer_idx < (e.get("first_k_dense_replace") or 0)
                  or layer_idx % (e.get("moe_layer_freq") or 1))):
             return LlamaMLP(config, dtype)
-        return DeepseekMoeBlock(config, dtype, cls.softmax_router)
+        return DeepseekMoeBlock(config, dtype, cls.softmax_router, group_top2=cls.group_top2)
 
     def convert_weights(self, weights):
         return without_mtp_layers(weights, self.config.num_hidden_layers)
@@ -195,3 +200,20 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
 
 class DeepseekV2ForCausalLM(DeepseekV3ForCausalLM):
     softmax_router = True
+
+
+class Mistral4ForCausalLM(DeepseekV3ForCausalLM):
+    """Mistral Small 4: V3's layers with V2's softmax scores (no bias) ranked in groups by
+    their best two, and each query scaled by position (llama_4_scaling_beta, LlamaModel)."""
+    softmax_router = True
+    group_top2 = True
+
+    def convert_weights(self, weights):
+        """Experts stacked as transformers saves them ([E, rows, inputs]) split per expert."""
+        def split():
+            for name, tensor in weights:
+                if name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
+                    yield from per_expert(name, tensor)
+                else:
+                    yield name, tensor
+        return super().convert_weights(split())

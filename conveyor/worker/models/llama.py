@@ -229,8 +229,6 @@ class LlamaModel(nn.Module):
                      else None)
         self.nope = nope
         self.temperature = query_temperature(config)
-        if self.temperature is not None and "module" in attention_options:
-            raise ValueError("llama_4_scaling_beta is supported with Llama's attention only")
 
     def forward(self, input_ids, positions, ctx, intermediate=None):
         """intermediate: the previous pipeline stage's (hidden, residual), in place of the
@@ -259,9 +257,10 @@ class LlamaModel(nn.Module):
 
 def query_temperature(config: ModelConfig) -> tuple[float, int] | None:
     """(beta, period) where the rotary parameters give `llama_4_scaling_beta` (Ministral 3,
-    Devstral 2): every query is multiplied by 1 + beta * log(1 + floor(position / period)),
-    period the rotary embedding's original_max_position_embeddings, so attention sharpens
-    past each multiple of the trained context (Llama 4's attention temperature tuning)."""
+    Devstral 2, Mistral Small 4): every query is multiplied by 1 + beta * log(1 +
+    floor(position / period)), period the rotary embedding's original_max_position_embeddings,
+    so attention sharpens past each multiple of the trained context (Llama 4's attention
+    temperature tuning)."""
     params = config.extra.get("rope_parameters") or config.extra.get("rope_scaling") or {}
     beta = params.get("llama_4_scaling_beta")
     if not beta:
