@@ -157,6 +157,9 @@ def test_greedy_tokens_match_transformers(tiny_models, arch):
 
 # tiny multimodal models by transformers: (model_type, text_config, vision_config, other keys,
 # the text architecture conveyor serves)
+# Mistral 3's vision tower (Pixtral), the same for each of its text models
+_PIXTRAL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                image_size=28, patch_size=14, head_dim=16)
 MULTIMODAL = {
     "gemma3": (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                     num_attention_heads=2, num_key_value_heads=1, head_dim=32, vocab_size=512,
@@ -186,9 +189,7 @@ MULTIMODAL = {
     "mistral3": (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
                       bos_token_id=1, eos_token_id=2, sliding_window=8),
-                 dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=2, image_size=28, patch_size=14, head_dim=16),
-                 dict(image_token_index=500), "MistralForCausalLM"),
+                 _PIXTRAL, dict(image_token_index=500), "MistralForCausalLM"),
     # Ministral 3 (3B/8B/14B, Devstral 2): Mistral 3's text_config of model_type ministral3,
     # YaRN and the queries' scale by position (a trained context of 4 positions here)
     "mistral3:ministral3": (
@@ -199,9 +200,7 @@ MULTIMODAL = {
                               "beta_fast": 32.0, "beta_slow": 1.0,
                               "original_max_position_embeddings": 4,
                               "llama_4_scaling_beta": 0.1}),
-        dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-             num_attention_heads=2, image_size=28, patch_size=14, head_dim=16),
-        dict(image_token_index=500), "MistralForCausalLM"),
+        _PIXTRAL, dict(image_token_index=500), "MistralForCausalLM"),
     # Mistral Small 4: DeepSeek-V3's MLA with softmax scores (no bias) ranked in 4 groups by
     # their best two (2 eligible), 3 experts a token of 8, renormalised and scaled; YaRN, and
     # the queries scaled by position past each 4
@@ -217,9 +216,7 @@ MULTIMODAL = {
                               "original_max_position_embeddings": 4, "mscale": 1.0,
                               "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0,
                               "llama_4_scaling_beta": 0.1}),
-        dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-             num_attention_heads=2, image_size=28, patch_size=14, head_dim=16),
-        dict(image_token_index=500), "Mistral4ForCausalLM"),
+        _PIXTRAL, dict(image_token_index=500), "Mistral4ForCausalLM"),
 }
 
 # Qwen3-VL-MoE: Qwen3-VL's model with experts in layers 0 and 2 (4 of width 48, 2 a token)
