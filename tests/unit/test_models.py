@@ -155,11 +155,12 @@ def test_greedy_tokens_match_transformers(tiny_models, arch):
     assert got == hf_greedy(ref, prompts, 12)
 
 
-# tiny multimodal models by transformers: (model_type, text_config, vision_config, other keys,
-# the text architecture conveyor serves)
 # Mistral 3's vision tower (Pixtral), the same for each of its text models
 _PIXTRAL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                 image_size=28, patch_size=14, head_dim=16)
+# tiny multimodal models by transformers: model_type (":" and the text model's where one
+# class takes several) -> (text_config, vision_config, other keys, the text architecture
+# conveyor serves)
 MULTIMODAL = {
     "gemma3": (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                     num_attention_heads=2, num_key_value_heads=1, head_dim=32, vocab_size=512,
