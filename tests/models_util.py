@@ -105,6 +105,13 @@ PRESETS = {
         "num_experts_per_tok": 3, "moe_intermediate_size": 24, "n_shared_experts": 1,
         "routed_scaling_factor": 1.8, "num_hidden_layers": 3, "rope_interleave": False,
         "mlp_layer_types": ["dense", "sparse", "dense"]}),
+    # dots.llm1: Qwen3's attention, V3's experts after one dense layer (8 of width 24, 3 a
+    # token from the best 2 of 4 groups, a shared one); layer 2 slides (max_window_layers)
+    "dots1": ("Dots1Config", {
+        "n_routed_experts": 8, "num_experts_per_tok": 3, "n_group": 4, "topk_group": 2,
+        "moe_intermediate_size": 24, "n_shared_experts": 1, "first_k_dense_replace": 1,
+        "norm_topk_prob": True, "routed_scaling_factor": 2.0, "num_hidden_layers": 3,
+        "sliding_window": 8, "max_window_layers": 2, "tie_word_embeddings": False}),
     # MLA without the q latent; softmax router over the best 2 of 4 groups by their best
     # expert, not renormalised, scaled by 1.5; 2 shared experts
     "deepseek-v2": ("DeepseekV2Config", {

@@ -159,7 +159,8 @@ _WINDOW_PERIODS = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6, "GptOssForCau
 
 def layer_windows(cfg: dict[str, Any], arch: str) -> tuple[int, ...]:
     """Each layer's attention window (0: full), from `sliding_window` and `layer_types` (or the
-    family's pattern); Qwen2's `use_sliding_window: false` turns the window off."""
+    family's pattern, or Qwen2's and dots.llm1's rule: the layers from `max_window_layers` on
+    slide); Qwen2's `use_sliding_window: false` turns the window off."""
     window = cfg.get("sliding_window")
     layers = cfg["num_hidden_layers"]
     if not window or cfg.get("use_sliding_window", True) is False:
@@ -168,6 +169,9 @@ def layer_windows(cfg: dict[str, Any], arch: str) -> tuple[int, ...]:
     if types is None and arch in _WINDOW_PERIODS:
         period = cfg.get("sliding_window_pattern") or _WINDOW_PERIODS[arch]
         types = ["full_attention" if (i + 1) % period == 0 else "sliding_attention"
+                 for i in range(layers)]
+    elif types is None and cfg.get("max_window_layers") is not None:
+        types = ["sliding_attention" if i >= cfg["max_window_layers"] else "full_attention"
                  for i in range(layers)]
     if types is None:
         return (int(window),) * layers

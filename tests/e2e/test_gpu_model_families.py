@@ -21,15 +21,15 @@ NEW_TOKENS, TOP = 16, 5
 # choice is another MLP for that token. On an H100 (2026-12-05) glm4-moe and glm4-moe-lite
 # failed the top-5 rule in bf16 and passed in float16, as did MiniMax-M2, DeepSeek-V3 and
 # Qwen3-MoE. gpt-oss keeps bf16, its checkpoints' dtype.
-FLOAT16 = {"qwen3-moe", "mixtral", "qwen2-moe", "glm4-moe", "glm4-moe-lite", "deepseek-v3",
-           "deepseek-v2", "granite-moe-shared", "minimax-m2", "ernie4.5-moe", "olmoe",
-           "hunyuan-moe"}
+FLOAT16 = {"qwen3-moe", "mixtral", "qwen2-moe", "glm4-moe", "glm4-moe-lite", "dots1",
+           "deepseek-v3", "deepseek-v2", "granite-moe-shared", "minimax-m2", "ernie4.5-moe",
+           "olmoe", "hunyuan-moe"}
 
 
 @pytest.mark.parametrize("arch", ["mistral", "ministral3", "smollm3", "gemma", "gemma2", "gemma3",
                                   "phi3", "qwen3-moe", "mixtral", "qwen2-moe", "glm4", "glm4-moe",
-                                  "deepseek-v3", "glm4-moe-lite", "deepseek-v2", "olmo2", "olmo3",
-                                  "exaone4", "granite", "granite-moe-shared", "cohere2",
+                                  "deepseek-v3", "glm4-moe-lite", "dots1", "deepseek-v2", "olmo2",
+                                  "olmo3", "exaone4", "granite", "granite-moe-shared", "cohere2",
                                   "minimax-m2", "ernie4.5-moe", "olmoe", "hunyuan", "hunyuan-moe",
                                   "starcoder2", "apertus", "gpt-oss"])
 def test_family_on_the_gpu_matches_transformers(arch, tmp_path):

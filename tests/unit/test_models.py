@@ -80,10 +80,11 @@ def run_step(model, pool, tokens, work, num_decodes):
 
 ARCHS = ["llama", "llama-tied", "qwen2", "qwen3", "mistral", "ministral", "ministral3", "smollm3",
          "gemma", "gemma2", "gemma3", "phi3", "qwen3-moe", "qwen3-moe-unnormed", "mixtral",
-         "qwen2-moe", "glm", "glm4", "glm4-moe", "deepseek-v3", "glm4-moe-lite", "deepseek-v2",
-         "olmo2", "olmo3", "exaone4", "seed-oss", "granite", "granite-moe", "granite-moe-shared",
-         "cohere", "cohere2", "minimax-m2", "ernie4.5", "ernie4.5-moe", "olmoe", "flex-olmo",
-         "hunyuan", "hunyuan-moe", "starcoder2", "arcee", "apertus", "gpt-oss"]
+         "qwen2-moe", "glm", "glm4", "glm4-moe", "deepseek-v3", "glm4-moe-lite", "dots1",
+         "deepseek-v2", "olmo2", "olmo3", "exaone4", "seed-oss", "granite", "granite-moe",
+         "granite-moe-shared", "cohere", "cohere2", "minimax-m2", "ernie4.5", "ernie4.5-moe",
+         "olmoe", "flex-olmo", "hunyuan", "hunyuan-moe", "starcoder2", "arcee", "apertus",
+         "gpt-oss"]
 
 
 @pytest.fixture(scope="module")
@@ -366,6 +367,22 @@ def test_minimax_m2_published_config_rotates_rotary_dim_features(tmp_path):
     config = read_model_config(resolve_model(str(path)))
     model = load_model(config, resolve_model(str(path)), torch.float32, "cpu")
     assert model.model.rotary_emb.cos.shape[-1] == cfg["rotary_dim"] // 2
+
+
+@pytest.mark.parametrize("arch", ["dots1", "qwen2"])
+def test_windows_without_layer_types_follow_max_window_layers(tmp_path, arch):
+    """A config.json without layer_types (as published): the layers from max_window_layers on
+    slide, the ones before see everything, as transformers' own layer_types say."""
+    import json
+
+    from conveyor.shared.model_config import layer_windows
+
+    extra = {} if arch == "dots1" else {"use_sliding_window": True, "sliding_window": 8,
+                                         "max_window_layers": 1}
+    cfg = json.loads((make_tiny_model(arch, tmp_path / "m", **extra) / "config.json").read_text())
+    want = tuple(8 if t == "sliding_attention" else 0 for t in cfg.pop("layer_types"))
+    assert 0 in want and 8 in want
+    assert layer_windows(cfg, cfg["architectures"][0]) == want
 
 
 def test_a_mistral_repository_loads_its_hugging_face_files_only(tmp_path):

@@ -14,6 +14,7 @@ from conveyor.worker.models.deepseek import (
     DeepseekV3ForCausalLM,
     Mistral4ForCausalLM,
 )
+from conveyor.worker.models.dots1 import Dots1ForCausalLM
 from conveyor.worker.models.ernie4_5 import Ernie4_5ForCausalLM
 from conveyor.worker.models.exaone4 import Exaone4ForCausalLM
 from conveyor.worker.models.gemma import GemmaForCausalLM
@@ -45,6 +46,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "CohereForCausalLM": CohereForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "Dots1ForCausalLM": Dots1ForCausalLM,
     "Ernie4_5ForCausalLM": Ernie4_5ForCausalLM,
     "Ernie4_5_MoeForCausalLM": Ernie4_5ForCausalLM,   # experts from moe_layer_start_index
     "Exaone4ForCausalLM": Exaone4ForCausalLM,
