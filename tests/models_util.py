@@ -35,6 +35,9 @@ PRESETS = {
         "rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0, "beta_fast": 32.0,
         "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
         "original_max_position_embeddings": 4, "llama_4_scaling_beta": 0.1}}),
+    # EXAONE 3.x: Llama under GPT-2's names (transformers saves them so); InternLM3: Llama
+    "exaone": ("ExaoneConfig", {"eos_token_id": 2, "tie_word_embeddings": False}),
+    "internlm3": ("InternLM3Config", {"pad_token_id": 0, "tie_word_embeddings": False}),
     # layers 1 and 3 of 4 without rotary embedding (NoPE)
     "smollm3": ("SmolLM3Config", {"num_hidden_layers": 4, "no_rope_layer_interval": 2,
                                   "pad_token_id": 0, "tie_word_embeddings": True}),

@@ -52,6 +52,12 @@ class ModelConfig:
             cfg = text_part(cfg)
             archs = cfg["architectures"]
         arch = archs[0]
+        if cfg.get("model_type") == "exaone":   # transformers saves EXAONE 3.x as Llama
+            arch = "ExaoneForCausalLM"
+        # config.json's own names for the common keys (EXAONE 3.x's GPT-2 names,
+        # InternLM3's biases), where the common one is absent
+        cfg = {**{common: cfg[own] for own, common in _KEY_ALIASES.items()
+                  if own in cfg and common not in cfg}, **cfg}
         heads = cfg["num_attention_heads"]
         if cfg.get("kv_lora_rank"):
             # DeepSeek's MLA, its keys and values expanded per head (models/deepseek.py): the
@@ -143,6 +149,10 @@ def _mrope(rope: Any) -> bool:
     return isinstance(rope, dict) and ("mrope" in (rope.get("type"), rope.get("rope_type"))
                                        or "mrope_section" in rope)
 
+
+# a config.json key -> the common key it stands for
+_KEY_ALIASES = {"num_layers": "num_hidden_layers", "layer_norm_epsilon": "rms_norm_eps",
+                "qkv_bias": "attention_bias"}
 
 # the config.json key of the norms' epsilon, and its default, where it is not rms_norm_eps
 # (the LayerNorms of Cohere and StarCoder2)

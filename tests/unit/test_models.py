@@ -78,13 +78,13 @@ def run_step(model, pool, tokens, work, num_decodes):
     return {sid: logits[end - n:end] for (sid, n), end in zip(work, rows)}
 
 
-ARCHS = ["llama", "llama-tied", "qwen2", "qwen3", "mistral", "ministral", "ministral3", "smollm3",
-         "gemma", "gemma2", "gemma3", "phi3", "qwen3-moe", "qwen3-moe-unnormed", "mixtral",
-         "qwen2-moe", "glm", "glm4", "glm4-moe", "deepseek-v3", "glm4-moe-lite", "dots1",
-         "deepseek-v2", "olmo2", "olmo3", "exaone4", "seed-oss", "granite", "granite-moe",
-         "granite-moe-shared", "cohere", "cohere2", "minimax-m2", "ernie4.5", "ernie4.5-moe",
-         "olmoe", "flex-olmo", "hunyuan", "hunyuan-moe", "starcoder2", "arcee", "apertus",
-         "gpt-oss"]
+ARCHS = ["llama", "llama-tied", "exaone", "internlm3", "qwen2", "qwen3", "mistral", "ministral",
+         "ministral3", "smollm3", "gemma", "gemma2", "gemma3", "phi3", "qwen3-moe",
+         "qwen3-moe-unnormed", "mixtral", "qwen2-moe", "glm", "glm4", "glm4-moe", "deepseek-v3",
+         "glm4-moe-lite", "dots1", "deepseek-v2", "olmo2", "olmo3", "exaone4", "seed-oss",
+         "granite", "granite-moe", "granite-moe-shared", "cohere", "cohere2", "minimax-m2",
+         "ernie4.5", "ernie4.5-moe", "olmoe", "flex-olmo", "hunyuan", "hunyuan-moe", "starcoder2",
+         "arcee", "apertus", "gpt-oss"]
 
 
 @pytest.fixture(scope="module")
@@ -383,6 +383,32 @@ def test_windows_without_layer_types_follow_max_window_layers(tmp_path, arch):
     want = tuple(8 if t == "sliding_attention" else 0 for t in cfg.pop("layer_types"))
     assert 0 in want and 8 in want
     assert layer_windows(cfg, cfg["architectures"][0]) == want
+
+
+@pytest.mark.parametrize("arch", ["exaone", "internlm3"])
+def test_published_configs_of_llama_relatives_load(tmp_path, arch):
+    """EXAONE 3.x's and InternLM3's config.json as published (their own architecture names;
+    EXAONE's num_layers, layer_norm_epsilon and activation_function, InternLM3's qkv_bias and
+    bias) give the model transformers runs from its own saved config."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    path = make_tiny_model(arch, tmp_path / "m")
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    cfg = json.loads((path / "config.json").read_text())
+    if arch == "exaone":
+        cfg.update(architectures=["ExaoneForCausalLM"], num_layers=cfg.pop("num_hidden_layers"),
+                   layer_norm_epsilon=cfg.pop("rms_norm_eps"),
+                   activation_function=cfg.pop("hidden_act"))
+    else:
+        cfg.update(architectures=["InternLM3ForCausalLM"], qkv_bias=cfg.pop("attention_bias"),
+                   bias=cfg.pop("mlp_bias"))
+    (path / "config.json").write_text(json.dumps(cfg))
+    files = resolve_model(str(path))
+    ours = load_model(read_model_config(files), files, torch.float32, "cpu")
+    prompts = [[5, 17, 200, 31, 9, 8], list(range(40, 60))]
+    assert greedy(ours, prompts, 8) == hf_greedy(ref, prompts, 8)
 
 
 def test_a_mistral_repository_loads_its_hugging_face_files_only(tmp_path):

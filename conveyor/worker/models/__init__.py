@@ -16,6 +16,7 @@ from conveyor.worker.models.deepseek import (
 )
 from conveyor.worker.models.dots1 import Dots1ForCausalLM
 from conveyor.worker.models.ernie4_5 import Ernie4_5ForCausalLM
+from conveyor.worker.models.exaone import ExaoneForCausalLM
 from conveyor.worker.models.exaone4 import Exaone4ForCausalLM
 from conveyor.worker.models.gemma import GemmaForCausalLM
 from conveyor.worker.models.gemma2 import Gemma2ForCausalLM
@@ -49,6 +50,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Dots1ForCausalLM": Dots1ForCausalLM,
     "Ernie4_5ForCausalLM": Ernie4_5ForCausalLM,
     "Ernie4_5_MoeForCausalLM": Ernie4_5ForCausalLM,   # experts from moe_layer_start_index
+    "ExaoneForCausalLM": ExaoneForCausalLM,
     "Exaone4ForCausalLM": Exaone4ForCausalLM,
     "FlexOlmoForCausalLM": FlexOlmoForCausalLM,
     "GemmaForCausalLM": GemmaForCausalLM,
@@ -65,6 +67,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "HunYuanDenseV1ForCausalLM": HunYuanDenseV1ForCausalLM,
     "HunYuanMoEV1ForCausalLM": HunYuanMoEV1ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
+    "InternLM3ForCausalLM": LlamaForCausalLM,    # qkv_bias / bias: Llama's biases
     "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,      # Llama with sliding_window (llama.py)
     "MinistralForCausalLM": LlamaForCausalLM,    # Mistral with layer_types
