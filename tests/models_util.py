@@ -115,6 +115,14 @@ PRESETS = {
         "moe_intermediate_size": 24, "n_shared_experts": 1, "first_k_dense_replace": 1,
         "norm_topk_prob": True, "routed_scaling_factor": 2.0, "num_hidden_layers": 3,
         "sliding_window": 8, "max_window_layers": 2, "tie_word_embeddings": False}),
+    # K-EXAONE: EXAONE 4's attention (layers 0-2 slide with the rotary embedding, 3 is full
+    # without) in Llama's decoder; after one dense layer V3's experts (8 of width 24, 3 a
+    # token from the best 2 of 4 groups, a shared one)
+    "exaone-moe": ("ExaoneMoeConfig", {
+        "num_hidden_layers": 4, "sliding_window": 8, "sliding_window_pattern": 4,
+        "num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 24,
+        "num_shared_experts": 1, "n_group": 4, "topk_group": 2, "first_k_dense_replace": 1,
+        "eos_token_id": 2, "tie_word_embeddings": False}),
     # MLA without the q latent; softmax router over the best 2 of 4 groups by their best
     # expert, not renormalised, scaled by 1.5; 2 shared experts
     "deepseek-v2": ("DeepseekV2Config", {

@@ -164,7 +164,7 @@ _NORM_EPS = {"CohereForCausalLM": ("layer_norm_eps", 1e-5),
 # Sliding and full attention layers of the families that interleave them, for config.json files
 # without `layer_types`: every layer whose (index + 1) is not a multiple of the period slides.
 _WINDOW_PERIODS = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6, "GptOssForCausalLM": 2,
-                   "Exaone4ForCausalLM": 4, "Cohere2ForCausalLM": 4}
+                   "Exaone4ForCausalLM": 4, "ExaoneMoeForCausalLM": 4, "Cohere2ForCausalLM": 4}
 
 
 def layer_windows(cfg: dict[str, Any], arch: str) -> tuple[int, ...]:

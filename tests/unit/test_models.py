@@ -81,10 +81,10 @@ def run_step(model, pool, tokens, work, num_decodes):
 ARCHS = ["llama", "llama-tied", "exaone", "internlm3", "qwen2", "qwen3", "mistral", "ministral",
          "ministral3", "smollm3", "gemma", "gemma2", "gemma3", "phi3", "qwen3-moe",
          "qwen3-moe-unnormed", "mixtral", "qwen2-moe", "glm", "glm4", "glm4-moe", "deepseek-v3",
-         "glm4-moe-lite", "dots1", "deepseek-v2", "olmo2", "olmo3", "exaone4", "seed-oss",
-         "granite", "granite-moe", "granite-moe-shared", "cohere", "cohere2", "minimax-m2",
-         "ernie4.5", "ernie4.5-moe", "olmoe", "flex-olmo", "hunyuan", "hunyuan-moe", "starcoder2",
-         "arcee", "apertus", "gpt-oss"]
+         "glm4-moe-lite", "dots1", "deepseek-v2", "olmo2", "olmo3", "exaone4", "exaone-moe",
+         "seed-oss", "granite", "granite-moe", "granite-moe-shared", "cohere", "cohere2",
+         "minimax-m2", "ernie4.5", "ernie4.5-moe", "olmoe", "flex-olmo", "hunyuan", "hunyuan-moe",
+         "starcoder2", "arcee", "apertus", "gpt-oss"]
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ from conveyor.worker.models.dots1 import Dots1ForCausalLM
 from conveyor.worker.models.ernie4_5 import Ernie4_5ForCausalLM
 from conveyor.worker.models.exaone import ExaoneForCausalLM
 from conveyor.worker.models.exaone4 import Exaone4ForCausalLM
+from conveyor.worker.models.exaone_moe import ExaoneMoeForCausalLM
 from conveyor.worker.models.gemma import GemmaForCausalLM
 from conveyor.worker.models.gemma2 import Gemma2ForCausalLM
 from conveyor.worker.models.gemma3 import Gemma3ForCausalLM
@@ -52,6 +53,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Ernie4_5_MoeForCausalLM": Ernie4_5ForCausalLM,   # experts from moe_layer_start_index
     "ExaoneForCausalLM": ExaoneForCausalLM,
     "Exaone4ForCausalLM": Exaone4ForCausalLM,
+    "ExaoneMoeForCausalLM": ExaoneMoeForCausalLM,
     "FlexOlmoForCausalLM": FlexOlmoForCausalLM,
     "GemmaForCausalLM": GemmaForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,

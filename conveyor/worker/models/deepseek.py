@@ -129,7 +129,8 @@ class MlaAttention(nn.Module):
 class DeepseekMoeBlock(nn.Module):
     """The router (`gate`), the routed experts and the shared ones (`shared_experts`). An
     expert's width is moe_intermediate_size, else (MiniMax-M2's) intermediate_size; ERNIE 4.5
-    names its counts moe_num_experts, moe_k and moe_num_shared_experts. bias, group_top2: see
+    names its counts moe_num_experts, moe_k and moe_num_shared_experts, K-EXAONE num_experts
+    and num_shared_experts. bias, group_top2: see
     GroupedTopKRouter; renormalize: the chosen experts' weights to sum to 1 (default:
     norm_topk_prob, else with sigmoid scores only)."""
 
@@ -138,7 +139,8 @@ class DeepseekMoeBlock(nn.Module):
                  group_top2: bool | None = None):
         super().__init__()
         e = config.extra
-        experts = e.get("n_routed_experts") or e.get("num_local_experts") or e["moe_num_experts"]
+        experts = (e.get("n_routed_experts") or e.get("num_local_experts")
+                   or e.get("num_experts") or e["moe_num_experts"])
         top_k = e.get("num_experts_per_tok") or e["moe_k"]
         width = e.get("moe_intermediate_size") or config.intermediate_size
         if renormalize is None:
@@ -150,7 +152,8 @@ class DeepseekMoeBlock(nn.Module):
                                       renormalize, float(e.get("routed_scaling_factor") or 1.0),
                                       softmax, bias, group_top2)
         self.experts = FusedMoE(experts, top_k, config.hidden_size, width, renormalize, dtype)
-        shared = e.get("n_shared_experts") or e.get("moe_num_shared_experts") or 0
+        shared = (e.get("n_shared_experts") or e.get("moe_num_shared_experts")
+                  or e.get("num_shared_experts") or 0)
         self.shared_experts = LlamaMLP(config, dtype, width * shared) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
