@@ -8,9 +8,10 @@ takes one KV head over a tile of one sequence's query tokens, a row per (token, 
 the group); sequence i owns tiles query_start_loc[i] // TQ + i onwards (no host-side tile map).
 Split-KV programs write partial outputs and base-2 log-sum-exps, which a second kernel merges.
 Per layer, a sliding window (a query sees its last `window` positions; the KV blocks before the
-tile's first query's window are not read at all), logit soft-capping (Gemma 2), and attention
-sinks (gpt-oss: a logit per head in each softmax's denominator, which the online softmax starts
-from as a key of value 0; in split-KV, in split 0's partial only).
+tile's first query's window are not read at all) or chunked attention (Llama 4's: a query sees
+the positions of its own `chunk`-aligned chunk up to itself), logit soft-capping (Gemma 2),
+and attention sinks (gpt-oss: a logit per head in each softmax's denominator, which the online
+softmax starts from as a key of value 0; in split-KV, in split 0's partial only).
 Design and figures: docs/ARCHITECTURE.md, "Paged attention" and "fp8 KV cache".
 """
 import functools
@@ -49,18 +50,18 @@ def _find_seq(query_start_loc_ptr, num_seqs, tile, TQ: tl.constexpr):
 
 # Counts that change every step are not specialised (Triton would compile a variant for a value of
 # 1 and for multiples of 16): one variant per tile class, so a warm-up covers them all.
-@jit(do_not_specialize=["num_seqs", "num_splits", "window"])
+@jit(do_not_specialize=["num_seqs", "num_splits", "window", "chunk"])
 def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
         block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, seq_order_ptr, sinks_ptr,
-        num_seqs, num_splits, scale_log2, v_scale, window, softcap_log2,
+        num_seqs, num_splits, scale_log2, v_scale, window, chunk, softcap_log2,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_cb, stride_cs, stride_ch, stride_bt,
         stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TQ: tl.constexpr,
         PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr, ORDERED: tl.constexpr,
-        V_ASM: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
+        V_ASM: tl.constexpr, SLIDING: tl.constexpr, CHUNKED: tl.constexpr, SOFTCAP: tl.constexpr,
         HAS_SINKS: tl.constexpr, USE_PDL: tl.constexpr):
     grid_sync(USE_PDL)
     split = tl.program_id(2)
@@ -103,6 +104,8 @@ def _paged_attention_kernel(
     kb_first = 0
     if SLIDING:                                        # blocks before every row's window
         kb_first = tl.maximum(prefix + tq0 - window + 1, 0) // BLOCK_N
+    if CHUNKED:                                        # blocks before the first row's chunk
+        kb_first = (prefix + tq0) // chunk * chunk // BLOCK_N
     kb_lo = kb_first
     kb_hi = num_kb
     if SPLIT:
@@ -132,6 +135,8 @@ def _paged_attention_kernel(
         seen = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
         if SLIDING:
             seen = seen & (pos[None, :] > q_pos[:, None] - window)
+        if CHUNKED:
+            seen = seen & (pos[None, :] >= q_pos[:, None] // chunk * chunk)
         s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -220,7 +225,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
                     num_splits: int = 1, tile: tuple[int, int, int, int] | None = None,
                     k_scale: float = 1.0, v_scale: float = 1.0,
                     seq_order: torch.Tensor | None = None, window: int = 0,
-                    softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                    softcap: float = 0.0, sinks: torch.Tensor | None = None,
+                    chunk: int = 0) -> torch.Tensor:
     """Attend q [T, heads, head_dim] over the pool; returns out [T, heads, head_dim].
 
     kv_cache is q's dtype or float8_e4m3fn; K and V are read times k_scale and v_scale.
@@ -231,6 +237,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     seq_order: int32 [B], a permutation of the sequences (decode-only batches, max_query_len
     1): the order the grid takes them in.
     window: each query sees only its last `window` positions (itself included); 0: all.
+    chunk: each query sees only the positions of its chunk (chunk-aligned) up to itself; 0: all
+    (not with a window).
     softcap: scores (after the scale) become softcap * tanh(score / softcap); 0: off.
     sinks: [heads] float logits, one a query head, that join each softmax's denominator (the
     softmax over [scores, sink], the sink's column dropped); None: none.
@@ -255,7 +263,9 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
           "seq_lens, query_start_loc and block_tables must be int32")
     check(block_tables.stride(1) == 1, "block_tables rows must be contiguous")
     check(num_splits >= 1, f"num_splits must be at least 1, got {num_splits}")
-    check(window >= 0 and softcap >= 0, f"window {window} and softcap {softcap} must be >= 0")
+    check(window >= 0 and softcap >= 0 and chunk >= 0 and not (window and chunk),
+          f"window {window}, chunk {chunk} and softcap {softcap} must be >= 0, and not both "
+          f"a window and a chunk")
     check(sinks is None or (sinks.shape == (heads,) and sinks.stride(0) == 1
                             and sinks.dtype in (torch.float16, torch.bfloat16, torch.float32)),
           f"sinks must be a float [{heads}] vector, got "
@@ -290,7 +300,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         block_tables, seq_lens, query_start_loc,
         seq_lens if seq_order is None else seq_order,     # unused without an order
         q if sinks is None else sinks,                     # unused without sinks
-        b, num_splits, scale * k_scale * _LOG2E, v_scale, window, softcap * _LOG2E,
+        b, num_splits, scale * k_scale * _LOG2E, v_scale, window, chunk, softcap * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
@@ -298,7 +308,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         GROUP=group, HEAD_DIM=d, HEAD_DIM_PAD=next_pow2(d), BLOCK_M=block_m,
         BLOCK_N=block_n, TQ=tq, PAGE_SIZE=kv_cache.shape[2], SPLIT=split,
         ORDERED=seq_order is not None, V_ASM=fp8 and _has_cvt_e4m3x2(q.device),
-        SLIDING=window > 0, SOFTCAP=softcap > 0, HAS_SINKS=sinks is not None,
+        SLIDING=window > 0, CHUNKED=chunk > 0, SOFTCAP=softcap > 0, HAS_SINKS=sinks is not None,
         num_warps=warps, num_stages=stages, **pdl_args())
     if split:
         _merge_splits_kernel[(t, heads)](

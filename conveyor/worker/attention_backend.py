@@ -9,10 +9,12 @@ An fp8 pool (float8 e4m3) holds K / k_scale and V / v_scale, clamped to +-448 (a
 cast); reads multiply by the scales: k_scale folds into the softmax scale, v_scale into the
 output. A model-dtype pool has scales 1.0 (worker/kv_scales.py).
 
-Three per-layer options: a sliding window (a query sees its last `window` positions, itself
-included; 0 = all) and logit soft-capping (scores become softcap * tanh(scores / softcap) before
-the softmax; 0 = off), as Mistral's and Gemma's layers ask, and attention sinks (gpt-oss's: a
-logit per head that joins each query's softmax denominator with no value, so
+Per-layer options: a sliding window (a query sees its last `window` positions, itself
+included; 0 = all) or chunked attention (Llama 4's: a query sees the positions of its
+`chunk`-aligned chunk up to itself), logit soft-capping (scores become softcap *
+tanh(scores / softcap) before the softmax; 0 = off), as Mistral's and Gemma's layers ask, and
+attention sinks (gpt-oss's: a logit per head that joins each query's softmax denominator with
+no value, so
 out = sum_j exp(s_j) v_j / (sum_j exp(s_j) + exp(sink))).
 """
 from __future__ import annotations
@@ -64,7 +66,8 @@ class TorchAttentionBackend:
 
     def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, ctx: StepContext,
                 scale: float, k_scale: float = 1.0, v_scale: float = 1.0, window: int = 0,
-                softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                softcap: float = 0.0, sinks: torch.Tensor | None = None, chunk: int = 0
+                ) -> torch.Tensor:
         """Attend q [T, heads, head_dim] to the pool (K and V times their scales); returns
         [T, heads, head_dim]. Rows past the last sequence (padding) come back as zeros.
         sinks: [heads] logits, or None.
@@ -75,16 +78,19 @@ class TorchAttentionBackend:
         if nd:
             out[:nd] = self._decode(q[:nd], kv_cache, ctx.block_tables[:nd], ctx.seq_lens[:nd],
                                     max(ctx.seq_lens_cpu[:nd]), scale, window, softcap,
-                                    sinks)
+                                    sinks, chunk)
         start = nd
         for i in range(nd, len(ctx.query_lens_cpu)):
             q_len, seq_len = ctx.query_lens_cpu[i], ctx.seq_lens_cpu[i]
-            # keys before first are outside every query's window
+            # keys before first are outside every query's window (or chunk: a chunk's start,
+            # so that the kept keys' chunks are the sequence's)
             first = max(0, seq_len - q_len - window + 1) if window else 0
+            if chunk:
+                first = (seq_len - q_len) // chunk * chunk
             k, v = self._gather(kv_cache, ctx.block_tables[i:i + 1], seq_len)
             out[start:start + q_len] = self._prefill(q[start:start + q_len], k[0, first:seq_len],
                                                      v[0, first:seq_len], scale, window, softcap,
-                                                     sinks)
+                                                     sinks, chunk)
             start += q_len
         return out if v_scale == 1.0 else out.mul_(v_scale)
 
@@ -108,13 +114,15 @@ class TorchAttentionBackend:
         return k.view(b, -1, kvh, d), v.view(b, -1, kvh, d)
 
     def _decode(self, q, kv_cache, block_tables, seq_lens, max_len, scale, window=0, softcap=0.0,
-                sinks=None):
+                sinks=None, chunk=0):
         k, v = self._gather(kv_cache, block_tables, max_len)  # [B, S, kvh, d]
         b, s, kvh, d = k.shape
         pos = torch.arange(s, device=q.device)
         pad = pos >= seq_lens.unsqueeze(1)                     # [B, S]
         if window:
             pad |= pos <= (seq_lens - 1 - window).unsqueeze(1)
+        if chunk:
+            pad |= pos < ((seq_lens - 1) // chunk * chunk).unsqueeze(1)
         if b <= _SDPA_MAX_DECODES and not softcap and sinks is None:   # one fused call
             # one query per sequence: the heads sharing a KV head are the rows of one query
             out = F.scaled_dot_product_attention(
@@ -134,34 +142,38 @@ class TorchAttentionBackend:
         return out.view(b, -1, d).to(q.dtype)                  # [B, heads, d]
 
     @staticmethod
-    def _prefill(q, k, v, scale, window=0, softcap=0.0, sinks=None):
+    def _prefill(q, k, v, scale, window=0, softcap=0.0, sinks=None, chunk=0):
         """q [L, heads, d] are the last L positions of a context k, v [S, kv_heads, d] (with a
-        window, S may start later than the sequence: no query sees the keys cut off)."""
+        window, S may start later than the sequence: no query sees the keys cut off; with a
+        chunk, at a chunk's start)."""
         q_len, seq_len = q.shape[0], k.shape[0]
         kvh, d = k.shape[1], k.shape[2]
         k = k.transpose(0, 1).unsqueeze(0).to(q.dtype)        # [1, kv_heads, S, d]
         v = v.transpose(0, 1).unsqueeze(0).to(q.dtype)
         if softcap or sinks is not None:
-            return _explicit_attention(q, k[0], v[0], scale, softcap, window, sinks)
+            return _explicit_attention(q, k[0], v[0], scale, softcap, window, sinks, chunk)
         if q_len == 1:   # the last position sees everything; group rows share their KV head
             out = F.scaled_dot_product_attention(q.reshape(1, kvh, -1, d), k, v, scale=scale)
             return out.reshape(1, -1, d)                       # [1, heads, d]
         mask = None      # L == S: plain causal
-        if q_len < seq_len or window:
-            mask = _causal_mask(q_len, seq_len, window, q.device)
+        if q_len < seq_len or window or chunk:
+            mask = _causal_mask(q_len, seq_len, window, q.device, chunk)
         # NOTE: SDPA's CPU kernels are several times faster on 4-D inputs than on 3-D ones.
         out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k, v, attn_mask=mask,
                                              is_causal=mask is None, scale=scale, enable_gqa=True)
         return out[0].transpose(0, 1)                          # [L, heads, d]
 
 
-def _causal_mask(q_len: int, seq_len: int, window: int, device) -> torch.Tensor:
+def _causal_mask(q_len: int, seq_len: int, window: int, device, chunk: int = 0
+                 ) -> torch.Tensor:
     """[L, S] bool: query i (position S - L + i of the S keys) sees key j."""
     q_pos = torch.arange(seq_len - q_len, seq_len, device=device).unsqueeze(1)
     j = torch.arange(seq_len, device=device)
     mask = j <= q_pos
     if window:
         mask &= j > q_pos - window
+    if chunk:
+        mask &= j >= q_pos // chunk * chunk
     return mask
 
 
@@ -178,7 +190,7 @@ def _softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
     return torch.cat([scores, sinks], dim=-1).softmax(-1)[..., :-1]
 
 
-def _explicit_attention(q, k, v, scale, softcap, window, sinks):
+def _explicit_attention(q, k, v, scale, softcap, window, sinks, chunk=0):
     """Attention in float32 with the scores in hand, for what SDPA cannot do (a soft cap,
     sinks [heads]): q [L, heads, d], k, v [kv_heads, S, d] -> [L, heads, d]."""
     q_len, heads, d = q.shape
@@ -186,7 +198,7 @@ def _explicit_attention(q, k, v, scale, softcap, window, sinks):
     qg = q.float().reshape(q_len, kvh, heads // kvh, d).permute(1, 0, 2, 3)   # [kvh, L, g, d]
     scores = torch.einsum("hlgd,hsd->hlgs", qg, k.float()) * scale
     scores = _capped(scores, softcap)
-    mask = _causal_mask(q_len, seq_len, window, q.device)                      # [L, S]
+    mask = _causal_mask(q_len, seq_len, window, q.device, chunk)               # [L, S]
     scores.masked_fill_(~mask[None, :, None, :], float("-inf"))
     sink = None if sinks is None else sinks.reshape(kvh, 1, heads // kvh, 1)
     out = torch.einsum("hlgs,hsd->hlgd", _softmax(scores, sink), v.float())

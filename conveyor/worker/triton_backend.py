@@ -25,7 +25,8 @@ class TritonAttentionBackend:
 
     def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, ctx: StepContext,
                 scale: float, k_scale: float = 1.0, v_scale: float = 1.0, window: int = 0,
-                softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                softcap: float = 0.0, sinks: torch.Tensor | None = None, chunk: int = 0
+                ) -> torch.Tensor:
         """Attend q [T, heads, head_dim] to the pool; rows past the last sequence are zeros."""
         from conveyor.kernels.paged_attention import default_num_splits, paged_attention
 
@@ -40,7 +41,7 @@ class TritonAttentionBackend:
                               scale, 1 if decode_only else max(ctx.query_lens_cpu),
                               num_splits=splits, k_scale=k_scale, v_scale=v_scale,
                               seq_order=ctx.decode_order if decode_only else None,
-                              window=window, softcap=softcap, sinks=sinks)
+                              window=window, softcap=softcap, sinks=sinks, chunk=chunk)
         if tokens < q.shape[0]:
             out[tokens:].zero_()
         return out

@@ -1,9 +1,9 @@
 """store_kv and paged_attention against the torch backend (the reference), on mixed batches of
 decodes and prefill chunks with cached prefixes not aligned to blocks, GQA groups 1/4/8, block
-sizes 16/32, head_dim 64/128, the split-KV path, and padded slots; sliding windows,
-soft-capping and attention sinks; and the same over an fp8 (e4m3) pool with per-layer scales.
-The `interpreter` tests also run on CPU under TRITON_INTERPRET=1 (small shapes: the interpreter
-is slow)."""
+sizes 16/32, head_dim 64/128, the split-KV path, and padded slots; sliding windows, chunked
+attention, soft-capping and attention sinks; and the same over an fp8 (e4m3) pool with
+per-layer scales. The `interpreter` tests also run on CPU under TRITON_INTERPRET=1 (small
+shapes: the interpreter is slow)."""
 import math
 import random
 
@@ -158,6 +158,45 @@ def test_paged_attention_window_softcap(window, softcap, case):
                               0.11, max(ctx.query_lens_cpu), num_splits=splits,
                               seq_order=order, window=window, softcap=softcap)
         torch.testing.assert_close(got.float(), want, **TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 16, 40, 129])
+@pytest.mark.parametrize("case", [0, 2, 4])
+def test_paged_attention_chunked(chunk, case):
+    """Chunked attention (Llama 4's: a query sees its chunk's keys up to itself; whole blocks
+    before the tile's first chunk skipped), on odd shapes: GQA group 3, head_dim 80, blocks of
+    16, split or not."""
+    from conveyor.kernels.paged_attention import paged_attention
+
+    rng = random.Random(chunk * 17 + case)
+    decodes, prefills = CASES[case]
+    ctx = make_batch(rng, decodes, prefills, 16, 2, 80, torch.bfloat16)
+    q = torch.randn(sum(ctx.query_lens_cpu), 6, 80, device="cuda").to(torch.bfloat16) * 3
+    cache = ctx.kv_caches[0]
+    want = TorchAttentionBackend().forward(q.float(), cache.float(), ctx, 0.11, chunk=chunk)
+    for splits, order in _variants(ctx, prefills, (1, 4)):
+        got = paged_attention(q, cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
+                              0.11, max(ctx.query_lens_cpu), num_splits=splits,
+                              seq_order=order, chunk=chunk)
+        torch.testing.assert_close(got.float(), want, **TOL[torch.bfloat16])
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("chunk,prefills", [(16, []), (37, [(20, 150)]), (100, [(40, 30)])])
+def test_paged_attention_chunked_small(chunk, prefills, device):
+    """Chunked attention's skipped blocks and mask, also under Triton's interpreter."""
+    from conveyor.kernels.paged_attention import paged_attention
+
+    ctx = make_batch(random.Random(chunk), [200, 5, 129], prefills, 16, 1, 32, torch.bfloat16,
+                     device)
+    q = torch.randn(sum(ctx.query_lens_cpu), 2, 32, device=device).to(torch.bfloat16) * 3
+    want = TorchAttentionBackend().forward(q.float(), ctx.kv_caches[0].float(), ctx, 0.2,
+                                           chunk=chunk)
+    for n, order in _variants(ctx, prefills, (1, 2)):
+        got = paged_attention(q, ctx.kv_caches[0], ctx.block_tables, ctx.seq_lens,
+                              ctx.query_start_loc, 0.2, max(ctx.query_lens_cpu), num_splits=n,
+                              seq_order=order, chunk=chunk)
+        torch.testing.assert_close(got.float(), want, atol=1.5e-2, rtol=1.5e-2)
 
 
 @pytest.mark.interpreter

@@ -477,9 +477,10 @@ def hf_greedy(ref, prompts, new_tokens):
 
 
 def naive_attention(q, kv_cache, tables, q_lens, seq_lens, scale, window=0, softcap=0.0,
-                    sinks=None):
+                    sinks=None, chunk=0):
     """Per sequence, per query: gather its keys position by position; float64 softmax (with
-    sinks [heads], over the scores and the head's sink, the sink's column dropped)."""
+    sinks [heads], over the scores and the head's sink, the sink's column dropped); with a
+    chunk, the keys from the start of the query's chunk."""
     bs = kv_cache.shape[2]
     heads, kv_heads = q.shape[1], kv_cache.shape[3]
     out, start = torch.zeros_like(q), 0
@@ -490,6 +491,8 @@ def naive_attention(q, kv_cache, tables, q_lens, seq_lens, scale, window=0, soft
         for j in range(q_len):
             pos = seq_len - q_len + j
             first = max(0, pos + 1 - window) if window else 0
+            if chunk:
+                first = pos // chunk * chunk
             scores = torch.einsum("hd,shd->hs", q[start + j].double(), k[first:pos + 1]) * scale
             if softcap:
                 scores = torch.tanh(scores / softcap) * softcap
@@ -505,12 +508,12 @@ def naive_attention(q, kv_cache, tables, q_lens, seq_lens, scale, window=0, soft
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 8), (3, 1, 12), (5, 5, 16)])
 @pytest.mark.parametrize("num_decodes,num_prefills", [(3, 2), (0, 3), (5, 0), (1, 1), (11, 1)])
-@pytest.mark.parametrize("window,softcap,sinks", [(0, 0.0, False), (5, 0.0, False),
-                                                  (1, 0.0, False), (6, 1.5, False),
-                                                  (0, 0.7, False), (0, 0.0, True),
-                                                  (5, 0.0, True)])
+@pytest.mark.parametrize("window,softcap,sinks,chunk", [
+    (0, 0.0, False, 0), (5, 0.0, False, 0), (1, 0.0, False, 0), (6, 1.5, False, 0),
+    (0, 0.7, False, 0), (0, 0.0, True, 0), (5, 0.0, True, 0), (0, 0.0, False, 4),
+    (0, 0.7, False, 7), (0, 0.0, True, 1)])
 def test_attention_backend_matches_naive(block_size, heads, kv_heads, head_dim, num_decodes,
-                                         num_prefills, window, softcap, sinks):
+                                         num_prefills, window, softcap, sinks, chunk):
     rng = random.Random(block_size * 1000 + heads * 10 + num_decodes * 3 + num_prefills)
     decodes = [(1, rng.randint(1, 37)) for _ in range(num_decodes)]
     # prefill chunks: (query length, cached prefix), prefix not necessarily block-aligned
@@ -540,10 +543,11 @@ def test_attention_backend_matches_naive(block_size, heads, kv_heads, head_dim, 
     assert torch.equal(cache.transpose(1, 2)[untouched], before.transpose(1, 2)[untouched])
 
     sink = torch.randn(heads) * 2 if sinks else None       # gpt-oss's attention sinks
-    out = backend.forward(q, cache, ctx, scale, window=window, softcap=softcap, sinks=sink)
+    out = backend.forward(q, cache, ctx, scale, window=window, softcap=softcap, sinks=sink,
+                          chunk=chunk)
     tables = [pool.tables[sid] for sid in range(len(q_lens))]
     expected = naive_attention(q[:t], cache, tables, q_lens, seq_lens, scale, window, softcap,
-                               sink)
+                               sink, chunk)
     torch.testing.assert_close(out[:t], expected, atol=1e-5, rtol=1e-5)
     assert not out[t:].any()
 

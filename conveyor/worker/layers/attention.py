@@ -7,7 +7,8 @@ layers' only). The math is the backend's: Triton kernels on CUDA
 
 k_scale and v_scale (Python floats, so CUDA graphs capture them) are the fp8 pool's per-layer
 scales: K/V are stored divided by them and read back multiplied; 1.0 for a model-dtype pool.
-`window` (a sliding window: each query sees its last `window` positions; 0 = all) and
+`window` (a sliding window: each query sees its last `window` positions; 0 = all), `chunk`
+(Llama 4's chunked attention: a query sees its chunk's positions up to itself; 0 = all) and
 `softcap` (scores -> softcap * tanh(scores / softcap); 0 = off) are fixed per layer, so a CUDA
 graph captures them too. A model with attention sinks (gpt-oss) passes its per-head sink logits
 to forward: the same tensor every step, so a graph captures its address.
@@ -25,11 +26,12 @@ from conveyor.worker.context import StepContext
 class Attention(nn.Module):
     def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  scale: float, backend=None, window: int = 0, softcap: float = 0.0,
-                 cache_index: int | None = None):
+                 cache_index: int | None = None, chunk: int = 0):
         """cache_index: this layer's pool in ctx.kv_caches (default layer_idx; a pipeline
         stage's pools are its own layers only)."""
         super().__init__()
         self.window = window
+        self.chunk = chunk
         self.softcap = softcap
         self.layer_idx = layer_idx
         self.cache_index = layer_idx if cache_index is None else cache_index
@@ -55,7 +57,7 @@ class Attention(nn.Module):
                              self.k_scale, self.v_scale)
         out = backend.forward(q.view(t, self.num_heads, self.head_dim), kv_cache, ctx,
                               self.scale, self.k_scale, self.v_scale, self.window,
-                              self.softcap, sinks)                 # [T, heads, head_dim]
+                              self.softcap, sinks, self.chunk)     # [T, heads, head_dim]
         return out.reshape(t, self.num_heads * self.head_dim)
 
     def fused_store(self, v: torch.Tensor, ctx: StepContext) -> dict:
