@@ -38,6 +38,15 @@ PRESETS = {
     # EXAONE 3.x: Llama under GPT-2's names (transformers saves them so); InternLM3: Llama
     "exaone": ("ExaoneConfig", {"eos_token_id": 2, "tie_word_embeddings": False}),
     "internlm3": ("InternLM3Config", {"pad_token_id": 0, "tie_word_embeddings": False}),
+    # Llama 4: layers 0-2 rotate (interleaved pairs), attend within chunks of 8 and norm q/k
+    # without a weight; layer 3 sees everything, its queries scaled by position (floor_scale
+    # 4); layers 1 and 3 hold 4 experts of width 24 (top 1, weighting their input) beside a
+    # shared one, layers 0 and 2 a dense MLP of 40
+    "llama4": ("Llama4TextConfig", {
+        "num_hidden_layers": 4, "num_local_experts": 4, "num_experts_per_tok": 1,
+        "intermediate_size": 24, "intermediate_size_mlp": 40, "interleave_moe_layer_step": 2,
+        "attention_chunk_size": 8, "floor_scale": 4, "attn_scale": 0.1, "pad_token_id": 0,
+        "tie_word_embeddings": False}),
     # layers 1 and 3 of 4 without rotary embedding (NoPE)
     "smollm3": ("SmolLM3Config", {"num_hidden_layers": 4, "no_rope_layer_interval": 2,
                                   "pad_token_id": 0, "tie_word_embeddings": True}),

@@ -45,12 +45,13 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
                   w13_zero: torch.Tensor | None = None, w2_zero: torch.Tensor | None = None,
                   w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
-                  swiglu: tuple[float, float] | None = None, fp4: bool = False
-                  ) -> torch.Tensor:
+                  swiglu: tuple[float, float] | None = None, fp4: bool = False,
+                  weight_inputs: bool = False) -> torch.Tensor:
     """The reference: for each expert with tokens, its MLP over them (plus its biases, with
     gpt-oss's clamped SwiGLU where `swiglu` gives its alpha and limit), times their weights,
-    added into out [T, H] (in x's dtype, as transformers does). Quantized experts are
-    dequantized (times their scales) to x's dtype first."""
+    added into out [T, H] (in x's dtype, as transformers does); with weight_inputs (Llama 4)
+    the weights scale the tokens going in instead. Quantized experts are dequantized (times
+    their scales) to x's dtype first."""
     from conveyor.kernels.clamped_swiglu import clamped_swiglu_ref
 
     if w13_scale is not None:
@@ -61,14 +62,17 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     for e in flat.unique().tolist():
         pairs = (flat == e).nonzero()[:, 0]                  # [n] (token, k) pair indices
         tokens = pairs // topk_ids.shape[1]
-        gate_up = F.linear(x[tokens], w13[e], None if w13_bias is None else w13_bias[e])
+        w = topk_weights.reshape(-1)[pairs, None]
+        gate_up = F.linear(x[tokens] * w if weight_inputs else x[tokens], w13[e],
+                           None if w13_bias is None else w13_bias[e])
         if swiglu is None:
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up
         else:
             act = clamped_swiglu_ref(gate_up, *swiglu)
         y = F.linear(act, w2[e], None if w2_bias is None else w2_bias[e])
-        y = y * topk_weights.reshape(-1)[pairs, None]
+        if not weight_inputs:
+            y = y * w
         out.index_add_(0, tokens, y.to(out.dtype))
     return out
 
@@ -327,9 +331,12 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
               w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
               w13_zero: torch.Tensor | None = None, w2_zero: torch.Tensor | None = None,
               w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
-              swiglu: tuple[float, float] | None = None, fp4: bool = False) -> torch.Tensor:
+              swiglu: tuple[float, float] | None = None, fp4: bool = False,
+              weight_inputs: bool = False) -> torch.Tensor:
     """The MoE MLP of x [T, H] (see the module docstring; fp4: the 4-bit words hold MXFP4's
-    e2m1 codes, without zero points, and the scales its e8m0 bytes) -> [T, H] in x's dtype."""
+    e2m1 codes, without zero points, and the scales its e8m0 bytes; weight_inputs: the router
+    weights scale the tokens going in, Llama 4's, done as a scale of the gate/up GEMM's rows,
+    the same for experts without biases) -> [T, H] in x's dtype."""
     from conveyor.kernels.clamped_swiglu import clamped_swiglu
     from conveyor.kernels.silu_and_mul import silu_and_mul
 
@@ -369,6 +376,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
                                and bias.dtype in (torch.float16, torch.bfloat16, torch.float32)),
               f"expert biases must be float [E, rows] with contiguous rows: w13 {tuple(w13.shape)}"
               f", biases {None if bias is None else tuple(bias.shape)}")
+    check(not (weight_inputs and w13_bias is not None),
+          "weight_inputs with gate/up biases: the rows' scale would scale the biases too")
     top_k = topk_ids.shape[1]
     check(topk_ids.shape == topk_weights.shape == (t, top_k),
           f"topk_ids {tuple(topk_ids.shape)}, topk_weights {tuple(topk_weights.shape)}")
@@ -381,12 +390,12 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     weights = topk_weights.reshape(-1).contiguous()
     gate_up = torch.empty((pairs, two_i), dtype=x.dtype, device=x.device)
     _gemm(x, w13, w13_scale, w13_zero, w13_bias, gate_up, weights, sorted_ids, expert_ids,
-          total, pairs, top_k, False, tiles, fp4)
+          total, pairs, top_k, weight_inputs, tiles, fp4)
     if swiglu is None:
         act = silu_and_mul(gate_up)                                  # [pairs, I]
     else:
         act = clamped_swiglu(gate_up, *swiglu)
     down = torch.empty((pairs, h), dtype=x.dtype, device=x.device)
     _gemm(act, w2, w2_scale, w2_zero, w2_bias, down, weights, sorted_ids, expert_ids, total,
-          pairs, 1, True, tiles, fp4)
+          pairs, 1, not weight_inputs, tiles, fp4)
     return down.view(t, top_k, h).sum(dim=1, dtype=torch.float32).to(x.dtype)

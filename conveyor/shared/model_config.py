@@ -116,7 +116,8 @@ TEXT_OF_MULTIMODAL = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", _G
                       # transformers' Qwen3-VL-MoE always renormalizes its top-k weights
                       "Qwen3VLMoeForConditionalGeneration": ("Qwen3MoeForCausalLM",
                                                              {"norm_topk_prob": True}),
-                      "Mistral3ForConditionalGeneration": ("MistralForCausalLM", {})}
+                      "Mistral3ForConditionalGeneration": ("MistralForCausalLM", {}),
+                      "Llama4ForConditionalGeneration": ("Llama4ForCausalLM", {})}
 # a multimodal class whose language model varies: its text_config's model_type -> the
 # architecture (Mistral 3's is Mistral's, or Mistral Small 4's MLA and experts)
 _TEXT_ARCH_BY_TYPE = {"mistral4": "Mistral4ForCausalLM"}

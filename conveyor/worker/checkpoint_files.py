@@ -80,4 +80,5 @@ class Checkpoint:
 
 
 _NOT_TEXT = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
-             "model.multi_modal_projector.", "visual.", "model.visual.")
+             "model.multi_modal_projector.", "visual.", "model.visual.", "vision_model.",
+             "model.vision_model.")

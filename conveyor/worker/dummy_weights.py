@@ -32,13 +32,16 @@ def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     model_class = get_model_class(config.architecture)
     opts = model_class.attention_options(config)
     extra = getattr(model_class, "extra_layer_shapes", lambda c: {})(config)
-    h, d, inter = config.hidden_size, config.head_dim, config.intermediate_size
+    h, d = config.hidden_size, config.head_dim
     q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
     shapes = {"model.embed_tokens.weight": (config.vocab_size, h), "model.norm.weight": (h,)}
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, h)
     shapes.update(getattr(model_class, "extra_model_shapes", lambda c: {})(config))
     for i in range(config.num_hidden_layers):
+        with torch.device("meta"):
+            mlp = model_class.make_mlp(config, i, torch.float32)
+        inter = getattr(mlp, "intermediate_size", config.intermediate_size)   # a dense MLP's
         layer = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
                  "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
                  "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
@@ -59,8 +62,6 @@ def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             layer = {k: v for k, v in layer.items() if not k.startswith("self_attn.")}
             layer.update({f"self_attn.{k}": v
                           for k, v in opts["module"].checkpoint_shapes(config).items()})
-        with torch.device("meta"):
-            mlp = model_class.make_mlp(config, i, torch.float32)
         moe = getattr(mlp, "experts", None)
         if isinstance(moe, FusedMoE):
             for name in ("gate_proj", "up_proj", "down_proj"):

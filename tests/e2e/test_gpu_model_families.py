@@ -23,16 +23,16 @@ NEW_TOKENS, TOP = 16, 5
 # Qwen3-MoE. gpt-oss keeps bf16, its checkpoints' dtype.
 FLOAT16 = {"qwen3-moe", "mixtral", "qwen2-moe", "glm4-moe", "glm4-moe-lite", "dots1",
            "deepseek-v3", "deepseek-v2", "granite-moe-shared", "minimax-m2", "ernie4.5-moe",
-           "olmoe", "hunyuan-moe", "exaone-moe"}
+           "olmoe", "hunyuan-moe", "exaone-moe", "llama4"}
 
 
-@pytest.mark.parametrize("arch", ["mistral", "ministral3", "smollm3", "gemma", "gemma2", "gemma3",
-                                  "phi3", "qwen3-moe", "mixtral", "qwen2-moe", "glm4", "glm4-moe",
-                                  "deepseek-v3", "glm4-moe-lite", "dots1", "deepseek-v2", "olmo2",
-                                  "olmo3", "exaone4", "exaone-moe", "granite",
-                                  "granite-moe-shared", "cohere2", "minimax-m2", "ernie4.5-moe",
-                                  "olmoe", "hunyuan", "hunyuan-moe", "starcoder2", "apertus",
-                                  "gpt-oss"])
+@pytest.mark.parametrize("arch", ["mistral", "ministral3", "llama4", "smollm3", "gemma", "gemma2",
+                                  "gemma3", "phi3", "qwen3-moe", "mixtral", "qwen2-moe", "glm4",
+                                  "glm4-moe", "deepseek-v3", "glm4-moe-lite", "dots1",
+                                  "deepseek-v2", "olmo2", "olmo3", "exaone4", "exaone-moe",
+                                  "granite", "granite-moe-shared", "cohere2", "minimax-m2",
+                                  "ernie4.5-moe", "olmoe", "hunyuan", "hunyuan-moe", "starcoder2",
+                                  "apertus", "gpt-oss"])
 def test_family_on_the_gpu_matches_transformers(arch, tmp_path):
     from conveyor import LLM, SamplingParams
 

@@ -87,7 +87,8 @@ def test_each_worker_writes_its_profile_window(tmp_path, monkeypatch):
                                   "deepseek-v2", "olmo2", "olmo3", "exaone4", "gemma2", "phi3",
                                   "granite-moe-shared", "cohere2", "minimax-m2", "ernie4.5-moe",
                                   "flex-olmo", "hunyuan", "hunyuan-moe", "starcoder2", "apertus",
-                                  "ministral3", "glm4-moe-lite", "dots1", "exaone-moe", "gpt-oss"])
+                                  "ministral3", "glm4-moe-lite", "dots1", "exaone-moe", "llama4",
+                                  "gpt-oss"])
 def test_new_families_at_tp2_match_tp1(tmp_path, arch):
     """Experts split along their intermediate dimension (Qwen3-MoE: 6 experts of width 24, 12
     a rank; Qwen2-MoE's shared expert too, as a dense MLP, its gate whole on each rank; GLM's

@@ -121,6 +121,28 @@ def test_fused_moe_small(t, top_k, device):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("t,top_k", [(3, 1), (40, 2)])
+def test_fused_moe_weighting_the_inputs(t, top_k, device):
+    """Llama 4's experts take their router weight on the way in (weight_inputs): the 16- and
+    32-row tiles and the prefill tiles against the reference, which scales the tokens."""
+    gen = torch.Generator(device=device).manual_seed(t + 100)
+    h, inter, experts = 48, 40, 6
+    x = torch.randn(t, h, device=device, generator=gen).to(torch.bfloat16)
+    w13 = (torch.randn(experts, 2 * inter, h, device=device, generator=gen) / 7).bfloat16()
+    w2 = (torch.randn(experts, h, inter, device=device, generator=gen) / 6).bfloat16()
+    weights, ids = route(torch.randn(t, experts, device=device, generator=gen), top_k, False,
+                         torch.bfloat16)
+    weights = weights * 3                        # far from 1: a weight applied after shows
+    want = fused_moe_ref(x.float(), w13.float(), w2.float(), weights.float(), ids,
+                         weight_inputs=True)
+    after = fused_moe_ref(x.float(), w13.float(), w2.float(), weights.float(), ids)
+    assert not torch.allclose(want, after, atol=0.1)
+    for tiles in (None, (128, 256, 64, 8, 4)):
+        got = fused_moe(x, w13, w2, weights, ids, tiles, weight_inputs=True)
+        torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.interpreter
 @pytest.mark.parametrize("mode", ["int8", "fp8"])
 def test_fused_moe_quantized_experts(mode, device):
     """1-byte experts with row scales: the kernel converts them as it loads and scales the

@@ -78,8 +78,8 @@ def run_step(model, pool, tokens, work, num_decodes):
     return {sid: logits[end - n:end] for (sid, n), end in zip(work, rows)}
 
 
-ARCHS = ["llama", "llama-tied", "exaone", "internlm3", "qwen2", "qwen3", "mistral", "ministral",
-         "ministral3", "smollm3", "gemma", "gemma2", "gemma3", "phi3", "qwen3-moe",
+ARCHS = ["llama", "llama-tied", "llama4", "exaone", "internlm3", "qwen2", "qwen3", "mistral",
+         "ministral", "ministral3", "smollm3", "gemma", "gemma2", "gemma3", "phi3", "qwen3-moe",
          "qwen3-moe-unnormed", "mixtral", "qwen2-moe", "glm", "glm4", "glm4-moe", "deepseek-v3",
          "glm4-moe-lite", "dots1", "deepseek-v2", "olmo2", "olmo3", "exaone4", "exaone-moe",
          "seed-oss", "granite", "granite-moe", "granite-moe-shared", "cohere", "cohere2",
@@ -203,6 +203,17 @@ MULTIMODAL = {
                               "original_max_position_embeddings": 4,
                               "llama_4_scaling_beta": 0.1}),
         _PIXTRAL, dict(image_token_index=500), "MistralForCausalLM"),
+    # Llama 4 (Scout, Maverick): the tiny text model of models_util's "llama4" preset
+    "llama4": (
+        dict(hidden_size=64, intermediate_size=24, intermediate_size_mlp=40, num_hidden_layers=4,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
+             num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2,
+             attention_chunk_size=8, floor_scale=4, bos_token_id=1, eos_token_id=2,
+             pad_token_id=0, initializer_range=0.2),
+        dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+             image_size=28, patch_size=14, vision_output_dim=32, projector_input_dim=32,
+             projector_output_dim=32, pixel_shuffle_ratio=0.5),
+        dict(image_token_index=500), "Llama4ForCausalLM"),
     # Mistral Small 4: DeepSeek-V3's MLA with softmax scores (no bias) ranked in 4 groups by
     # their best two (2 eligible), 3 experts a token of 8, renormalised and scaled; YaRN, and
     # the queries scaled by position past each 4
@@ -268,7 +279,7 @@ def _as_on_the_hub(kind: str, folder, text: dict) -> None:
                                       ("qwen2_5_vl", True), ("qwen3_vl", False),
                                       ("qwen3_vl_moe", False), ("qwen3_vl_moe", True),
                                       ("mistral3", False), ("mistral3:ministral3", False),
-                                      ("mistral3:mistral4", False)])
+                                      ("mistral3:mistral4", False), ("llama4", False)])
 def test_multimodal_checkpoint_serves_its_text(tmp_path, kind, hub):
     """gemma-3-4b/12b/27b, Qwen2.5-VL, Qwen3-VL (dense and MoE) and Mistral Small 3.x
     checkpoints, tiny ones made by transformers, served for their text: the language model's
@@ -289,7 +300,8 @@ def test_multimodal_checkpoint_serves_its_text(tmp_path, kind, hub):
     files = resolve_model(str(tmp_path))
     config = read_model_config(files)
     assert config.architecture == arch
-    assert kind.startswith(("gemma3", "mistral3:")) or config.rope_scaling is None  # no M-RoPE
+    # no M-RoPE left (the others' rope_scaling is their own)
+    assert kind.startswith(("gemma3", "mistral3:", "llama4")) or config.rope_scaling is None
     ours = load_model(config, files, torch.float32, "cpu")
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 490, (21,), generator=gen).tolist() for _ in range(2)]

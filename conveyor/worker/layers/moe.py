@@ -55,10 +55,14 @@ def per_expert(name: str, stacked: torch.Tensor, kind: str = "weight", first: in
 class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  renormalize: bool, dtype: torch.dtype, bias: bool = False,
-                 swiglu: tuple[float, float] | None = None, softmax_after_topk: bool = False):
-        """bias, swiglu, softmax_after_topk: gpt-oss's options (the module docstring)."""
+                 swiglu: tuple[float, float] | None = None, softmax_after_topk: bool = False,
+                 weight_inputs: bool = False):
+        """bias, swiglu, softmax_after_topk: gpt-oss's options (the module docstring);
+        weight_inputs: the router weights scale each expert's input, not its output
+        (Llama 4's; kernels/fused_moe.py)."""
         super().__init__()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.weight_inputs = weight_inputs
         self.swiglu, self.softmax_after_topk = swiglu, softmax_after_topk
         self.intermediate_size = intermediate_size               # each expert's, unsharded
         inter = divide(intermediate_size, tp_size())
@@ -191,7 +195,7 @@ class FusedMoE(nn.Module):
         scales = (self.w13_scale, self.w2_scale, self.w13_zero, self.w2_zero)
         # the down bias joins one rank's partial sums only: the reduction adds it once
         extra = dict(w13_bias=self.w13_bias, w2_bias=self.w2_bias if tp_rank() == 0 else None,
-                     swiglu=self.swiglu, fp4=self.fp4)
+                     swiglu=self.swiglu, fp4=self.fp4, weight_inputs=self.weight_inputs)
         if x.is_cuda and triton_available() and x.dtype != torch.float32:
             return fused_moe(x, self.w13, self.w2, weights, ids, None, *scales, **extra)
         return fused_moe_ref(x, self.w13, self.w2, weights, ids, *scales, **extra)

@@ -52,6 +52,19 @@ class RMSNorm(nn.Module):
         return self._norm(x), x
 
 
+class WeightlessRMSNorm(nn.Module):
+    """x / rms(x) in float32, rounded to x's dtype, without a weight (Llama 4's q/k norm); the
+    (size, eps, dtype) of RMSNorm's constructor, size and dtype unused."""
+
+    def __init__(self, size: int = 0, eps: float = 1e-6, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
 class ShardedRMSNorm(nn.Module):
     """RMSNorm over features split across the tensor-parallel ranks (OLMo's q and k norms, over
     all heads): each rank holds its features' weights and normalises them by the mean square of

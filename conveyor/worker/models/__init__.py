@@ -29,6 +29,7 @@ from conveyor.worker.models.granite import GraniteForCausalLM
 from conveyor.worker.models.granite_moe import GraniteMoeForCausalLM
 from conveyor.worker.models.hunyuan import HunYuanDenseV1ForCausalLM, HunYuanMoEV1ForCausalLM
 from conveyor.worker.models.llama import LlamaForCausalLM
+from conveyor.worker.models.llama4 import Llama4ForCausalLM
 from conveyor.worker.models.minimax_m2 import MiniMaxM2ForCausalLM
 from conveyor.worker.models.mixtral import MixtralForCausalLM
 from conveyor.worker.models.olmo2 import Olmo2ForCausalLM
@@ -69,6 +70,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "HunYuanDenseV1ForCausalLM": HunYuanDenseV1ForCausalLM,
     "HunYuanMoEV1ForCausalLM": HunYuanMoEV1ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
+    "Llama4ForCausalLM": Llama4ForCausalLM,
     "InternLM3ForCausalLM": LlamaForCausalLM,    # qkv_bias / bias: Llama's biases
     "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,      # Llama with sliding_window (llama.py)

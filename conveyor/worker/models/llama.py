@@ -50,6 +50,7 @@ class LlamaAttention(nn.Module):
         super().__init__()
         d = config.head_dim
         self.interleaved, self.norm_after_rotary = interleaved, norm_after_rotary
+        self.scaled_queries = True              # takes ctx.q_scale (Llama 4: NoPE layers only)
         self.qkv_proj = QKVParallelLinear(config.hidden_size, d, config.num_attention_heads,
                                           config.num_key_value_heads, qkv_bias, dtype)
         self.o_proj = RowParallelLinear(config.num_attention_heads * d, config.hidden_size,
@@ -114,7 +115,7 @@ class LlamaAttention(nn.Module):
             k = apply_rotary(k, cos, sin, self.interleaved)
             if per_head and self.norm_after_rotary:
                 q, k = self.q_norm(q), self.k_norm(k)
-        if ctx.q_scale is not None:
+        if ctx.q_scale is not None and self.scaled_queries:
             q = q * ctx.q_scale.to(q.dtype)
         out = self.attn(q.view(t, -1), k, v, ctx, self.sinks)   # [T, heads * head_dim]
         return self.o_proj(out)
@@ -240,8 +241,8 @@ class LlamaModel(nn.Module):
         else:
             x, residual = intermediate
         if self.temperature is not None:
-            beta, period = self.temperature
-            scale = 1 + beta * torch.log1p(torch.floor(positions.float() / period))
+            beta, period, offset = self.temperature
+            scale = 1 + beta * torch.log1p(torch.floor((positions.float() + offset) / period))
             ctx = replace(ctx, q_scale=scale[:, None, None])
         rope = self.rotary_emb(positions)                    # [T, head_dim / 2] each
         local = self.rotary_emb_local(positions) if self.local else rope
@@ -255,13 +256,17 @@ class LlamaModel(nn.Module):
         return self.norm(x, residual, reduce=self.layers_reduce)[0]
 
 
-def query_temperature(config: ModelConfig) -> tuple[float, int] | None:
-    """(beta, period) where the rotary parameters give `llama_4_scaling_beta` (Ministral 3,
-    Devstral 2, Mistral Small 4): every query is multiplied by 1 + beta * log(1 +
-    floor(position / period)), period the rotary embedding's original_max_position_embeddings,
-    so attention sharpens past each multiple of the trained context (Llama 4's attention
-    temperature tuning)."""
-    params = config.extra.get("rope_parameters") or config.extra.get("rope_scaling") or {}
+def query_temperature(config: ModelConfig) -> tuple[float, int, int] | None:
+    """(beta, period, offset) where the model scales its queries by position, each by 1 +
+    beta * log(1 + floor((position + offset) / period)), so attention sharpens past each
+    multiple of the trained context: Llama 4's temperature tuning (attn_scale, floor_scale,
+    offset 1; on its layers without the rotary embedding), and from the rotary parameters'
+    `llama_4_scaling_beta` (Ministral 3, Devstral 2, Mistral Small 4: period the rotary
+    embedding's original_max_position_embeddings, offset 0)."""
+    e = config.extra
+    if e.get("attn_temperature_tuning") and e.get("floor_scale"):
+        return float(e.get("attn_scale", 0.1)), int(e["floor_scale"]), 1
+    params = e.get("rope_parameters") or e.get("rope_scaling") or {}
     beta = params.get("llama_4_scaling_beta")
     if not beta:
         return None
@@ -269,7 +274,7 @@ def query_temperature(config: ModelConfig) -> tuple[float, int] | None:
     if not period:
         raise ValueError("llama_4_scaling_beta needs the rotary parameters' "
                          "original_max_position_embeddings")
-    return float(beta), int(period)
+    return float(beta), int(period), 0
 
 
 # checkpoint module name -> (our fused module, shard id in it): q, k and v; the families whose
