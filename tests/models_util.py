@@ -657,3 +657,99 @@ def peft_model(base, adapter):
 
     base_model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     return PeftModel.from_pretrained(base_model, adapter).eval()
+
+
+# Mistral 3's vision tower (Pixtral), the same for each of its text models
+_PIXTRAL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                image_size=28, patch_size=14, head_dim=16)
+# tiny multimodal models by transformers: model_type (":" and the text model's where one
+# class takes several) -> (text_config, vision_config, other keys, the text architecture
+# conveyor serves)
+MULTIMODAL = {
+    "gemma3": (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                    num_attention_heads=2, num_key_value_heads=1, head_dim=32, vocab_size=512,
+                    sliding_window=8, sliding_window_pattern=3, query_pre_attn_scalar=16,
+                    rope_scaling={"rope_type": "linear", "factor": 2.0}),
+               dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                    num_attention_heads=2, image_size=28, patch_size=14),
+               dict(mm_tokens_per_image=4, image_token_index=500, boi_token_index=501,
+                    eoi_token_index=502), "Gemma3ForCausalLM"),
+    "qwen2_5_vl": (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                        bos_token_id=1, eos_token_id=2,
+                        rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
+                   dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                        out_hidden_size=64, fullatt_block_indexes=[0]),
+                   dict(image_token_id=500, video_token_id=501, vision_start_token_id=502),
+                   "Qwen2ForCausalLM"),
+    "qwen3_vl": (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
+                      bos_token_id=1, eos_token_id=2,
+                      rope_scaling={"rope_type": "default", "mrope_section": [2, 3, 3],
+                                    "mrope_interleaved": True}),
+                 dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                      out_hidden_size=64, deepstack_visual_indexes=[]),
+                 dict(image_token_id=500, video_token_id=501, vision_start_token_id=502),
+                 "Qwen3ForCausalLM"),
+    "mistral3": (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
+                      bos_token_id=1, eos_token_id=2, sliding_window=8),
+                 _PIXTRAL, dict(image_token_index=500), "MistralForCausalLM"),
+    # Ministral 3 (3B/8B/14B, Devstral 2): Mistral 3's text_config of model_type ministral3,
+    # YaRN and the queries' scale by position (a trained context of 4 positions here)
+    "mistral3:ministral3": (
+        dict(model_type="ministral3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
+             bos_token_id=1, eos_token_id=2,
+             rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0,
+                              "beta_fast": 32.0, "beta_slow": 1.0,
+                              "original_max_position_embeddings": 4,
+                              "llama_4_scaling_beta": 0.1}),
+        _PIXTRAL, dict(image_token_index=500), "MistralForCausalLM"),
+    # Llama 4 (Scout, Maverick): the tiny text model of models_util's "llama4" preset
+    "llama4": (
+        dict(hidden_size=64, intermediate_size=24, intermediate_size_mlp=40, num_hidden_layers=4,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
+             num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2,
+             attention_chunk_size=8, floor_scale=4, bos_token_id=1, eos_token_id=2,
+             pad_token_id=0, initializer_range=0.2),
+        dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+             image_size=28, patch_size=14, vision_output_dim=32, projector_input_dim=32,
+             projector_output_dim=32, pixel_shuffle_ratio=0.5),
+        dict(image_token_index=500), "Llama4ForCausalLM"),
+    # Mistral Small 4: DeepSeek-V3's MLA with softmax scores (no bias) ranked in 4 groups by
+    # their best two (2 eligible), 3 experts a token of 8, renormalised and scaled; YaRN, and
+    # the queries scaled by position past each 4
+    "mistral3:mistral4": (
+        dict(model_type="mistral4", hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+             num_attention_heads=4, num_key_value_heads=4, vocab_size=512, bos_token_id=1,
+             eos_token_id=2, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16,
+             qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, num_experts_per_tok=3,
+             n_group=4, topk_group=2, moe_intermediate_size=24, n_shared_experts=1,
+             first_k_dense_replace=1, routed_scaling_factor=1.5, max_position_embeddings=512,
+             initializer_range=0.2,
+             rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                              "original_max_position_embeddings": 4, "mscale": 1.0,
+                              "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                              "llama_4_scaling_beta": 0.1}),
+        _PIXTRAL, dict(image_token_index=500), "Mistral4ForCausalLM"),
+}
+
+# Qwen3-VL-MoE: Qwen3-VL's model with experts in layers 0 and 2 (4 of width 48, 2 a token)
+MULTIMODAL["qwen3_vl_moe"] = (
+    {**MULTIMODAL["qwen3_vl"][0], "moe_intermediate_size": 48, "num_experts": 4,
+     "num_experts_per_tok": 2, "mlp_only_layers": [1], "num_hidden_layers": 3},
+    *MULTIMODAL["qwen3_vl"][1:3], "Qwen3MoeForCausalLM")
+
+
+def make_tiny_multimodal(kind: str, path, seed: int = 0) -> Path:
+    """Save the random multimodal model MULTIMODAL[kind] (float32, by transformers) into the
+    folder `path`."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    text, vision, extra, _ = MULTIMODAL[kind]
+    cfg = AutoConfig.for_model(kind.partition(":")[0], text_config=text, vision_config=vision,
+                               **extra)
+    torch.manual_seed(seed)
+    AutoModelForImageTextToText.from_config(cfg).save_pretrained(path)
+    return Path(path)

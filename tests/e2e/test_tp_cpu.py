@@ -6,7 +6,7 @@ ranks' partial sums are added in another order than one matmul's, which moves lo
 far below the gaps between a random model's top tokens, so the tokens must be equal.
 """
 import pytest
-from models_util import make_tiny_model
+from models_util import make_tiny_model, make_tiny_multimodal
 from mxfp4_util import make_mxfp4_gpt_oss
 from serve_util import assert_top5_close, served_outputs
 
@@ -100,6 +100,16 @@ def test_new_families_at_tp2_match_tp1(tmp_path, arch):
     split with the heads and its experts' down bias added on one rank: TP=2 gives TP=1's
     tokens."""
     path = str(make_tiny_model(arch, tmp_path / arch, max_position_embeddings=512))
+    reference = tp1_tokens(path)
+    assert served_tokens(path, 2) == reference
+
+
+@pytest.mark.parametrize("kind", ["mistral3:mistral4", "llama4"])
+def test_multimodal_text_models_at_tp2_match_tp1(tmp_path, kind):
+    """Mistral Small 4 (MLA with the queries' scale by position, softmax scores ranked in
+    groups) and Llama 4 (chunked layers, experts weighting their input), served for their text
+    from their multimodal checkpoints: TP=2 gives TP=1's tokens."""
+    path = str(make_tiny_multimodal(kind, tmp_path / "m"))
     reference = tp1_tokens(path)
     assert served_tokens(path, 2) == reference
 
