@@ -52,6 +52,17 @@ def per_expert(name: str, stacked: torch.Tensor, kind: str = "weight", first: in
             yield f"{prefix}.{e}.down_proj.{kind}", w
 
 
+def split_stacked(weights, transposed: bool = False):
+    """A checkpoint's (name, tensor) pairs with its stacked experts (`...experts.gate_up_proj`,
+    `...experts.down_proj`: [E, outputs, inputs], or [E, inputs, outputs] where `transposed`,
+    Llama 4's) split per expert (`per_expert`); the other tensors as they are."""
+    for name, tensor in weights:
+        if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            yield from per_expert(name, tensor.transpose(1, 2) if transposed else tensor)
+        else:
+            yield name, tensor
+
+
 class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  renormalize: bool, dtype: torch.dtype, bias: bool = False,

@@ -44,7 +44,7 @@ from conveyor.worker.layers.linear import (
     ReplicatedLinear,
     RowParallelLinear,
 )
-from conveyor.worker.layers.moe import FusedMoE, per_expert
+from conveyor.worker.layers.moe import FusedMoE, split_stacked
 from conveyor.worker.layers.norm import RMSNorm
 from conveyor.worker.layers.parallel import divide, tp_size
 from conveyor.worker.layers.rotary import RotaryEmbedding, apply_rotary
@@ -212,11 +212,5 @@ class Mistral4ForCausalLM(DeepseekV3ForCausalLM):
     group_top2 = True
 
     def convert_weights(self, weights):
-        """Experts stacked as transformers saves them ([E, rows, inputs]) split per expert."""
-        def split():
-            for name, tensor in weights:
-                if name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
-                    yield from per_expert(name, tensor)
-                else:
-                    yield name, tensor
-        return super().convert_weights(split())
+        """Experts stacked as transformers saves them split per expert."""
+        return super().convert_weights(split_stacked(weights))

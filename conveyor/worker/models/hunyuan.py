@@ -25,10 +25,13 @@ from conveyor.worker.layers.router import GroupedTopKRouter
 from conveyor.worker.models.deepseek import DeepseekMoeBlock
 from conveyor.worker.models.llama import LlamaForCausalLM, LlamaMLP, renamer
 
+# the checkpoint's q/k norms under Qwen3's names
+_QK_NORMS = {".self_attn.query_layernorm.": ".self_attn.q_norm.",
+             ".self_attn.key_layernorm.": ".self_attn.k_norm."}
+
 
 class HunYuanDenseV1ForCausalLM(LlamaForCausalLM):
-    checkpoint_name = renamer({".self_attn.query_layernorm.": ".self_attn.q_norm.",
-                               ".self_attn.key_layernorm.": ".self_attn.k_norm."})
+    checkpoint_name = renamer(_QK_NORMS)
 
     @staticmethod
     def attention_options(config: ModelConfig) -> dict:
@@ -77,9 +80,7 @@ class HunYuanMoeBlock(DeepseekMoeBlock):
 
 
 class HunYuanMoEV1ForCausalLM(HunYuanDenseV1ForCausalLM):
-    checkpoint_name = renamer({".self_attn.query_layernorm.": ".self_attn.q_norm.",
-                               ".self_attn.key_layernorm.": ".self_attn.k_norm.",
-                               ".mlp.gate.wg.": ".mlp.gate.",
+    checkpoint_name = renamer({**_QK_NORMS, ".mlp.gate.wg.": ".mlp.gate.",
                                ".mlp.shared_mlp.": ".mlp.shared_experts."})
 
     @staticmethod

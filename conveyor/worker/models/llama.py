@@ -40,17 +40,19 @@ class LlamaAttention(nn.Module):
     k_norm), `sinks` (gpt-oss: a learned logit per head, `self_attn.sinks`, in each softmax's
     denominator; sharded with the heads), `interleaved` (GLM-4: rotary pairs are neighbouring
     features, layers/rotary.py's apply_rotary), `norm_after_rotary` (Hunyuan: the per-head q/k
-    norms after the rotary embedding, not before)."""
+    norms after the rotary embedding, not before), `chunk` (Llama 4's chunked attention, the
+    layer's chunk size) and `scaled_queries` (whether the queries take the model's scale by
+    position, ctx.q_scale; Llama 4's rotary layers do not)."""
 
     def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype,
                  qkv_bias: bool, o_bias: bool, qk_norm: bool | str = False,
                  scale: float | None = None, softcap: float = 0.0,
                  norm: type[RMSNorm] = RMSNorm, sinks: bool = False, interleaved: bool = False,
-                 norm_after_rotary: bool = False):
+                 norm_after_rotary: bool = False, chunk: int = 0, scaled_queries: bool = True):
         super().__init__()
         d = config.head_dim
         self.interleaved, self.norm_after_rotary = interleaved, norm_after_rotary
-        self.scaled_queries = True              # takes ctx.q_scale (Llama 4: NoPE layers only)
+        self.scaled_queries = scaled_queries
         self.qkv_proj = QKVParallelLinear(config.hidden_size, d, config.num_attention_heads,
                                           config.num_key_value_heads, qkv_bias, dtype)
         self.o_proj = RowParallelLinear(config.num_attention_heads * d, config.hidden_size,
@@ -75,7 +77,7 @@ class LlamaAttention(nn.Module):
             self.sinks = nn.Parameter(torch.empty(heads, dtype=dtype), requires_grad=False)
             self.sinks.weight_loader = self._load_sinks
         self.attn = Attention(layer_idx, heads, kv_heads, d, scale=scale or d ** -0.5,
-                              window=config.window(layer_idx), softcap=softcap,
+                              window=config.window(layer_idx), softcap=softcap, chunk=chunk,
                               cache_index=layer_idx - stage().layers(config.num_hidden_layers)[0])
 
     def takes_fp8_rows(self, x: torch.Tensor) -> bool:

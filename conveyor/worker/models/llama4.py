@@ -20,29 +20,31 @@ from torch import nn
 
 from conveyor.shared.model_config import ModelConfig
 from conveyor.worker.layers.linear import ReplicatedLinear
-from conveyor.worker.layers.moe import FusedMoE, per_expert
+from conveyor.worker.layers.moe import FusedMoE, split_stacked
 from conveyor.worker.layers.norm import WeightlessRMSNorm
 from conveyor.worker.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, renamer
 
 
 def _takes_rope(config: ModelConfig, layer_idx: int) -> bool:
+    """no_rope_layers' 1 at the layer; without the list (or with an empty one, as transformers
+    reads it), every fourth layer is NoPE (no_rope_layer_interval)."""
     rope = config.extra.get("no_rope_layers")
-    return bool(rope[layer_idx]) if rope else (layer_idx + 1) % 4 != 0
+    interval = config.extra.get("no_rope_layer_interval") or 4
+    return bool(rope[layer_idx]) if rope else (layer_idx + 1) % interval != 0
 
 
 class Llama4DecoderLayer(LlamaDecoderLayer):
-    """Llama's layer with its attention set for its kind (the module docstring)."""
+    """Llama's layer with its attention's options for its kind (the module docstring)."""
 
     def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype,
                  attention_options: dict, mlp: nn.Module, residual_multiplier: float = 1.0):
-        super().__init__(config, layer_idx, dtype, attention_options, mlp, residual_multiplier)
-        attn, e = self.self_attn, config.extra
+        e = config.extra
         rope = _takes_rope(config, layer_idx)
+        options = dict(attention_options, scaled_queries=not rope,
+                       chunk=int(e.get("attention_chunk_size") or 0) if rope else 0)
         if rope and e.get("use_qk_norm", True):
-            attn.q_norm = attn.k_norm = WeightlessRMSNorm(eps=config.rms_norm_eps)
-            attn.norm_after_rotary = True
-        attn.attn.chunk = int(e.get("attention_chunk_size") or 0) if rope else 0
-        attn.scaled_queries = not rope
+            options.update(qk_norm=True, norm=WeightlessRMSNorm, norm_after_rotary=True)
+        super().__init__(config, layer_idx, dtype, options, mlp, residual_multiplier)
 
 
 class Llama4MoeBlock(nn.Module):
@@ -87,9 +89,5 @@ class Llama4ForCausalLM(LlamaForCausalLM):
         return LlamaMLP(config, dtype, e.get("intermediate_size_mlp"))
 
     def convert_weights(self, weights):
-        """Stacked experts [E, inputs, outputs] split per expert, as [E, outputs, inputs]."""
-        for name, tensor in super().convert_weights(weights):
-            if name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
-                yield from per_expert(name, tensor.transpose(1, 2))
-            else:
-                yield name, tensor
+        """Stacked experts [E, inputs, outputs] split per expert."""
+        return split_stacked(super().convert_weights(weights), transposed=True)
