@@ -334,6 +334,28 @@ def test_published_configs_of_llama_relatives_load(tmp_path, arch):
     assert greedy(ours, prompts, 8) == hf_greedy(ref, prompts, 8)
 
 
+def test_llama4_config_without_no_rope_layers_takes_every_fourth_layer_as_nope(tmp_path):
+    """A Llama 4 config.json without no_rope_layers (transformers then makes every fourth layer
+    NoPE): that layer neither rotates nor chunks nor norms q/k, and takes the query scale, as
+    transformers' model does from the same file."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    path = make_tiny_model("llama4", tmp_path / "m")
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg.pop("no_rope_layers") == [1, 1, 1, 0]
+    (path / "config.json").write_text(json.dumps(cfg))
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    files = resolve_model(str(path))
+    ours = load_model(read_model_config(files), files, torch.float32, "cpu")
+    assert ours.model.nope == {3}
+    prompts = [list(range(40, 61)), [5, 17, 200, 31, 9, 8, 7, 6, 5, 4]]
+    eos = ours.config.eos_token_ids[0]
+    got = [t[:t.index(eos) + 1] if eos in t else t for t in greedy(ours, prompts, 8)]
+    assert got == hf_greedy(ref, prompts, 8)
+
+
 def test_a_mistral_repository_loads_its_hugging_face_files_only(tmp_path):
     """Mistral's repositories hold the weights twice: Hugging Face's files (with an index, or
     one model.safetensors) and Mistral's consolidated.safetensors. Only the first are read

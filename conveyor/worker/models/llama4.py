@@ -79,6 +79,11 @@ class Llama4ForCausalLM(LlamaForCausalLM):
                 "interleaved": True}
 
     @staticmethod
+    def nope_layers(config: ModelConfig) -> frozenset[int]:
+        return frozenset(i for i in range(config.num_hidden_layers)
+                         if not _takes_rope(config, i))
+
+    @staticmethod
     def make_mlp(config: ModelConfig, layer_idx: int, dtype: torch.dtype) -> nn.Module:
         e = config.extra
         step = e.get("interleave_moe_layer_step") or 1
