@@ -222,9 +222,10 @@ def replay(args, path: str | None) -> None:
     """The work's greedy outputs (one pass of --batch requests, no speculation) replayed through
     the scheduler with n-gram lookups: a stand-in worker draws the recorded tokens (accepting
     the guesses that match them) and looks up guesses as the worker would, so the plans are
-    those the engine makes, without the model. Per policy (asking on every plan, or backing
-    off where guesses do not pay: scheduler/speculation.py), the plans that verify, that only
-    look, and that were planned beside another one in flight (overlapped)."""
+    those the engine makes, without the model. Per policy (verifying every guess at hand, or
+    backing off where guesses do not pay: scheduler/speculation.py), the plans, those that
+    verify (each runs alone: the next is planned after its result) and those planned beside
+    another one in flight (overlapped)."""
     from collections import deque
 
     import numpy as np
@@ -245,7 +246,7 @@ def replay(args, path: str | None) -> None:
                                        ignore_eos=True), use_tqdm=False)
     recorded = {tuple(o.prompt_token_ids): list(o.outputs[0].token_ids) for o in outs}
     lo, hi = args.lookup_min, args.lookup_max
-    print(f"{'k':>3} {'policy':>10} {'plans':>6} {'verify':>7} {'look':>6} {'overlapped':>11} "
+    print(f"{'k':>3} {'policy':>10} {'plans':>6} {'verify':>7} {'overlapped':>11} "
           f"{'tokens/plan':>12}")
     for k, (name, wait) in itertools.product(args.k, (("always", 0),
                                                       ("back-off", speculation.MAX_SPEC_WAIT))):
@@ -259,13 +260,12 @@ def replay(args, path: str | None) -> None:
                 scheduler.add(AddRequest(id=str(i), token_ids=list(prompt), sampling=SamplingParams(
                     temperature=0, max_tokens=len(recorded[prompt]), ignore_eos=True)))
             slots: dict[int, tuple[list[int], list[int], int]] = {}
-            flight, counts = deque(), {"plans": 0, "verify": 0, "look": 0, "overlapped": 0}
+            flight, counts = deque(), {"plans": 0, "verify": 0, "overlapped": 0}
             while scheduler.has_work():
                 while scheduler.can_schedule() and (plan := scheduler.schedule()) is not None:
                     verifies = any(q.draft_token_ids for q in plan.seqs)
                     counts["plans"] += 1
                     counts["verify"] += verifies
-                    counts["look"] += plan.propose and not verifies
                     counts["overlapped"] += bool(flight)
                     flight.append(plan)
                 plan = flight.popleft()
@@ -295,7 +295,7 @@ def replay(args, path: str | None) -> None:
         finally:
             speculation.MAX_SPEC_WAIT = saved
         total = sum(map(len, recorded.values()))
-        print(f"{k:>3} {name:>10} {counts['plans']:>6} {counts['verify']:>7} {counts['look']:>6} "
+        print(f"{k:>3} {name:>10} {counts['plans']:>6} {counts['verify']:>7} "
               f"{counts['overlapped']:>11} {total / counts['plans']:>12.2f}")
 
 

@@ -67,8 +67,14 @@ class Checks:
                 or running & waiting or running | waiting != self.requests.keys()):
             raise IntegrityError("waiting and running queues do not partition the request table")
         self.slots.check_integrity([r.slot for r in self.running])
+        # guesses in flight: their KV is planned ahead of the tokens known or pending
+        guesses = Counter()
+        for _, planned, _ in self._in_flight:
+            for p in planned:
+                guesses[p.req] += len(p.step.draft_token_ids)
         for r in self.running:
-            if (r.status is not RUNNING or r.num_computed_tokens >= r.num_planned_tokens
+            if (r.status is not RUNNING
+                    or r.num_computed_tokens - guesses[r] >= r.num_planned_tokens
                     or len(r.block_table) * self.blocks.block_size < r.num_computed_tokens):
                 raise IntegrityError(f"running request {r.id} is in a bad state")
         for r in self.waiting:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from conveyor.scheduler import prompt_logprobs
 from conveyor.scheduler.request import Request, RequestStatus
-from conveyor.scheduler.speculation import back_off
+from conveyor.scheduler.speculation import back_off, next_guesses
 from conveyor.scheduler.stop import check_stop
 from conveyor.shared.messages.engine import TokenOutput
 from conveyor.shared.messages.worker import StepResult
@@ -36,7 +36,11 @@ class ApplyResults:
             raise ValueError(f"step {result.step}: {len(result.sampled)} sampled tokens in "
                              f"{len(counts)} runs for {num_sampling} sampling sequences")
         _, _, planned_at = self._in_flight.popleft()
-        self._solo_in_flight = False
+        if result.step == self._solo_step:
+            self._solo_step = 0
+        # requests whose next plan, already in flight, verifies: guesses now would be stale
+        verifying = {id(p.req) for p in (self._in_flight[0][1] if self._in_flight else ())
+                     if p.step.draft_token_ids}
         took = self._time_step(planned_at)
         spec = self.spec_counts
         spec.propose_s += result.propose_time_s
@@ -83,11 +87,10 @@ class ApplyResults:
                 if req.status is RUNNING:
                     if current and step.draft_token_ids:
                         self.blocks.cache_full_blocks(req)
-                    if result.proposals or step.draft_token_ids:
+                    # NOTE: n-gram lookups cost nothing, so only verifications move the average
+                    if step.draft_token_ids or (result.proposals and not self.spec.overlapped):
                         back_off(req, guesses, len(tokens) - 1 if step.draft_token_ids else None)
-                    # NOTE: guesses follow the tokens the worker had; stale if more is planned
-                    req.spec_token_ids = (guesses if not (req.num_pending_tokens or req.spec_wait)
-                                          else [])
+                    req.spec_token_ids = next_guesses(req, guesses, id(req) in verifying)
             if out.new_token_ids or out.prompt_logprobs or out.finish_reason:
                 outputs.append(out)
         if any(p.req.status is FINISHED for p in planned):

@@ -21,9 +21,11 @@ Speculative decoding (`speculative_config`; docs/SPECULATIVE.md): a result carri
 guesses of each sampled sequence's next tokens; the next plan verifies those that fit (the token
 budget, max_tokens, the context, free blocks) as a step of 1 + guesses tokens, and its result
 says how many were accepted: the request's progress goes back past the rejected ones, its blocks
-past them are freed and never enter the prefix cache. Guesses need the tokens just drawn, so a
-plan that verifies or asks for guesses is alone in flight; which plans ask, and how a request
-whose guesses do not pay backs off, is speculation.py's.
+past them are freed and never enter the prefix cache. The plan after a verification needs its
+count, so a plan that verifies is alone in flight, and so is one asking a draft model for
+guesses; n-gram guesses are looked up with the next plan in flight, and those after a token
+still being drawn skip the first. Which plans verify or ask, and how a request whose guesses
+do not pay backs off, is speculation.py's.
 
 Pipeline parallel (`pipeline_parallel_size` P > 1): up to P plans (micro-batches) are in flight,
 one in each stage, and no request is in two of them at once while it samples: a request whose
@@ -107,8 +109,10 @@ class Scheduler(AdmitWaiting, ApplyResults, Checks):
         self.spec = config.speculative
         self.spec_counts = SpecCounts()
         self.mask_counts = MaskCounts()
-        self._solo_in_flight = False          # the plan in flight verifies or asks for guesses
-        self.asking = Asking()
+        # the step of the plan in flight that verifies, or asks a draft model for guesses (0:
+        # none): the next plan waits for its result
+        self._solo_step = 0
+        self.asking = Asking(self.spec is not None and self.spec.overlapped)
         # (step, its parts, when it was planned), oldest first
         self._in_flight: deque[tuple[int, list[_Planned], float]] = deque()
         self._step = 0
@@ -142,22 +146,27 @@ class Scheduler(AdmitWaiting, ApplyResults, Checks):
         return self.has_work() and len(self._in_flight) < self._max_in_flight()
 
     def _speculating(self) -> bool:
-        """Whether speculation is on at this batch size: the next plan verifies the guesses at
-        hand (whether it also asks for new ones is `_proposing`)."""
+        """Whether speculation is on at this batch size."""
         return self.spec is not None and self.spec.speculates(len(self.running))
 
+    def _verifying(self) -> bool:
+        """Whether the next plan verifies the guesses at hand: n-gram guesses where they have
+        been paying for the batch (speculation.py); a draft model's guesses come only when a
+        plan asked for them, and are verified."""
+        return self._speculating() and (not self.spec.overlapped
+                                        or self.asking.due(self.running))
+
     def _proposing(self) -> bool:
-        """Whether the next plan asks for guesses (and so runs alone): speculation is on at
-        this batch size and its guesses have been paying (speculation.py); steps without
-        guesses overlap as without speculation."""
-        return self._speculating() and self.asking.due(self.running)
+        """Whether the next plan asks for guesses: every plan for n-gram lookups while
+        speculating; for a draft model (whose plan then runs alone) while its guesses have
+        been paying (speculation.py)."""
+        return self._speculating() and (self.spec.overlapped or self.asking.due(self.running))
 
     def _max_in_flight(self) -> int:
-        # NOTE: guesses are made from the tokens of the last result, so a plan that uses or asks
-        # for them is alone in flight
-        if self._solo_in_flight:
+        if self._solo_step:
             return 0
-        return 1 if self._proposing() else self.max_in_flight
+        # NOTE: a draft model's guesses need the tokens of the plan that asks for them
+        return 1 if self._proposing() and not self.spec.overlapped else self.max_in_flight
 
     def add(self, msg: AddRequest) -> list[TokenOutput]:
         """Queue a request; one that can never run ends at once with finish_reason "error"."""
@@ -200,7 +209,7 @@ class Scheduler(AdmitWaiting, ApplyResults, Checks):
         budget = self.config.max_num_batched_tokens
         batch: list[_Planned] = []
         cap = self._micro_batch_cap() if self.pp > 1 else None    # sequences in this plan
-        budget, preempted = self._schedule_running(batch, budget, now, self._speculating(), cap)
+        budget, preempted = self._schedule_running(batch, budget, now, self._verifying(), cap)
         new: list[NewSeq] = []
         # NOTE: after a preemption nothing new is admitted this step, lest it is preempted next.
         if not preempted or not batch:
@@ -211,11 +220,14 @@ class Scheduler(AdmitWaiting, ApplyResults, Checks):
         batch.sort(key=lambda p: p.step.num_tokens > 1)
         self._step += 1
         self._in_flight.append((self._step, batch, now))
-        # NOTE: asks for guesses if the requests it leaves running speculate and one is due
+        # NOTE: asks for guesses if the requests it leaves running speculate (and, for a draft
+        # model, one is due)
         propose = self._proposing()
+        verifies = any(p.step.draft_token_ids for p in batch)
         if self.spec is not None:
-            self.asking.planned(propose, self.running)
-        self._solo_in_flight = propose or any(p.step.draft_token_ids for p in batch)
+            self.asking.planned(verifies if self.spec.overlapped else propose, self.running)
+        if verifies or (propose and not self.spec.overlapped):
+            self._solo_step = self._step
         return StepPlan(self._step, new, [p.step for p in batch], self.slots.take_released(),
                         propose)
 

@@ -106,6 +106,14 @@ class SpeculativeConfig:
             raise ValueError("speculative_config: method is required")
         return cls(**{"num_speculative_tokens": None, **value})
 
+    @property
+    def overlapped(self) -> bool:
+        """Whether guesses come with the next step already in flight: n-gram lookups are host
+        work done when a step's tokens are read, so a plan that asks for them overlaps the next
+        as any other, and only a plan that verifies runs alone. A draft model's guesses are its
+        own steps on the device right after the target's, so a plan asking for them runs alone."""
+        return self.method == "ngram"
+
     def speculates(self, num_running: int) -> bool:
         """Whether steps with this many running requests verify guesses."""
         return num_running < self.disable_by_batch_size

@@ -92,15 +92,21 @@ class StepDraw:
         if self.device.type == "cuda":
             st.done = torch.cuda.Event()
             st.done.record()
-        if st.propose:
-            # NOTE: guesses need the tokens just drawn: the step is read here, so a step that
-            # proposes is never overlapped with the next (the scheduler plans none meanwhile)
-            self.read(st)
-            t0 = time.perf_counter()
-            # NOTE: a thought's guesses may end it; the rows after its end are masked
-            # (GrammarCompiler.fill_bitmask walks them)
-            st.proposals = self.proposer.propose(st.sample_slots, st.states)
-            st.propose_time_s = time.perf_counter() - t0
+        if st.propose and self.drafter is not None:
+            # NOTE: a draft model guesses with its own steps right after the target's: the step
+            # is read here (the scheduler plans nothing meanwhile). N-gram lookups wait until
+            # the step is read anyway, with the next one in flight (`result`).
+            self._propose(st)
+
+    def _propose(self, st: Launched) -> None:
+        """Guess the tokens after those a step drew (read on the host first)."""
+        self.read(st)
+        t0 = time.perf_counter()
+        # NOTE: a thought's guesses may end it; the rows after its end are masked
+        # (GrammarCompiler.fill_bitmask walks them)
+        st.proposals = self.proposer.propose(st.sample_slots, st.states)
+        st.propose_time_s = time.perf_counter() - t0
+        st.propose = False
 
     def _verify(self, st: Launched, rank0: bool) -> int:
         """Queue the verification of a step with guesses (spec/verify.py); returns its number
@@ -164,8 +170,11 @@ class StepDraw:
         st.read = (kept, kept_lp, counts)
 
     def result(self, st: Launched) -> StepResult:
-        """The StepResult of a step (reading its draw if that is not done yet)."""
+        """The StepResult of a step (reading its draw if that is not done yet), with the
+        guesses it asked for."""
         self.read(st)
+        if st.propose:
+            self._propose(st)
         tokens, logprobs, counts = st.read
         m = st.masks
         rows, fill_s, wait_s = (m.num_rows, m.fill_s, m.wait_s) if m else (0, 0.0, 0.0)

@@ -251,7 +251,8 @@ class ModelRunner:
         steps = self._admit(plan)
         states = [self.slots[s[0]].state for s in steps if s[2]]
         propose = plan.propose and self.draw.proposer is not None
-        defer = bool(steps) and self._defers(states, any(s[4] for s in steps), propose)
+        defer = bool(steps) and self._defers(states, any(s[4] for s in steps),
+                                             propose and self.drafter is not None)
         masks = result = None
         if defer and self._reads_first():
             result = self.flush()
@@ -292,12 +293,13 @@ class ModelRunner:
             return p.masks is None or p.masks.ready()
         return p.done is None or p.done.query()
 
-    def _defers(self, states: list[SeqSamplingState], drafted: bool, propose: bool) -> bool:
+    def _defers(self, states: list[SeqSamplingState], drafted: bool, drafting: bool) -> bool:
         """Whether a step's sampling waits for the next submit (or flush): a step with
         constrained rows, whose bitmask is then filled on a thread while the engine plans.
         Decided from the requests' parameters, which every rank holds alike, so the ranks'
-        collective calls stay in one order; not with guesses or pipeline stages."""
-        return (not drafted and not propose and self.stage.first and self.stage.last
+        collective calls stay in one order; not with guesses to verify, nor when a draft model
+        guesses right after the step (`drafting`), nor with pipeline stages."""
+        return (not drafted and not drafting and self.stage.first and self.stage.last
                 and any(s.params.structured_outputs is not None for s in states))
 
     def _reads_first(self) -> bool:
@@ -388,16 +390,13 @@ class ModelRunner:
             start, end = slot.num_computed, slot.num_computed + n
             tokens = slot.state.token_ids
             row0 = len(input_ids)
-            if guesses:
-                # verify: the last known token, then the guesses; every row samples
-                if start != len(tokens) - 1 or n != 1 + len(guesses) or not sample:
-                    raise RuntimeError(f"slot {slot_id}: {len(guesses)} guesses planned over "
-                                       f"tokens [{start}, {end}), but {len(tokens)} known")
-                input_ids.append(tokens[start])
-                input_ids.extend(guesses)
-            elif end <= len(tokens):
-                input_ids.extend(tokens[start:end])
-            elif n == 1 and start == len(tokens) and id(slot.state) in prev_rows:
+            known = end - len(guesses)           # the step's tokens before its guesses
+            if guesses and (n != 1 + len(guesses) or not sample or known < len(tokens)):
+                raise RuntimeError(f"slot {slot_id}: {len(guesses)} guesses planned over "
+                                   f"tokens [{start}, {end}), but {len(tokens)} known")
+            if known <= len(tokens):
+                input_ids.extend(tokens[start:known])
+            elif known == start + 1 == len(tokens) + 1 and id(slot.state) in prev_rows:
                 # NOTE: the input is the token the previous step is sampling for this sequence;
                 # it is not on the host yet and is copied on the device (StepInputs.build).
                 gather_rows.append(row0)
@@ -406,6 +405,7 @@ class ModelRunner:
             else:
                 raise RuntimeError(f"slot {slot_id}: tokens [{start}, {end}) planned, but "
                                    f"{len(tokens)} known")
+            input_ids.extend(guesses)            # verified: every row from the last token samples
             starts.append(start)
             query_lens.append(n)
             seq_lens.append(end)

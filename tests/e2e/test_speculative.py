@@ -58,7 +58,7 @@ SCENARIOS = {
     "allowed-ids": (dict(), SamplingParams(temperature=0, max_tokens=NEW, logprobs=2,
                                            ignore_eos=True,
                                            allowed_token_ids=list(range(1, 256, 3)))),
-    "max-tokens-3": (dict(), SamplingParams(temperature=0, max_tokens=3, logprobs=1)),
+    "max-tokens-5": (dict(), SamplingParams(temperature=0, max_tokens=5, logprobs=1)),
     "tiny-budget": (dict(max_num_batched_tokens=3), GREEDY),
     "prompt-logprobs": (dict(max_num_batched_tokens=16),
                         SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=2)),
@@ -66,8 +66,10 @@ SCENARIOS = {
 
 
 class OracleProposer:
-    """Guesses from known outputs (each prompt's reference tokens), every third guess wrong: a
-    proposer whose guesses are mostly accepted, with rejections at every depth."""
+    """Guesses from known outputs (each prompt's reference tokens), every third call's with a
+    wrong one at a depth that moves and at the end (which a guess list the scheduler verifies
+    after its first keeps): a proposer whose guesses are mostly accepted, with rejections at
+    every depth."""
 
     def __init__(self, reference, k: int = 3):
         self.k = k
@@ -82,8 +84,8 @@ class OracleProposer:
             g = list(ref[len(done):len(done) + self.k]) if ref[:len(done)] == done else []
             self.calls += 1
             if g and self.calls % 3 == 0:
-                i = self.calls % len(g)
-                g[i] = (g[i] + 1) % 256
+                for i in {self.calls % len(g), len(g) - 1}:
+                    g[i] = (g[i] + 1) % 256
             guesses.append(g)
         return guesses
 
@@ -103,7 +105,7 @@ def test_greedy_outputs_and_logprobs_unchanged(tiny, scenario):
         assert sum(o.metrics.num_draft_tokens for o in outs) == stats.spec_num_draft_tokens
         assert sum(o.metrics.num_accepted_tokens for o in outs) == \
             stats.spec_num_accepted_tokens
-        if proposer == "oracle" and params.max_tokens > 3:
+        if proposer == "oracle" and params.max_tokens == NEW:
             assert stats.spec_num_draft_tokens > stats.spec_num_accepted_tokens >= 10
         if scenario == "preemption":
             assert stats.num_preemptions > 0
@@ -138,7 +140,7 @@ def test_single_sequences_and_the_batch_size_cutoff(tiny):
     llm = make_llm(tiny, speculative_config={**NGRAM, "disable_by_batch_size": 3},
                    max_num_seqs=5)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=3)
-              for n in (4, 6, 12, 14, 16)]
+              for n in (4, 6, 8, 10, 16)]
     llm.runner.draw.proposer = OracleProposer(reference)
     outs = llm.generate(prompts(), params, use_tqdm=False)
     plain = make_llm(tiny).generate(prompts(), params, use_tqdm=False)
@@ -160,24 +162,29 @@ def test_stops_inside_an_accepted_run(tiny):
         assert_clean(llm)
 
 
-def test_sampled_tokens_keep_their_distribution(tmp_path):
-    """n-gram guesses on a vocabulary of 8: point masses q, accepted with probability p."""
+def test_sampled_tokens_keep_their_distribution(tmp_path, monkeypatch):
+    """n-gram guesses on a vocabulary of 8: point masses q, accepted with probability p. Every
+    guess at hand is verified (SPEC_COST 0: the rule of when guesses pay is not under test),
+    and eight tokens leave room for verifications after the first, which overlaps a decode."""
+    from conveyor.scheduler import speculation
+
+    monkeypatch.setattr(speculation, "SPEC_COST", 0.0)
     path = make_tiny_model("llama", tmp_path / "m", **SMALL_VOCAB)
-    assert_same_distribution(path, {**NGRAM, "num_speculative_tokens": 2})
+    assert_same_distribution(path, {**NGRAM, "num_speculative_tokens": 2}, max_tokens=8)
 
 
 SMALL_VOCAB = dict(vocab_size=8, bos_token_id=0, eos_token_id=1, initializer_range=0.5)
 
 
-def assert_same_distribution(path, spec, n: int = 2000) -> None:
-    """Four-token continuations of a repetitive prompt, n samples with speculation (`spec`) and
-    without: guesses often accepted and often rejected, the same frequencies of each position's
-    token and of the first two (chi-square)."""
+def assert_same_distribution(path, spec, n: int = 2000, max_tokens: int = 4) -> None:
+    """Continuations of a repetitive prompt, n samples with speculation (`spec`) and without:
+    guesses often accepted and often rejected, the same frequencies of each position's token
+    and of the first two (chi-square)."""
     from scipy.stats import chi2_contingency
 
     prompt = [3, 4, 5, 3, 4, 5, 3, 4]
     params = SamplingParams(n=n, temperature=0.9, top_p=0.95, top_k=6, min_p=0.02,
-                            repetition_penalty=1.2, max_tokens=4, ignore_eos=True,
+                            repetition_penalty=1.2, max_tokens=max_tokens, ignore_eos=True,
                             logit_bias={2: 1.0, 6: -1.0})
     samples = []
     # every sample runs at once: lift the default batch size past which speculation stops
@@ -190,8 +197,7 @@ def assert_same_distribution(path, spec, n: int = 2000) -> None:
             assert stats.spec_num_accepted_tokens > n // 10
             assert stats.spec_num_draft_tokens - stats.spec_num_accepted_tokens > n // 10
         assert_clean(llm)
-    for key in (lambda t: t[0], lambda t: t[1], lambda t: t[2], lambda t: t[3],
-                lambda t: t[:2]):
+    for key in [lambda t, i=i: t[i] for i in range(max_tokens)] + [lambda t: t[:2]]:
         cells = sorted({key(t) for run in samples for t in run})
         table = [[sum(key(t) == c for t in run) for c in cells] for run in samples]
         kept = [i for i in range(len(cells)) if table[0][i] + table[1][i] >= 10]

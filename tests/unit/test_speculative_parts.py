@@ -194,6 +194,9 @@ def make_scheduler(k: int = 4, **spec) -> Scheduler:
     return Scheduler(config, 32, (2,), 64)
 
 
+DRAFT = {"method": "draft_model", "draft_num_layers": 1}
+
+
 def add(s: Scheduler, rid: str, n: int = 6, **params) -> None:
     s.add(AddRequest(id=rid, token_ids=list(range(10, 10 + n)),
                      sampling=SamplingParams(temperature=0, **params)))
@@ -203,7 +206,7 @@ def test_rollback_trims_blocks_and_caches_only_accepted_tokens():
     s = make_scheduler()
     add(s, "a", max_tokens=20)
     plan = s.schedule()
-    assert plan.propose and s.can_schedule() is False        # alone in flight
+    assert plan.propose and s.can_schedule()     # n-gram lookups overlap the next plan
     s.update(StepResult(plan.step, [7], [None], [], proposals=[[8, 9, 10, 11]]))
     plan = s.schedule()
     [seq] = plan.seqs
@@ -254,14 +257,111 @@ def test_no_guesses_past_the_budget_or_the_batch_size_cutoff():
     s.check_integrity()
 
 
-def test_requests_whose_guesses_do_not_pay_back_off_so_steps_overlap():
+def test_ngram_guesses_follow_the_token_in_flight():
+    """A plan that asks for n-gram guesses overlaps the next: its result's guesses (of the
+    tokens after its own) are verified without their first, which guesses the token the plan
+    in flight draws; the verifying plan runs alone, and the guesses of a result whose next
+    plan verifies are dropped."""
+    s = make_scheduler()
+    add(s, "a", max_tokens=5)
+    req = s.requests["a"]
+    first = s.schedule()
+    second = s.schedule()
+    assert first.propose and second.propose and not s.can_schedule()   # two in flight
+    s.update(StepResult(first.step, [7], [None], [], proposals=[[8, 9, 10, 11]]))
+    assert req.spec_token_ids == [9, 10, 11]
+    third = s.schedule()
+    [seq] = third.seqs
+    # max_tokens counts the token in flight: 5 - 1 drawn - 1 in flight leaves 2 guesses
+    assert seq.draft_token_ids == [9, 10] and seq.num_tokens == 3 and seq.sample
+    s.update(StepResult(second.step, [8], [None], [], proposals=[[9, 10, 11, 12]]))
+    assert req.spec_token_ids == [] and not s.can_schedule()          # the third runs alone
+    # one guess accepted (9), then 5 drawn; KV of all but the last
+    s.update(StepResult(third.step, [9, 5], [None] * 2, [], num_sampled=[2],
+                        proposals=[[6, 6]]))
+    assert req.token_ids[6:] == [7, 8, 9, 5] and req.num_computed_tokens == 9
+    assert req.spec_token_ids == [6, 6] and len(req.block_table) == 3
+    s.check_integrity()
+    last = s.schedule()                          # one token left: nothing to verify
+    assert not last.seqs[0].draft_token_ids
+    out = s.update(StepResult(last.step, [4], [None], [], proposals=[[]]))
+    assert out[0].finish_reason == "length" and s.blocks.num_free_blocks == 32
+    s.check_integrity()
+
+
+def test_ngram_guesses_are_verified_while_they_pay():
+    """Lookups cost nothing (they overlap), so only verifications move a request's average of
+    accepted guesses: below SPEC_COST it sits out 2, 4, ... plans, its guesses dropped and its
+    plans overlapping, and then its guesses are verified again while the average pays, or once
+    MAX_SPEC_WAIT plans passed without a verification."""
+    s = make_scheduler()
+    add(s, "a", max_tokens=80)
+    req = s.requests["a"]
+    assert (SPEC_COST, SPEC_GAIN_EMA, MAX_SPEC_WAIT, req.spec_gain) == (1.0, 0.5, 8, 2.0)
+
+    def step(found, sampled=(7,)):
+        """Plan and apply one step alone; the guesses it verified."""
+        plan = s.schedule()
+        guesses = plan.seqs[0].draft_token_ids
+        assert plan.propose and s.can_schedule() == (not guesses)
+        s.update(StepResult(plan.step, list(sampled), [None] * len(sampled), [],
+                            num_sampled=[len(sampled)] if guesses else None,
+                            proposals=[found]))
+        return guesses
+
+    for _ in range(3):
+        assert step([]) == []                   # empty lookups leave the average alone
+    assert (req.spec_gain, req.spec_wait) == (2.0, 0)
+    step([5, 5])
+    assert step([5, 5]) == [5, 5]               # none accepted: 1.0, still verifying
+    assert req.spec_gain == 1.0 and req.spec_token_ids == [5, 5]
+    assert step([5, 5]) == [5, 5]               # 0.5: sits out 2 plans, guesses dropped
+    assert (req.spec_misses, req.spec_wait, req.spec_token_ids) == (1, 2, [])
+    for _ in range(MAX_SPEC_WAIT - 1):          # due after 2, but 0.5 does not pay
+        assert step([5, 5]) == []
+    assert step([5, 5]) == []
+    assert step([5, 5, 5]) == [5, 5]            # 8 plans without: tried again
+    assert (req.spec_misses, req.spec_wait) == (2, 4)
+    for _ in range(MAX_SPEC_WAIT):
+        step([5, 5, 5, 5])
+    assert step([], sampled=(5, 5, 5, 9)) == [5, 5, 5, 5]    # tried again: three accepted
+    # 0.25 + 0.5 (3 - 0.25): paying again
+    assert (req.spec_misses, req.spec_wait, req.spec_gain) == (0, 0, 1.625)
+    s.check_integrity()
+
+
+def test_ngram_guesses_of_a_batch_are_verified_where_they_pay_for_it():
+    """Four requests: one with guesses at hand and an average of 3.0 is below SPEC_COST for
+    four, so the plan verifies nothing and overlaps; with two such (6.0) it verifies both.
+    A request without guesses adds nothing, whatever its average."""
+    s = make_scheduler()
+    for name in "abcd":
+        add(s, name, max_tokens=40)
+    plan = s.schedule()
+    s.update(StepResult(plan.step, [7] * 4, [None] * 4, [], proposals=[[]] * 4))
+    reqs = [s.requests[name] for name in "abcd"]
+    for req, gain, guesses in zip(reqs, (3.0, 0.0, 9.0, 9.0), ([5, 5], [5, 5], [], [])):
+        req.spec_gain, req.spec_token_ids = gain, guesses
+    plan = s.schedule()
+    assert not any(q.draft_token_ids for q in plan.seqs) and s.can_schedule()
+    s.update(StepResult(plan.step, [7] * 4, [None] * 4, [], proposals=[[]] * 4))
+    for req, gain in zip(reqs, (3.0, 3.0)):
+        req.spec_gain, req.spec_token_ids = gain, [5, 5]
+    plan = s.schedule()
+    assert [len(q.draft_token_ids) for q in plan.seqs] == [0, 0, 2, 2]   # decodes first
+    assert not s.can_schedule()
+    s.check_integrity()
+
+
+def test_draft_model_requests_whose_guesses_do_not_pay_back_off_so_steps_overlap():
     """A plan asks for guesses while the requests due to look add up to SPEC_COST accepted
     guesses per asking plan for each running request (a moving average, hopeful at first);
     a request below that also sits out 2, 4, ... plans, and plans that ask for nothing
     overlap, until MAX_SPEC_WAIT plans passed without asking. Guesses a lookup finds are
     verified, and their acceptance moves the average; after a long accepted run an empty
-    lookup does not stop the asking."""
-    s = make_scheduler()
+    lookup does not stop the asking. (A draft model's rules: its guesses are its own steps
+    right after the target's, so a plan that asks runs alone.)"""
+    s = make_scheduler(**DRAFT)
     add(s, "a", max_tokens=80)
     req = s.requests["a"]
     assert (SPEC_COST, SPEC_GAIN_EMA, MAX_SPEC_WAIT, req.spec_gain) == (1.0, 0.5, 8, 2.0)
@@ -313,10 +413,10 @@ def test_requests_whose_guesses_do_not_pay_back_off_so_steps_overlap():
     s.check_integrity()
 
 
-def test_a_plan_asks_for_a_batch_only_where_the_requests_due_pay_for_it():
+def test_a_draft_model_plan_asks_for_a_batch_only_where_the_requests_due_pay_for_it():
     """Four requests, one of them accepting guesses well: its average alone (3.0) is below
     SPEC_COST for four, so plans overlap; with two such requests (6.0) the next plan asks."""
-    s = make_scheduler()
+    s = make_scheduler(**DRAFT)
     for name in "abcd":
         add(s, name, max_tokens=40)
     plan = s.schedule()                          # the prefills: hopeful averages ask
