@@ -241,7 +241,7 @@ def replay(args, path: str | None) -> None:
     make = PROMPTS[args.work]
     llm = LLM(model=path, device=args.device, max_model_len=args.max_model_len,
               load_format=args.load_format)
-    outs = llm.generate(make(args.batch, seed=7),
+    outs = llm.generate(make(args.batch, seed=args.seed),
                         SamplingParams(temperature=0, max_tokens=args.max_tokens,
                                        ignore_eos=True), use_tqdm=False)
     recorded = {tuple(o.prompt_token_ids): list(o.outputs[0].token_ids) for o in outs}
@@ -325,6 +325,8 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=1,
                     help="verify: sequences per step; replay: requests")
+    ap.add_argument("--seed", type=int, default=7,
+                    help="replay: the prompts' (throughput's round r, batch b: 1000 r + b)")
     ap.add_argument("--context", type=int, default=1024, help="verify: tokens of context")
     ap.add_argument("--steps", type=int, default=50, help="verify: steps of each kind")
     ap.add_argument("--json")
