@@ -18,7 +18,7 @@ from conveyor.shared.messages.worker import StepResult
 from conveyor.worker.layers.parallel import broadcast_tensor, tp_rank
 from conveyor.worker.sampler import LogprobTensors, SampledTensors, Sampler, SeqSamplingState
 from conveyor.worker.spec import ModelProposer, Proposer
-from conveyor.worker.spec.verify import verify
+from conveyor.worker.spec.verify import accepted_runs, verify
 from conveyor.worker.structured import PendingMasks, StructuredOutputMasks
 
 
@@ -40,7 +40,6 @@ class Launched:
     masks: PendingMasks | None = None
     sampled: torch.Tensor | None = None              # [S] int64 on the device, once sampled
     host: SampledTensors | None = None               # host copies of the draw
-    host_accepted: torch.Tensor | None = None        # with drafts: [S] accepted guesses, host
     host_prompt: list[tuple[int, LogprobTensors]] = field(default_factory=list)
     forward_done: torch.cuda.Event | None = None     # CUDA: recorded after the logits
     done: torch.cuda.Event | None = None             # CUDA: recorded after the copies to the host
@@ -112,7 +111,6 @@ class StepDraw:
         """Queue the verification of a step with guesses (spec/verify.py); returns its number
         of sampling rows."""
         rows = sum(len(d) + 1 for d in st.drafts)
-        num = len(st.states)
         if rank0:
             q = (self.drafter.draft_probs(st.sample_slots, st.drafts, st.states)
                  if self.drafter is not None else None)
@@ -122,16 +120,13 @@ class StepDraw:
                                             drafts=st.drafts)
             allowed = st.masks.get()
             v = verify(self.sampler, st.logits[:rows], st.states, st.drafts, q, allowed)
-            packed = torch.cat([v.token_ids, v.num_accepted.long()])
             drawn = SampledTensors(v.token_ids, v.logprob_rows, v.logprobs)
         else:
-            packed = torch.empty(rows + num, dtype=torch.long, device=self.device)
-            drawn = SampledTensors(packed[:rows], [], None)
+            drawn = SampledTensors(torch.empty(rows, dtype=torch.long, device=self.device), [],
+                                   None)
         # NOTE: only rank 0 draws; every rank appends its tokens and rolls back alike
-        packed = broadcast_tensor(packed)
-        drawn.token_ids = packed[:rows]
+        drawn.token_ids = broadcast_tensor(drawn.token_ids)
         st.host = drawn.to_host()
-        st.host_accepted = packed[rows:].to("cpu", non_blocking=True)
         return rows
 
     def read(self, st: Launched) -> None:
@@ -153,8 +148,8 @@ class StepDraw:
             st.read = (tokens, logprobs, [])
             return
         kept, kept_lp, counts, row = [], [], [], 0
-        for state, drafts, a, slot_id in zip(st.states, st.drafts, st.host_accepted.tolist(),
-                                             st.sample_slots):
+        for state, drafts, a, slot_id in zip(st.states, st.drafts,
+                                             accepted_runs(tokens, st.drafts), st.sample_slots):
             new = tokens[row:row + a + 1]
             kept += new
             kept_lp += logprobs[row:row + a + 1]

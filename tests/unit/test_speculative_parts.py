@@ -14,7 +14,7 @@ from conveyor.shared.sampling_params import SamplingParams
 from conveyor.shared.speculative import SpeculativeConfig
 from conveyor.worker.sampler import Sampler, SeqSamplingState
 from conveyor.worker.spec.ngram import ngram_guess
-from conveyor.worker.spec.verify import verify
+from conveyor.worker.spec.verify import accepted_runs, verify
 
 # --- configuration -------------------------------------------------------------------------
 
@@ -123,7 +123,8 @@ def run_verify(params, n, draft_probs=None, seed=0, masked=False):
         allowed = (torch.tensor(ALLOWED * n, dtype=torch.int32)[:, None],
                    torch.arange(3 * n))
     v = verify(sampler, logits, states, guesses.tolist(), q, allowed)
-    return v.token_ids.view(n, 3), v.num_accepted, guesses
+    accepted = torch.tensor(accepted_runs(v.token_ids.tolist(), guesses.tolist()))
+    return v.token_ids.view(n, 3), accepted, guesses
 
 
 def check_frequencies(tokens: torch.Tensor, probs: torch.Tensor) -> None:
@@ -170,7 +171,9 @@ def test_greedy_accepts_the_agreeing_run():
     sampler = Sampler(V, (), 0, "cpu")
     state = SeqSamplingState.new(SamplingParams(temperature=0), [1, 2, 3], 3, "cpu")
     v = verify(sampler, LOGITS, [state], [[0, 1]])                 # rows' argmaxes: 0, 1, 5
-    assert v.num_accepted.tolist() == [2] and v.token_ids.tolist() == [0, 1, 5]
+    assert v.token_ids.tolist() == [0, 1, 5] and accepted_runs([0, 1, 5], [[0, 1]]) == [2]
+    # a run stops at the first row whose token is not its guess; rows after it do not count
+    assert accepted_runs([0, 7, 5, 4, 2, 3], [[0, 1], [4, 3]]) == [1, 1]
 
 
 def test_penalties_count_the_guesses_before_a_row():
@@ -181,7 +184,7 @@ def test_penalties_count_the_guesses_before_a_row():
     state = SeqSamplingState.new(params, [1, 2, 3], 3, "cpu")
     logits = torch.tensor([[0.0, 0.0, 0.0, 0.0, 5.0, 0.0], [0.0, 0.0, 0.0, 0.0, 2.5, 1.0]])
     v = verify(sampler, logits, [state], [[4]])
-    assert v.num_accepted.tolist() == [1] and v.token_ids.tolist() == [4, 5]
+    assert v.token_ids.tolist() == [4, 5]
     # logprobs are of the raw logits, for the chosen tokens
     assert torch.allclose(v.logprobs.values[:, 0], logits.log_softmax(-1)[[0, 1], [4, 5]])
 

@@ -13,15 +13,20 @@ top-k, top-p and min-p. Row by row (Leviathan et al. 2023; Chen et al. 2023):
   all j accepted draws the bonus token from row j.
 So each output token has the target's distribution given the ones before it, whatever the
 guesses. Returned logprobs are of the raw logits, as the sampler's.
+
+A row's token is its guess exactly where the guess was accepted: a greedy row's argmax is its
+guess when it agrees, and a rejected guess has no weight in the residual it is drawn from. So
+only the tokens go to the host, and the accepted run of each sequence is read there
+(`accepted_runs`): a greedy verification is one argmax on the device.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from conveyor.kernels.token_bitmask import apply_token_bitmask
+from conveyor.worker.logit_edits import edits_logits
 from conveyor.worker.sampler import LogprobTensors, Sampler, SeqSamplingState, gather_logprobs
 from conveyor.worker.sampling_ops import keep_min_p, keep_top_p, to_device, uses_penalty
 
@@ -30,9 +35,21 @@ from conveyor.worker.sampling_ops import keep_min_p, keep_top_p, to_device, uses
 class Verified:
     """A batch's verification, still on the device."""
     token_ids: torch.Tensor              # [R] per row: its guess if accepted, else its draw
-    num_accepted: torch.Tensor           # [S] per sequence: guesses accepted (its rows 0..a count)
     logprob_rows: list[int]              # rows whose sequence asked for logprobs
     logprobs: LogprobTensors | None      # of logprob_rows, for token_ids there
+
+
+def accepted_runs(token_ids: list[int], drafts: list[list[int]]) -> list[int]:
+    """Per sequence the guesses accepted: the leading rows whose token is their guess (its
+    rows 0..a then count, the last of them drawn)."""
+    runs, row = [], 0
+    for d in drafts:
+        a = 0
+        while a < len(d) and token_ids[row + a] == d[a]:
+            a += 1
+        runs.append(a)
+        row += len(d) + 1
+    return runs
 
 
 def verify(sampler: Sampler, logits: torch.Tensor, states: list[SeqSamplingState],
@@ -48,25 +65,23 @@ def verify(sampler: Sampler, logits: torch.Tensor, states: list[SeqSamplingState
     raw = logits[:, :V]
     if allowed is not None:
         apply_token_bitmask(raw, *allowed)
-    x = raw.float().clone()                                           # [R, V]
-    # per row: its sequence, its guess (or -1), and its sampling state with the guesses before
-    # it counted as output
-    seq_of, guess, row_states = [], [], []
-    for s, (state, d) in enumerate(zip(states, drafts)):
+    # per row: its guess (or -1), and its sampling state with the guesses before it counted as
+    # output
+    guess, row_states = [], []
+    for state, d in zip(states, drafts):
         for i in range(len(d) + 1):
-            seq_of.append(s)
             guess.append(d[i] if i < len(d) else -1)
             row_states.append(state if i == 0 else _extended(state, d[:i]))
-    R = len(row_states)
     params = [s.params for s in row_states]
-    x = sampler.edit(x, row_states)
-
-    has_guess = to_device([g >= 0 for g in guess], dev, torch.bool)     # [R]
-    g = to_device([max(g, 0) for g in guess], dev, torch.long)          # [R]
-    token = x.argmax(-1)                                              # greedy draws
-    accept = token == g
+    x = raw
+    if edits_logits(row_states):
+        x = sampler.edit(raw.float().clone(), row_states)              # [R, V]
+    token_ids = x.argmax(-1)                                          # greedy draws
     random = [r for r, p in enumerate(params) if not p.greedy]
     if random:
+        x = x.float()
+        has_guess = to_device([g >= 0 for g in guess], dev, torch.bool)     # [R]
+        g = to_device([max(g, 0) for g in guess], dev, torch.long)          # [R]
         idx = to_device(random, dev)
         sub = [row_states[r] for r in random]
         z = _filtered(sampler, x[idx], sub)                           # [Rr, V] log-weights
@@ -83,17 +98,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, states: list[SeqSamplingState
             q = draft_probs[idx]
             ok = u * q.gather(1, gr).squeeze(1) < p_guess
             z = torch.where(guessed, (p - q).clamp_(min=0).log(), z)
-        accept[idx] = ok
-        token[idx] = sampler._race(z, None, sub)
-    accept &= has_guess
-    # accepted guesses per sequence: the leading run of accepted rows
-    width = max(len(d) for d in drafts) + 1
-    starts = np.cumsum([0] + [len(d) + 1 for d in drafts])
-    grid = starts[:-1, None] + np.arange(width)                       # [S, W] row ids
-    grid = np.where(grid < starts[1:, None], grid, R)                 # padding: row R (False)
-    padded = torch.cat([accept, accept.new_zeros(1)])
-    num_accepted = padded[to_device(grid, dev)].int().cumprod(1).sum(1)  # [S]
-    token_ids = torch.where(accept, g, token)
+        token_ids[idx] = torch.where(ok & has_guess[idx], g[idx], sampler._race(z, None, sub))
 
     wants = [r for r, p in enumerate(params) if p.logprobs is not None]
     logprobs = None
@@ -101,7 +106,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, states: list[SeqSamplingState
         idx = to_device(wants, dev)
         logprobs = gather_logprobs(raw[idx].float().log_softmax(-1), token_ids[idx],
                                    [params[r].logprobs for r in wants])
-    return Verified(token_ids, num_accepted, wants, logprobs)
+    return Verified(token_ids, wants, logprobs)
 
 
 def _extended(state: SeqSamplingState, guesses: list[int]) -> SeqSamplingState:
