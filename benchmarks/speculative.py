@@ -228,15 +228,13 @@ def replay(args, path: str | None) -> None:
     another one in flight (overlapped)."""
     from collections import deque
 
-    import numpy as np
-
     from conveyor import LLM, SamplingParams
     from conveyor.scheduler import speculation
     from conveyor.scheduler.scheduler import Scheduler
     from conveyor.shared.config import EngineConfig
     from conveyor.shared.messages.engine import AddRequest
     from conveyor.shared.messages.worker import StepResult
-    from conveyor.worker.spec.ngram import ngram_guess
+    from conveyor.worker.spec.ngram import NgramIndex
 
     make = PROMPTS[args.work]
     llm = LLM(model=path, device=args.device, max_model_len=args.max_model_len,
@@ -289,7 +287,7 @@ def replay(args, path: str | None) -> None:
                     sampled += drawn
                     runs.append(len(drawn))
                     if plan.propose:
-                        proposals.append(ngram_guess(np.array(tokens), k, lo, hi))
+                        proposals.append(NgramIndex(lo, hi).guess(tokens, k))
                 scheduler.update(StepResult(plan.step, sampled, [None] * len(sampled), [],
                                             num_sampled=runs, proposals=proposals))
         finally:

@@ -13,7 +13,7 @@ from conveyor.shared.messages.worker import StepResult
 from conveyor.shared.sampling_params import SamplingParams
 from conveyor.shared.speculative import SpeculativeConfig
 from conveyor.worker.sampler import Sampler, SeqSamplingState
-from conveyor.worker.spec.ngram import ngram_guess
+from conveyor.worker.spec.ngram import NgramIndex, NgramProposer
 from conveyor.worker.spec.verify import accepted_runs, verify
 
 # --- configuration -------------------------------------------------------------------------
@@ -79,7 +79,48 @@ def test_cli_flag():
     ([1, 2, 3], 3, 1, 3, []),
 ])
 def test_ngram_guess(tokens, k, lo, hi, expected):
-    assert ngram_guess(np.array(tokens), k, lo, hi) == expected
+    assert NgramIndex(lo, hi).guess(tokens, k) == expected
+    assert reference_guess(np.array(tokens), k, lo, hi) == expected
+
+
+def reference_guess(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:
+    """The rule from scratch: every earlier end of the last token, the length of the suffix
+    matched backwards from it (at most max_n), the longest then latest."""
+    n = len(tokens)
+    ends = np.flatnonzero(tokens[:-1] == tokens[-1]) if n > min_n else np.array([], int)
+    if not ends.size:
+        return []
+    length = np.ones(ends.size, dtype=np.int64)
+    alive = np.ones(ends.size, dtype=bool)
+    for d in range(1, min(max_n, n - 1)):
+        before = ends - d
+        alive &= before >= 0
+        alive[alive] = tokens[before[alive]] == tokens[n - 1 - d]
+        length += alive
+    best = int(np.argmax(length * n + ends))
+    if length[best] < min_n:
+        return []
+    return tokens[ends[best] + 1:ends[best] + 1 + k].tolist()
+
+
+@pytest.mark.parametrize("lo, hi, k", [(1, 1, 3), (2, 5, 4), (1, 3, 16), (3, 3, 2)])
+def test_ngram_index_keeps_up_with_a_growing_sequence(lo, hi, k):
+    """Looked up after every appended token (and at times after several), the index's guesses
+    are the rule's from scratch; a proposer keeps an index a slot while its sequence stays."""
+    rng = np.random.default_rng(lo * 10 + hi)
+    tokens = rng.integers(0, 6, 40).tolist()          # a small vocabulary: many repeats
+    index = NgramIndex(lo, hi)
+    for end in range(1, len(tokens) + 1):
+        if end % 7 == 3:
+            continue                                  # some lookups skipped: several appended
+        got = index.guess(tokens[:end], k)
+        assert got == reference_guess(np.array(tokens[:end]), k, lo, hi), end
+    proposer = NgramProposer(k, lo, hi)
+    a = SeqSamplingState.new(SamplingParams(), tokens[:20], 20, "cpu")
+    b = SeqSamplingState.new(SamplingParams(), tokens[20:], 20, "cpu")
+    for state in (a, b, a):                           # a new sequence in the slot: a new index
+        assert proposer.propose([0], [state]) == [
+            reference_guess(np.array(state.token_ids), k, lo, hi)]
 
 
 # --- verification --------------------------------------------------------------------------
