@@ -38,9 +38,6 @@ class ApplyResults:
         _, _, planned_at = self._in_flight.popleft()
         if result.step == self._solo_step:
             self._solo_step = 0
-        # requests whose next plan, already in flight, verifies: guesses now would be stale
-        verifying = {id(p.req) for p in (self._in_flight[0][1] if self._in_flight else ())
-                     if p.step.draft_token_ids}
         took = self._time_step(planned_at)
         spec = self.spec_counts
         spec.propose_s += result.propose_time_s
@@ -90,7 +87,7 @@ class ApplyResults:
                     # NOTE: n-gram lookups cost nothing, so only verifications move the average
                     if step.draft_token_ids or (result.proposals and not self.spec.overlapped):
                         back_off(req, guesses, len(tokens) - 1 if step.draft_token_ids else None)
-                    req.spec_token_ids = next_guesses(req, guesses, id(req) in verifying)
+                    req.spec_token_ids = next_guesses(req, guesses)
             if out.new_token_ids or out.prompt_logprobs or out.finish_reason:
                 outputs.append(out)
         if any(p.req.status is FINISHED for p in planned):

@@ -72,12 +72,13 @@ def back_off(req: Request, guesses: list[int], accepted: int | None) -> None:
         req.spec_misses = req.spec_wait = 0
 
 
-def next_guesses(req: Request, guesses: list[int], verifying: bool) -> list[int]:
+def next_guesses(req: Request, guesses: list[int]) -> list[int]:
     """What the next plan may verify of `guesses`, the worker's guesses of the tokens after the
     one just drawn for `req`: all of them with nothing planned meanwhile; with a one-token
     decode in flight (overlapped lookups), those after the first, which guesses its token;
-    none while a verification is in flight (`verifying`) or the request sits out."""
-    if req.spec_wait or verifying:
+    none while a verification is in flight (its guesses' KV is planned past the known and
+    pending tokens) or the request sits out."""
+    if req.spec_wait or req.num_computed_tokens >= req.num_planned_tokens:
         return []
     return guesses[1:] if req.num_pending_tokens else guesses
 

@@ -36,16 +36,14 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtyp
 
 def route_grouped(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, n_group: int,
                   topk_group: int, renormalize: bool, scale: float, dtype: torch.dtype,
-                  softmax: bool = False, group_top2: bool | None = None
+                  softmax: bool = False, group_top2: bool = False
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Float32 router logits [T, E] and the correction bias [E] (or None) -> (weights, ids)
     as `route` gives them, by the module docstring's grouped schemes (softmax: V2's; groups
-    ranked by their best two experts where group_top2 says, by default with sigmoid scores)."""
+    ranked by their best two experts where group_top2 says, else by their best one)."""
     t, e = logits.shape
     scores = logits.softmax(dim=-1) if softmax else logits.sigmoid()
     choice = scores if bias is None else scores + bias
-    if group_top2 is None:
-        group_top2 = not softmax
     if topk_group < n_group:
         groups = choice.view(t, n_group, e // n_group)
         group_scores = (groups.topk(2, dim=-1).values.sum(-1) if group_top2
@@ -71,14 +69,15 @@ class GroupedTopKRouter(nn.Module):
                  topk_group: int, renormalize: bool, scale: float, softmax: bool = False,
                  bias: bool | None = None, group_top2: bool | None = None):
         """bias: whether the choice adds a correction bias (default: with sigmoid scores only;
-        ERNIE 4.5 adds one to softmax scores); group_top2: see route_grouped."""
+        ERNIE 4.5 adds one to softmax scores); group_top2: groups ranked by their best two
+        experts (default: with sigmoid scores only; route_grouped)."""
         super().__init__()
         if num_experts % n_group or num_experts // n_group < 2 or topk_group > n_group:
             raise ValueError(f"{num_experts} experts do not split into {n_group} groups of at "
                              f"least 2 with {topk_group} of them chosen")
         self.top_k, self.n_group, self.topk_group = top_k, n_group, topk_group
         self.renormalize, self.scale, self.softmax = renormalize, scale, softmax
-        self.group_top2 = group_top2
+        self.group_top2 = not softmax if group_top2 is None else group_top2
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32),
                                    requires_grad=False)
         if bias is None:

@@ -173,6 +173,16 @@ def without_mtp_layers(weights, num_layers: int):
             yield name, tensor
 
 
+def dense_layer(config: ModelConfig, layer_idx: int) -> bool:
+    """Whether the layer has a dense MLP, not experts: as mlp_layer_types says ("dense" or
+    "sparse"), else the first first_k_dense_replace layers and those off moe_layer_freq."""
+    e = config.extra
+    if e.get("mlp_layer_types"):
+        return e["mlp_layer_types"][layer_idx] == "dense"
+    return (layer_idx < (e.get("first_k_dense_replace") or 0)
+            or layer_idx % (e.get("moe_layer_freq") or 1) != 0)
+
+
 class DeepseekV3ForCausalLM(LlamaForCausalLM):
     # q, k and v are MLA's own projections: only the MLPs' gate and up are fused
     packed_modules = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
@@ -190,10 +200,7 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def make_mlp(cls, config: ModelConfig, layer_idx: int, dtype: torch.dtype) -> nn.Module:
-        e = config.extra
-        if ((e["mlp_layer_types"][layer_idx] == "dense") if e.get("mlp_layer_types") else
-                (layer_idx < (e.get("first_k_dense_replace") or 0)
-                 or layer_idx % (e.get("moe_layer_freq") or 1))):
+        if dense_layer(config, layer_idx):
             return LlamaMLP(config, dtype)
         return DeepseekMoeBlock(config, dtype, cls.softmax_router, group_top2=cls.group_top2)
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from conveyor.shared.model_config import ModelConfig
-from conveyor.worker.models.deepseek import DeepseekMoeBlock
+from conveyor.worker.models.deepseek import DeepseekMoeBlock, dense_layer
 from conveyor.worker.models.exaone4 import Exaone4ForCausalLM
 from conveyor.worker.models.llama import LlamaForCausalLM, LlamaMLP
 
@@ -23,11 +23,9 @@ class ExaoneMoeForCausalLM(LlamaForCausalLM):
 
     @staticmethod
     def make_mlp(config: ModelConfig, layer_idx: int, dtype: torch.dtype) -> nn.Module:
-        e = config.extra
-        types = e.get("mlp_layer_types")
-        dense = (types[layer_idx] == "dense" if types
-                 else layer_idx < (e.get("first_k_dense_replace") or 0))
-        return LlamaMLP(config, dtype) if dense else DeepseekMoeBlock(config, dtype)
+        if dense_layer(config, layer_idx):
+            return LlamaMLP(config, dtype)
+        return DeepseekMoeBlock(config, dtype)
 
     @staticmethod
     def checkpoint_name(name: str) -> str:
